@@ -1,0 +1,22 @@
+"""kerngen: JIT-generated MoE kernels (routing, finalize, fused tail), compiled per shape and cached on disk.
+
+Importing kerngen touches no GPU, imports no CuTe DSL and creates no directory.
+"""
+from .errors import CacheMissError, CompileError, DeviceError, InputError, KerngenError, TierError
+from .ops.finalize import finalize
+from .plan import VERSION as __version__
+
+__all__ = ["finalize", "models", "strict", "KerngenError", "InputError", "TierError", "CompileError",
+           "CacheMissError", "DeviceError", "__version__"]
+
+
+def models() -> dict:
+    """Models known to the active tier table (shipped tiers.toml + KERNGEN_TIERS), by name."""
+    from . import tiers
+    return dict(tiers.load().models)
+
+
+def strict(on: bool = True) -> None:
+    """Serving mode: a kernel missing from the cache raises CacheMissError instead of compiling."""
+    from . import jit
+    jit.set_strict(on)

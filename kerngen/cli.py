@@ -1,0 +1,144 @@
+"""kerngen command line: warmup, explain, tiers, cache."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import cache as cache_mod
+from . import env, jit, tiers, warmup
+from .errors import KerngenError
+
+
+def _table(args) -> tiers.Table:
+    return tiers.load(args.tiers) if getattr(args, "tiers", None) else tiers.load()
+
+
+def _arches(text: str | None) -> list[str]:
+    return [a.strip() for a in (text or env.default_arch()).split(",") if a.strip()]
+
+
+def cmd_warmup(args) -> int:
+    tbl = _table(args)
+    names = sorted(tbl.models) if args.all else args.model
+    if not names:
+        print("kerngen warmup: give --model NAME (repeatable) or --all", file=sys.stderr)
+        return 2
+    ops = tuple(args.ops.split(",")) if args.ops else warmup.OPS
+    specs = []
+    for arch in _arches(args.arch):
+        for name in names:
+            specs += [s for s in warmup.model_specs(tbl.model(name), tbl, arch, ops) if s not in specs]
+    store = cache_mod.default()
+    jobs = args.jobs or min(len(specs), os.cpu_count() or 1)
+    results, secs = warmup.timed(warmup.run, specs, str(store.root), jobs, progress=not args.quiet)
+    for r in results:
+        print(f"  {r.status:9s} {r.key or r.spec.op + '-' + r.spec.variant}"
+              + (f"  ({r.seconds:.2f}s)" if r.status == "compiled" else "") + (f"\n    {r.error}" if r.error else ""))
+    n = {s: sum(r.status == s for r in results) for s in ("compiled", "cached", "failed")}
+    print(f"kerngen warmup {', '.join(names)} [{', '.join(_arches(args.arch))}]: {len(results)} kernels, "
+          f"{n['compiled']} compiled, {n['cached']} cached, {n['failed']} failed in {secs:.1f}s -> {store.root}")
+    return 1 if n["failed"] else 0
+
+
+def cmd_explain(args) -> int:
+    from .ops import finalize as fin
+    tbl = _table(args)
+    arch = _arches(args.arch)[0]
+    if args.model:
+        m = tbl.model(args.model)
+        args.experts, args.topk, args.hidden = m.num_experts, m.top_k, m.hidden
+    if args.op == "finalize":
+        spec = fin.spec(args.hidden, args.topk, args.dtype, args.weights_dtype, args.tokens, arch, tbl)
+    else:
+        from .warmup import _op_module
+        spec = _op_module(args.op).explain_spec(args, tbl, arch)
+    rule = tbl.rule(args.op, {"num_experts": args.experts or 0, "top_k": args.topk, "hidden": args.hidden,
+                              "tokens": args.tokens})
+    key = jit.key_of(spec)
+    store = cache_mod.default()
+    cached = store.get(key) is not None
+    print(f"op        {args.op}\ntier      {rule.source}\nvariant   {spec.variant} ({spec.backend})\n"
+          f"params    {dict(spec.params)}\nconstants {dict(spec.constants)}\narch      {arch}\nkey       {key}\n"
+          f"cached    {'yes' if cached else 'no'} ({store.root / key})")
+    return 0
+
+
+def cmd_tiers(args) -> int:
+    tbl = _table(args)
+    print("files: " + ", ".join(tbl.files))
+    print(f"{'model':20s} {'E':>5s} {'K':>3s} {'hidden':>6s}  routing")
+    for name, m in sorted(tbl.models.items()):
+        extra = f" n_group={m.n_group} topk_group={m.topk_group}" if m.n_group > 1 else ""
+        print(f"{name:20s} {m.num_experts:5d} {m.top_k:3d} {m.hidden:6d}  {m.routing}{extra} "
+              f"rsf={m.routed_scaling_factor:g}")
+    print("rules:")
+    for r in tbl.rules:
+        rng = " ".join(f"{k}={lo}..{hi}" for k, (lo, hi) in r.ranges.items()) or "any shape"
+        print(f"  {r.op:9s} {r.variant:22s} {rng:40s} {r.params}")
+    return 0
+
+
+def cmd_cache(args) -> int:
+    store = cache_mod.default()
+    keys = store.keys()
+    if args.action == "ls":
+        for k in keys:
+            meta = store.meta(k) or {}
+            print(f"{k}  {'ok' if meta else 'incomplete'}  {meta.get('compile_seconds', '?')}s")
+        print(f"{len(keys)} entries in {store.root}")
+    elif args.action == "verify":
+        bad = [k for k in keys if store.get(k) is None]
+        print(f"{len(keys) - len(bad)} ok, {len(bad)} bad (removed) in {store.root}")
+        return 1 if bad else 0
+    elif args.action == "clear":
+        for k in keys:
+            store.remove(k)
+        print(f"removed {len(keys)} entries from {store.root}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kerngen", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("warmup", help="precompile the kernels of models into the cache (no GPU needed)")
+    w.add_argument("--model", action="append", help="model name from the tier table (repeatable)")
+    w.add_argument("--all", action="store_true", help="every model of the tier table")
+    w.add_argument("--arch", help="target(s), comma separated, e.g. sm_90a (default: KERNGEN_ARCH or sm_90a)")
+    w.add_argument("--ops", help="comma separated subset of routing,finalize,tail")
+    w.add_argument("--jobs", type=int, default=0, help="parallel compile processes (default: CPU count)")
+    w.add_argument("--tiers", help="user tiers file layered over the shipped one")
+    w.add_argument("--quiet", action="store_true", help="no progress bar")
+    w.set_defaults(fn=cmd_warmup)
+    e = sub.add_parser("explain", help="show the tier, variant, params and cache key a shape dispatches to")
+    e.add_argument("--op", required=True, choices=("routing", "finalize", "tail"))
+    e.add_argument("--model")
+    e.add_argument("--experts", type=int, default=0)
+    e.add_argument("--topk", type=int)
+    e.add_argument("--hidden", type=int, default=0)
+    e.add_argument("--tokens", type=int, required=True)
+    e.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    e.add_argument("--weights-dtype", default="float32", choices=("float32", "bfloat16"))
+    e.add_argument("--arch")
+    e.add_argument("--tiers")
+    e.set_defaults(fn=cmd_explain)
+    t = sub.add_parser("tiers", help="list models and tier rules")
+    t.add_argument("--tiers")
+    t.set_defaults(fn=cmd_tiers)
+    c = sub.add_parser("cache", help="inspect the kernel cache")
+    c.add_argument("action", choices=("ls", "verify", "clear"))
+    c.set_defaults(fn=cmd_cache)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KerngenError as e:
+        print(f"kerngen: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Source → artifact. CUDA C++ goes through NVRTC to a SASS cubin for one exact arch.
+
+SASS, not PTX: a cubin built by a newer NVRTC loads on an older driver, newer PTX does not JIT there.
+Compiling needs no GPU, so a cache can be built on a CPU machine and shipped.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import CompileError
+
+
+@lru_cache(maxsize=1)
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+@lru_cache(maxsize=1)
+def include_dirs() -> tuple[str, ...]:
+    """CUDA headers: the nvidia-cuda-runtime / nvidia-cuda-cccl wheels, else a local toolkit."""
+    dirs: list[str] = []
+    try:
+        import nvidia
+        for base in nvidia.__path__:
+            for sub in ("cu13/include", "cuda_runtime/include", "cu12/include"):
+                d = Path(base) / sub
+                if (d / "cuda_bf16.h").is_file():
+                    dirs.append(str(d))
+    except ImportError:
+        pass
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "include" / "cuda_bf16.h").is_file():
+            dirs.append(str(Path(home) / "include"))
+    return tuple(dirs[:1])  # one header set: mixing toolkit versions breaks builds
+
+
+def _check(result, what: str):
+    from cuda.bindings import nvrtc
+    err = result[0]
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"{what} failed: {nvrtc.nvrtcGetErrorString(err)[1].decode()}")
+    return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
+
+
+def nvrtc_compile(source: str, name: str, arch: str, key: str, source_path: str | None) -> tuple[bytes, str]:
+    """Compile to a cubin for `arch` (e.g. "sm_90a"). Returns (cubin, log); raises CompileError with the log."""
+    from cuda.bindings import nvrtc
+    prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []), "nvrtcCreateProgram")
+    try:
+        opts = [f"--gpu-architecture={arch}", "-std=c++17", "-default-device", "-lineinfo",
+                "-DKERNGEN_NVRTC=1", *[f"-I{d}" for d in include_dirs()]]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = buf.rstrip(b"\x00 ").decode(errors="replace")
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(key, log or nvrtc.nvrtcGetErrorString(err)[1].decode(), source_path)
+        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _check((nvrtc.nvrtcGetCUBIN(prog, cubin)[0], None), "nvrtcGetCUBIN")
+        return cubin, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)

@@ -1,0 +1,100 @@
+"""build_and_load: memory → disk → (lock → disk again → compile → store). One process compiles a key.
+
+Strict mode (KERNGEN_STRICT=1 or kerngen.strict()) turns a disk miss into CacheMissError.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from . import cache as cache_mod
+from . import env
+from .errors import CacheMissError
+from .plan import KernelSpec
+from .render import render
+
+log = logging.getLogger("kerngen")
+_strict_override: bool | None = None
+_lock = threading.Lock()
+
+
+def set_strict(on: bool | None) -> None:
+    """Force strict mode on/off for this process (None: follow KERNGEN_STRICT)."""
+    global _strict_override
+    _strict_override = on
+
+
+def is_strict() -> bool:
+    return env.strict() if _strict_override is None else _strict_override
+
+
+@dataclass
+class Built:
+    spec: KernelSpec
+    key: str
+    files: dict[str, bytes]       # artifact name -> bytes
+    status: str                   # "memory" | "cached" | "compiled"
+    seconds: float = 0.0
+
+
+def toolchain(backend: str) -> dict[str, str]:
+    if backend == "cute":
+        from . import cute_backend
+        return cute_backend.toolchain()
+    from .compile import nvrtc_version
+    return {"nvrtc": nvrtc_version()}
+
+
+def _prepared(spec: KernelSpec) -> tuple[str, str]:
+    source = render(spec)
+    return source, spec.key(source, toolchain(spec.backend))
+
+
+def warmup_command(spec: KernelSpec) -> str:
+    return f"kerngen warmup --op {spec.op} --arch {spec.arch} --spec '{spec.variant}:{spec.tag}'"
+
+
+def _compile(spec: KernelSpec, source: str, key: str, store: cache_mod.DiskCache) -> dict[str, bytes]:
+    if spec.backend == "cute":
+        from . import cute_backend
+        src_path = store.source_path(key, "source.py", source)
+        return cute_backend.compile_spec(spec, source, key, src_path)
+    from .compile import nvrtc_compile
+    src_path = store.source_path(key, "source.cu", source)
+    cubin, _ = nvrtc_compile(source, f"{spec.op}_{spec.variant}", spec.arch, key, src_path)
+    return {"kernel.cubin": cubin}
+
+
+def build(spec: KernelSpec, store: cache_mod.DiskCache | None = None, strict: bool | None = None,
+          command: str | None = None) -> Built:
+    """Return the artifact of `spec`, from disk or freshly compiled (and stored)."""
+    store = store or cache_mod.default()
+    source, key = _prepared(spec)
+    files = store.get(key)
+    if files is not None:
+        return Built(spec, key, files, "cached")
+    if is_strict() if strict is None else strict:
+        raise CacheMissError(key, command or warmup_command(spec))
+    t0 = time.perf_counter()
+    with store.lock(key):
+        waited = time.perf_counter() - t0
+        files = store.get(key)  # another process may have built it while we waited
+        if files is not None:
+            log.info("kerngen: %s built by another process (waited %.2fs)", key, waited)
+            return Built(spec, key, files, "cached", waited)
+        reason = "absent"
+        t1 = time.perf_counter()
+        files = _compile(spec, source, key, store)
+        secs = time.perf_counter() - t1
+        store.put(key, files, {"op": spec.op, "variant": spec.variant, "tag": spec.tag, "arch": spec.arch,
+                               "backend": spec.backend, "params": dict(spec.params),
+                               "constants": dict(spec.constants), "compile_seconds": round(secs, 3),
+                               "toolchain": toolchain(spec.backend)})
+        log.info("kerngen: compiled %s (%s) in %.2fs, lock wait %.2fs", key, reason, secs, waited)
+        return Built(spec, key, files, "compiled", secs)
+
+
+def key_of(spec: KernelSpec) -> str:
+    return _prepared(spec)[1]

@@ -1,0 +1,52 @@
+"""Input checks and kernel resolution shared by the ops."""
+from __future__ import annotations
+
+import torch
+
+from .. import jit, launch, tiers
+from ..errors import InputError
+from ..plan import KernelSpec, target_arch
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "f32"}
+
+
+def check_tensor(op: str, name: str, t, *, dtypes=None, ndim=None, device=None, contiguous=False):
+    if not isinstance(t, torch.Tensor):
+        raise InputError(op, name, "a torch.Tensor", type(t).__name__)
+    if dtypes is not None and t.dtype not in dtypes:
+        raise InputError(op, name, f"of dtype {' or '.join(str(d) for d in dtypes)}", str(t.dtype))
+    if ndim is not None and t.dim() != ndim:
+        raise InputError(op, name, f"{ndim}-dimensional", f"shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise InputError(op, name, f"on {device} (same device as the other inputs)", str(t.device))
+    elif device is None and t.device.type != "cuda":
+        raise InputError(op, name, "a CUDA tensor", f"a tensor on {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise InputError(op, name, "contiguous", f"strides {t.stride()}")
+
+
+def check_aligned(op: str, name: str, t: torch.Tensor, nbytes: int = 16):
+    if t.data_ptr() % nbytes:
+        raise InputError(op, name, f"{nbytes}-byte aligned (128-bit loads)", f"address offset {t.data_ptr() % nbytes}")
+
+
+def resolve(spec: KernelSpec) -> launch.Module:
+    """The loaded module of a spec (built or fetched from the cache once per process)."""
+    mod = _modules.get(spec)
+    if mod is None:
+        built = jit.build(spec)
+        mod = launch.Module(built.files["kernel.cubin"], built.key)
+        _modules[spec] = mod
+    return mod
+
+
+_modules: dict[KernelSpec, launch.Module] = {}
+
+
+def table() -> tiers.Table:
+    return tiers.load()
+
+
+def arch(device: int) -> str:
+    return target_arch(device)

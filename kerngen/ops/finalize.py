@@ -1,0 +1,135 @@
+"""finalize: gather each token's top-k expert output rows, weight them, reduce in fp32 (k ascending).
+
+    out[t, :] = sum_k  w[t, k] * gemm2_out[expanded_to_permuted[t, k], :H]      (index -1 skipped)
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import plan as plan_mod
+from ..errors import InputError
+from ..launch import Launcher, current_stream
+from ..tiers import Model, Table
+from ._common import SHORT, DTYPE_NAMES, arch, check_aligned, check_tensor, resolve, table
+
+OP = "finalize"
+MAX_K = 64
+_ACT = (torch.bfloat16, torch.float16)
+_W = (torch.float32, torch.bfloat16)
+FMT = "QQQQiii4x"
+
+
+def reference(gemm2_out, expanded_to_permuted, topk_weights, hidden=None):
+    """Plain torch: fp32, k ascending, separate multiply and add; the kernels match it bitwise."""
+    H = hidden or gemm2_out.shape[1]
+    T, K = expanded_to_permuted.shape
+    acc = torch.zeros(T, H, dtype=torch.float32, device=gemm2_out.device)
+    rows = gemm2_out.shape[0]
+    for k in range(K):
+        idx = expanded_to_permuted[:, k].long()
+        valid = (idx >= 0) & (idx < rows)
+        x = gemm2_out[idx.clamp(0, rows - 1), :H].float()
+        acc = torch.where(valid[:, None], acc + topk_weights[:, k].float()[:, None] * x, acc)
+    return acc.to(gemm2_out.dtype)
+
+
+def spec(hidden: int, top_k: int, dtype: str, weights_dtype: str, tokens: int, arch_: str,
+         tbl: Table | None = None) -> plan_mod.KernelSpec:
+    tag = f"H{hidden}-K{top_k}-{SHORT[dtype]}-w{SHORT[weights_dtype]}"
+    constants = {"H": hidden, "K": top_k, "DTYPE": dtype, "WDTYPE": weights_dtype}
+    shape = {"hidden": hidden, "top_k": top_k, "tokens": tokens}
+    return plan_mod.plan(tbl or table(), OP, shape, tag, constants, arch_)
+
+
+def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpec]:
+    """Every finalize kernel `model` can dispatch to over its token range."""
+    shape = {"hidden": model.hidden, "top_k": model.top_k, "num_experts": model.num_experts}
+    out = []
+    for rule in tbl.rules_for(OP, shape, model.tokens):
+        tag = f"H{model.hidden}-K{model.top_k}-{SHORT[model.dtype]}-w{SHORT[model.weights_dtype]}"
+        consts = {"H": model.hidden, "K": model.top_k, "DTYPE": model.dtype, "WDTYPE": model.weights_dtype}
+        out.append(plan_mod.spec_for(rule, tag, consts, arch_))
+    return out
+
+
+def _launcher(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher:
+    p = dict(s.params)
+    vecs = dict(s.constants)["H"] // 8
+    k = dict(s.constants)["K"]
+    if s.variant == "small_batch":
+        bx, lpg = p["block_x"], p["loads_per_group"]
+        grid, block = ((vecs + bx - 1) // bx, tokens, 1), (bx, (k + lpg - 1) // lpg, 1)
+    elif s.variant == "large_batch":
+        vpt = p["vectors_per_thread"]
+        grid, block = (tokens, 1, 1), ((vecs + vpt - 1) // vpt, 1, 1)
+    else:
+        raise InputError(OP, "tier variant", "small_batch or large_batch", s.variant)
+    if block[0] * block[1] > 1024:
+        raise InputError(OP, "tier params", "a block of at most 1024 threads", f"{block} from {s.params}")
+    return Launcher(resolve(s), f"{OP}_{s.variant}", device, grid, block, FMT, pdl=bool(p.get("pdl", False)))
+
+
+_launchers: dict[tuple, Launcher] = {}
+
+
+def finalize(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_weights: torch.Tensor, *,
+             hidden: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted sum of each token's top-k expert rows; returns out [T, H] in gemm2_out's dtype.
+
+    gemm2_out: [rows, ld] bf16/fp16 with ld >= H (padded rows allowed; last dim contiguous).
+    expanded_to_permuted: [T, K] int32 row of gemm2_out per (token, k); -1 (or any value outside
+    [0, rows)) contributes nothing. topk_weights: [T, K] fp32 or bf16.
+    """
+    e2p, w = expanded_to_permuted, topk_weights
+    if type(gemm2_out) is not torch.Tensor or type(e2p) is not torch.Tensor or type(w) is not torch.Tensor:
+        _slow_checks(gemm2_out, e2p, w, hidden, out)
+    ld = gemm2_out.stride(0)
+    rows, width = gemm2_out.shape if gemm2_out.dim() == 2 else (0, 0)
+    T, K = e2p.shape if e2p.dim() == 2 else (0, 0)
+    H = width if hidden is None else hidden
+    dev = gemm2_out.get_device()
+    key = (gemm2_out.dtype, w.dtype, H, K, T, dev)
+    launcher = _launchers.get(key)
+    if (launcher is None or gemm2_out.dim() != 2 or e2p.dtype != torch.int32 or tuple(w.shape) != (T, K)
+            or gemm2_out.stride(1) != 1 or ld % 8 or not e2p.is_contiguous() or not w.is_contiguous()
+            or e2p.get_device() != dev or w.get_device() != dev or gemm2_out.data_ptr() % 16
+            or H > width or ld < H):
+        _slow_checks(gemm2_out, e2p, w, hidden, out)
+        if launcher is None:
+            launcher = _launcher(spec(H, K, DTYPE_NAMES[gemm2_out.dtype], DTYPE_NAMES[w.dtype], T, arch(dev)), T, dev)
+            _launchers[key] = launcher
+    if out is None:
+        out = torch.empty((T, H), dtype=gemm2_out.dtype, device=gemm2_out.device)
+    elif (out.dtype != gemm2_out.dtype or tuple(out.shape) != (T, H) or not out.is_contiguous()
+          or out.get_device() != dev or out.data_ptr() % 16):
+        check_tensor(OP, "out", out, dtypes=(gemm2_out.dtype,), ndim=2, device=gemm2_out.device, contiguous=True)
+        check_aligned(OP, "out", out)
+        raise InputError(OP, "out", f"of shape ({T}, {H})", f"shape {tuple(out.shape)}")
+    if T:
+        launcher(current_stream(dev), gemm2_out.data_ptr(), e2p.data_ptr(), w.data_ptr(), out.data_ptr(), ld, rows, T)
+    return out
+
+
+def _slow_checks(g, e2p, w, hidden, out):
+    """Full validation with a message naming the argument; runs on the first call of a shape or on any doubt."""
+    check_tensor(OP, "gemm2_out", g, dtypes=_ACT, ndim=2)
+    dev = g.device
+    check_tensor(OP, "expanded_to_permuted", e2p, dtypes=(torch.int32,), ndim=2, device=dev, contiguous=True)
+    check_tensor(OP, "topk_weights", w, dtypes=_W, ndim=2, device=dev, contiguous=True)
+    T, K = e2p.shape
+    if tuple(w.shape) != (T, K):
+        raise InputError(OP, "topk_weights", f"of shape {(T, K)} like expanded_to_permuted", f"{tuple(w.shape)}")
+    if not 1 <= K <= MAX_K:
+        raise InputError(OP, "expanded_to_permuted", f"[T, K] with 1 <= K <= {MAX_K}", f"K = {K}")
+    H = g.shape[1] if hidden is None else hidden
+    if not isinstance(H, int) or H < 8 or H % 8 or H > g.shape[1]:
+        raise InputError(OP, "hidden", f"a multiple of 8 in [8, {g.shape[1]}] (gemm2_out's width)", repr(H))
+    if g.stride(1) != 1 or g.stride(0) % 8 or g.stride(0) < H:
+        raise InputError(OP, "gemm2_out", "row-major with a contiguous last dim and a row stride that is a "
+                         f"multiple of 8 and >= {H}", f"strides {g.stride()}")
+    if g.shape[0] >= 2**31 or g.stride(0) >= 2**31:
+        raise InputError(OP, "gemm2_out", "fewer than 2**31 rows and row stride", f"shape {tuple(g.shape)}")
+    check_aligned(OP, "gemm2_out", g)
+    if out is not None:
+        check_tensor(OP, "out", out, dtypes=(g.dtype,), ndim=2, device=dev, contiguous=True)
+        check_aligned(OP, "out", out)

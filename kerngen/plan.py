@@ -1,0 +1,71 @@
+"""Shape → tier rule → KernelSpec: the complete description of one kernel to build.
+
+A spec is a hashable value; the cache key adds what the spec renders to and the toolchain that builds it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from . import env
+from .tiers import SCHEMA, Rule, Table
+
+VERSION = "0.1.0"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    op: str                                   # routing | finalize | tail | permute
+    variant: str                              # template file name under templates/<op>/
+    backend: str                              # "nvrtc" (CUDA C++ .cu.j2) or "cute" (CuTe DSL .py)
+    tag: str                                  # readable part of the key, e.g. "H3584-K16-bf16-wf32"
+    constants: tuple[tuple[str, Any], ...]    # compile-time shape and dtype constants
+    params: tuple[tuple[str, Any], ...]       # launch parameters from the tier rule
+    arch: str                                 # exact target, e.g. "sm_90a"
+
+    @property
+    def template(self) -> str:
+        return f"{self.op}/{self.variant}.{'cu.j2' if self.backend == 'nvrtc' else 'py'}"
+
+    def values(self) -> dict[str, Any]:
+        return {**dict(self.constants), **dict(self.params), "ARCH": self.arch}
+
+    def key(self, source: str, toolchain: dict[str, str]) -> str:
+        """Readable prefix + hash of everything that can change the artifact (never a timestamp)."""
+        blob = json.dumps({"source": source, "spec": [self.op, self.variant, self.backend, self.constants,
+                                                      self.params, self.arch],
+                           "toolchain": toolchain, "kerngen": VERSION, "schema": SCHEMA},
+                          sort_keys=True, default=str)
+        digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
+        return f"{self.op}-{self.variant}-{self.tag}-{self.arch}-{digest}"
+
+
+def spec_for(rule: Rule, tag: str, constants: dict[str, Any], arch: str) -> KernelSpec:
+    backend = str(rule.params.get("backend", "nvrtc"))
+    params = tuple(sorted((k, v) for k, v in rule.params.items() if k != "backend"))
+    return KernelSpec(op=rule.op, variant=rule.variant, backend=backend, tag=tag,
+                      constants=tuple(sorted(constants.items())), params=params, arch=arch)
+
+
+def plan(table: Table, op: str, shape: dict[str, int], tag: str, constants: dict[str, Any],
+         arch: str | None = None) -> KernelSpec:
+    return spec_for(table.rule(op, shape), tag, constants, arch or target_arch())
+
+
+@lru_cache(maxsize=None)
+def _arch_of_device(index: int) -> str:
+    import torch
+    major, minor = torch.cuda.get_device_capability(index)
+    suffix = "a" if major >= 9 else ""  # arch-specific features (sm_90a, sm_100a); the cubin runs on that CC only
+    return f"sm_{major}{minor}{suffix}"
+
+
+def target_arch(device_index: int | None = None) -> str:
+    """The GPU's own arch when one is visible, else KERNGEN_ARCH (default sm_90a)."""
+    import torch
+    if torch.cuda.is_available():
+        return _arch_of_device(torch.cuda.current_device() if device_index is None else device_index)
+    return env.default_arch()

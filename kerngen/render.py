@@ -1,0 +1,22 @@
+"""Render a KernelSpec's template to source text (Jinja2, StrictUndefined: a missing value is an error)."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import jinja2
+
+from . import env
+from .plan import KernelSpec
+
+
+@lru_cache(maxsize=1)
+def _jinja() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(env.templates_dir())),
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                              trim_blocks=True, lstrip_blocks=True)
+
+
+def render(spec: KernelSpec) -> str:
+    if spec.backend == "cute":  # CuTe DSL templates are Python modules, specialized at compile time
+        return (env.templates_dir() / spec.template).read_text()
+    return _jinja().get_template(spec.template).render(**spec.values())

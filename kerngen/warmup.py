@@ -1,0 +1,80 @@
+"""Precompile every kernel a model needs (no GPU required), in parallel processes."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+
+from . import cache as cache_mod
+from . import jit
+from .plan import KernelSpec
+from .tiers import Model, Table
+
+OPS = ("finalize",)  # ops with kernels; each module provides model_specs()
+
+
+def _op_module(op: str):
+    from importlib import import_module
+    return import_module(f".ops.{op}", __package__)
+
+
+def model_specs(model: Model, tbl: Table, arch: str, ops=OPS) -> list[KernelSpec]:
+    specs: list[KernelSpec] = []
+    for op in ops:
+        mod = _op_module(op)
+        if hasattr(mod, "model_specs"):
+            specs += [s for s in mod.model_specs(model, tbl, arch) if s not in specs]
+    return specs
+
+
+@dataclass
+class Result:
+    spec: KernelSpec
+    key: str
+    status: str      # compiled | cached | failed
+    seconds: float
+    error: str = ""
+
+
+def _build_one(spec: KernelSpec, root: str) -> tuple[str, str, float, str]:
+    try:
+        b = jit.build(spec, store=cache_mod.DiskCache(root), strict=False)
+        return b.key, b.status, b.seconds, ""
+    except Exception as e:  # reported per kernel; the run goes on with the others
+        return "", "failed", 0.0, f"{type(e).__name__}: {e}"
+
+
+def run(specs: list[KernelSpec], root: str, jobs: int, progress: bool = True) -> list[Result]:
+    results: list[Result] = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(specs), unit="kernel", desc="kerngen warmup", leave=False)
+    if jobs <= 1 or len(specs) <= 1:
+        for s in specs:
+            results.append(Result(s, *_build_one(s, root)))
+            bar and bar.update()
+    else:
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() and not _cuda_initialized() else "spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            futures = {pool.submit(_build_one, s, root): s for s in specs}
+            for f in as_completed(futures):
+                results.append(Result(futures[f], *f.result()))
+                bar and bar.update()
+    if bar:
+        bar.close()
+    order = {s: i for i, s in enumerate(specs)}
+    return sorted(results, key=lambda r: order[r.spec])
+
+
+def _cuda_initialized() -> bool:
+    import sys
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def timed(fn, *a, **kw):
+    t = time.perf_counter()
+    out = fn(*a, **kw)
+    return out, time.perf_counter() - t

@@ -1,0 +1,55 @@
+// kerngen device helpers shared by the CUDA C++ templates (inlined into each rendered source).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+typedef unsigned long long kg_u64;
+
+// Programmatic dependent launch (sm_90+). Without the launch attribute both are no-ops.
+__device__ __forceinline__ void kg_grid_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void kg_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// 8 x 16-bit values <-> 8 floats, through one 16-byte vector.
+__device__ __forceinline__ void kg_unpack8(const uint4 v, float f[8], __nv_bfloat16) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { float2 t = __bfloat1622float2(h[i]); f[2 * i] = t.x; f[2 * i + 1] = t.y; }
+}
+__device__ __forceinline__ void kg_unpack8(const uint4 v, float f[8], __half) {
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { float2 t = __half22float2(h[i]); f[2 * i] = t.x; f[2 * i + 1] = t.y; }
+}
+__device__ __forceinline__ uint4 kg_pack8(const float f[8], __nv_bfloat16) {
+    uint4 v; __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    return v;
+}
+__device__ __forceinline__ uint4 kg_pack8(const float f[8], __half) {
+    uint4 v; __half2* h = reinterpret_cast<__half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    return v;
+}
+__device__ __forceinline__ float kg_to_float(float x) { return x; }
+__device__ __forceinline__ float kg_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float kg_to_float(__half x) { return __half2float(x); }
+
+// Streaming 16-byte load: expert rows are read once, keep them out of L1.
+__device__ __forceinline__ uint4 kg_ldg_stream(const void* p) {
+    return __ldcs(reinterpret_cast<const uint4*>(p));
+}
+
+// acc += w * x, rounded as a separate multiply and add (no FMA): bitwise equal to an fp32 torch loop.
+__device__ __forceinline__ void kg_axpy8(float acc[8], float w, const float x[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, x[i]));
+}
