@@ -1,0 +1,37 @@
+"""The kerngen command line, end to end in a temporary cache, with no GPU."""
+import subprocess
+import sys
+
+
+def kerngen(*args, cache, check=True):
+    import os
+    env = {**os.environ, "KERNGEN_CACHE_DIR": str(cache)}
+    return subprocess.run([sys.executable, "-m", "kerngen", *args], env=env, capture_output=True, text=True,
+                          check=check)
+
+
+def test_warmup_compiles_then_rerun_compiles_nothing(tmp_path):
+    first = kerngen("warmup", "--model", "kimi-k3", "--arch", "sm_90a", "--jobs", "2", cache=tmp_path).stdout
+    assert "0 failed" in first and " 0 compiled" not in first and str(tmp_path) in first
+    second = kerngen("warmup", "--model", "kimi-k3", "--arch", "sm_90a", cache=tmp_path).stdout
+    assert " 0 compiled" in second and "0 failed" in second
+    ls = kerngen("cache", "ls", cache=tmp_path).stdout
+    assert "finalize-small_batch-H3584-K16-bf16-wf32-sm_90a-" in ls
+    assert "0 bad" in kerngen("cache", "verify", cache=tmp_path).stdout
+
+
+def test_explain_names_tier_variant_key_and_cache_state(tmp_path):
+    out = kerngen("explain", "--op", "finalize", "--topk", "16", "--hidden", "3584", "--tokens", "4096",
+                  cache=tmp_path).stdout
+    assert "large_batch" in out and "tiers.toml [[tier]]" in out and "cached    no" in out
+    assert "key       finalize-large_batch-H3584-K16-bf16-wf32-sm_90a-" in out
+
+
+def test_unknown_model_is_a_clean_error(tmp_path):
+    r = kerngen("warmup", "--model", "nope", cache=tmp_path, check=False)
+    assert r.returncode == 2 and "unknown model 'nope'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tiers_lists_models(tmp_path):
+    out = kerngen("tiers", cache=tmp_path).stdout
+    assert "deepseek-v3" in out and "grouped_sigmoid_bias" in out

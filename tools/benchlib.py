@@ -1,0 +1,65 @@
+"""Timing helpers shared by tools/bench: CUDA-graph timing, the floor (empty kernel, copy bandwidth)."""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def graph_time_us(fn, calls: int = 20, replays: int = 30) -> float:
+    """Median µs per call of `fn` captured `calls` times in one CUDA graph, over `replays` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / calls)
+    return statistics.median(times)
+
+
+def empty_kernel_us() -> float:
+    """One empty kernel per call inside a graph: the floor of any launch."""
+    from kerngen.compile import nvrtc_compile
+    from kerngen.launch import Launcher, Module, current_stream
+    from kerngen.plan import target_arch
+    dev = torch.cuda.current_device()
+    cubin, _ = nvrtc_compile('extern "C" __global__ void empty(int) {}', "empty", target_arch(dev), "empty", None)
+    launcher = Launcher(Module(cubin, "empty"), "empty", dev, (1, 1, 1), (32, 1, 1), "i4x")
+    return graph_time_us(lambda: launcher(current_stream(dev), 0), calls=100)
+
+
+def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second, in TB/s."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = graph_time_us(lambda: dst.copy_(src), calls=5, replays=10)
+    return nbytes / (us * 1e-6) / 1e12
+
+
+def host_us(fn, n: int = 2000) -> float:
+    """Host µs per call (no graph): the caller's cost when the GPU keeps up."""
+    import time
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return dt / n * 1e6
