@@ -61,11 +61,39 @@ class Module:
         return fn
 
 
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_libcuda = None
+
+
+def _launch_fn():
+    """cuLaunchKernelEx of the driver library torch already loaded, called through ctypes: the argument
+    block and launch config are prebuilt C structs, so a launch costs one foreign call."""
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernelEx
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _libcuda = fn
+    return _libcuda
+
+
 class Launcher:
     """One kernel at one grid/block on one device; `launcher(stream, *args)` packs args and launches.
 
     `fmt` is the struct-module format of the kernel's Params struct (pointers 'Q', int32 'i', float 'f',
     explicit 'x' padding), native alignment disabled ('<'): the C struct must be laid out to match.
+    With `pdl`, the launch allows programmatic dependent launch (the kernel must griddepcontrol.wait
+    before reading anything its predecessors wrote).
     """
 
     def __init__(self, module: Module, name: str, device: int, grid, block, fmt: str, smem: int = 0,
@@ -74,46 +102,34 @@ class Launcher:
         self.fn = module.function(name, device)
         self.pack = struct.Struct("<" + fmt)
         self.grid, self.block, self.smem, self.pdl = tuple(grid), tuple(block), smem, pdl
+        self.name = name
+        self._fn_ptr = int(self.fn)
+        self._launch = _launch_fn()
         self._tls = threading.local()
         if smem > 48 * 1024:
             _ok(drv.cuFuncSetAttribute(self.fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                        smem), "raising the dynamic shared memory limit")
-        if pdl:
-            attr = drv.CUlaunchAttribute()
-            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            self._attr = attr
 
-    def _buffers(self):
+    def _state(self):
         tls = self._tls
-        if not hasattr(tls, "buf"):
-            tls.buf = ctypes.create_string_buffer(max(self.pack.size, 8))
-            tls.argv = (ctypes.c_void_p * 1)(ctypes.addressof(tls.buf))
-            tls.argv_addr = ctypes.addressof(tls.argv)
-            if self.pdl:
-                drv = _drv()
-                cfg = drv.CUlaunchConfig()
-                cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid
-                cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.block
-                cfg.sharedMemBytes = self.smem
-                cfg.attrs = [self._attr]
-                cfg.numAttrs = 1
-                tls.cfg = cfg
+        tls.buf = ctypes.create_string_buffer(max(self.pack.size, 8))
+        tls.argv = (ctypes.c_void_p * 1)(ctypes.addressof(tls.buf))
+        tls.attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        tls.attr.value = (1).to_bytes(4, "little")
+        tls.cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(*self.grid), block=(ctypes.c_uint * 3)(*self.block),
+                                smem=self.smem, attrs=ctypes.pointer(tls.attr), num_attrs=1 if self.pdl else 0)
+        tls.cfg_addr, tls.argv_addr = ctypes.addressof(tls.cfg), ctypes.addressof(tls.argv)
         return tls
 
     def __call__(self, stream: int, *args) -> None:
-        tls = self._buffers()
+        tls = self._tls
+        if not hasattr(tls, "cfg"):
+            tls = self._state()
         self.pack.pack_into(tls.buf, 0, *args)
-        drv = _driver
-        if self.pdl:
-            tls.cfg.hStream = stream
-            err = drv.cuLaunchKernelEx(tls.cfg, self.fn, tls.argv_addr, 0)[0]
-        else:
-            g, b = self.grid, self.block
-            err = drv.cuLaunchKernel(self.fn, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream,
-                                     tls.argv_addr, 0)[0]
-        if err != drv.CUresult.CUDA_SUCCESS:
-            _ok(err, f"launching {self.pack.format} kernel")
+        tls.cfg.stream = stream
+        err = self._launch(tls.cfg_addr, self._fn_ptr, tls.argv_addr, None)
+        if err:
+            _ok(_drv().CUresult(err), f"launching {self.name} grid={self.grid} block={self.block}")
 
 
 def current_stream(device: int) -> int:

@@ -45,7 +45,7 @@ def empty_kernel_us() -> float:
 
 def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth, bytes read + written per second, in TB/s."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
+    src = torch.randn(nbytes // 8, device="cuda")
     dst = torch.empty_like(src)
     us = graph_time_us(lambda: dst.copy_(src), calls=5, replays=10)
     return nbytes / (us * 1e-6) / 1e12

@@ -1,0 +1,36 @@
+#!/usr/bin/env python3
+"""Break down the host cost of one kerngen.finalize call (no graph) against x.add_(1) in the same process."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import kerngen  # noqa: E402
+from benchlib import host_us  # noqa: E402
+from kerngen.launch import current_stream  # noqa: E402
+from kerngen.ops import finalize as fin  # noqa: E402
+
+g = torch.randn(16, 3584, device="cuda").to(torch.bfloat16)
+e2p = torch.randperm(16, device="cuda").view(1, 16).int()
+w = torch.rand(1, 16, device="cuda")
+out = torch.empty(1, 3584, dtype=torch.bfloat16, device="cuda")
+x = torch.zeros(1, device="cuda")
+kerngen.finalize(g, e2p, w, out=out)
+launcher = next(iter(fin._launchers.values()))
+rows = {
+    "x.add_(1)": lambda: x.add_(1),
+    "torch.empty(1, 3584)": lambda: torch.empty((1, 3584), dtype=torch.bfloat16, device=g.device),
+    "current_stream": lambda: current_stream(0),
+    "launcher(...) only": lambda: launcher(current_stream(0), g.data_ptr(), e2p.data_ptr(), w.data_ptr(),
+                                           out.data_ptr(), 3584, 16, 1),
+    "finalize(out=out)": lambda: kerngen.finalize(g, e2p, w, out=out),
+    "finalize() allocating": lambda: kerngen.finalize(g, e2p, w),
+}
+base = None
+for name, fn in rows.items():
+    us = min(host_us(fn) for _ in range(3))
+    base = base or us
+    print(f"{name:24s} {us:6.2f} µs  {us / base:5.2f}x of x.add_(1)")

@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Time every finalize variant/param candidate per (H, K, T) under CUDA graphs; print the best per case.
+
+    tools/sweep_finalize.py [--cases 3584x16,7168x8,2048x22] [--tokens 1,8,32,64,128,512,4096]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from benchlib import graph_time_us  # noqa: E402
+from kerngen.launch import current_stream  # noqa: E402
+from kerngen.ops import finalize as fin  # noqa: E402
+from kerngen.plan import spec_for, target_arch  # noqa: E402
+from kerngen.tiers import Rule  # noqa: E402
+
+
+def candidates():
+    for bx, lpg, pdl, early in itertools.product((8, 16, 32, 64), (2, 4, 8), (False, True), (False, True)):
+        if early and not pdl:
+            continue
+        yield "small_batch", dict(block_x=bx, loads_per_group=lpg, pdl=pdl, early_read=early)
+    for vpt, unroll, pdl in itertools.product((1, 2, 4), (2, 4, 8), (False, True)):
+        yield "large_batch", dict(vectors_per_thread=vpt, unroll=unroll, pdl=pdl, early_read=False)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="3584x16,7168x8,2048x22")
+    ap.add_argument("--tokens", default="1,8,32,64,128,512,4096")
+    args = ap.parse_args()
+    dev = torch.cuda.current_device()
+    arch = target_arch(dev)
+    for case in args.cases.split(","):
+        H, K = map(int, case.split("x"))
+        for T in map(int, args.tokens.split(",")):
+            g = torch.randn(T * K, H, device="cuda").to(torch.bfloat16)
+            e2p = torch.randperm(T * K, device="cuda").view(T, K).int()
+            w = torch.rand(T, K, device="cuda")
+            out = torch.empty(T, H, dtype=torch.bfloat16, device="cuda")
+            ref = fin.reference(g, e2p, w)
+            res = []
+            for variant, params in candidates():
+                if variant == "small_batch" and ((K + params["loads_per_group"] - 1) // params["loads_per_group"]) * params["block_x"] > 1024:
+                    continue
+                if variant == "small_batch" and T > 512:
+                    continue
+                rule = Rule(op="finalize", variant=variant, ranges={}, params=params)
+                spec = spec_for(rule, f"H{H}-K{K}-bf16-wf32",
+                                {"H": H, "K": K, "DTYPE": "bfloat16", "WDTYPE": "float32"}, arch)
+                launcher = fin._launcher(spec, T, dev)
+                call = lambda: launcher(current_stream(dev), g.data_ptr(), e2p.data_ptr(), w.data_ptr(),
+                                        out.data_ptr(), H, T * K, T)
+                out.fill_(float("nan")); call(); torch.cuda.synchronize()
+                assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), (variant, params)
+                res.append((graph_time_us(call), variant, params))
+            res.sort(key=lambda r: r[0])
+            best = res[0]
+            print(f"H={H} K={K} T={T}: best {best[0]:.2f} µs {best[1]} {best[2]}")
+            for r in res[1:4]:
+                print(f"      {r[0]:.2f} µs {r[1]} {r[2]}")
+            for name in ("small_batch", "large_batch"):
+                for pdl in (False, True):
+                    sub = [r for r in res if r[1] == name and r[2]["pdl"] == pdl and not r[2]["early_read"]]
+                    if sub:
+                        print(f"      best {name} pdl={pdl}: {sub[0][0]:.2f} µs {sub[0][2]}")
+
+
+if __name__ == "__main__":
+    main()
