@@ -4,10 +4,11 @@ Importing kerngen touches no GPU, imports no CuTe DSL and creates no directory.
 """
 from .errors import CacheMissError, CompileError, DeviceError, InputError, KerngenError, TierError
 from .ops.finalize import finalize
+from .ops.routing import Routing, RoutingWorkspace, permute, route
 from .plan import VERSION as __version__
 
-__all__ = ["finalize", "models", "strict", "KerngenError", "InputError", "TierError", "CompileError",
-           "CacheMissError", "DeviceError", "__version__"]
+__all__ = ["route", "permute", "Routing", "RoutingWorkspace", "finalize", "models", "strict", "KerngenError",
+           "InputError", "TierError", "CompileError", "CacheMissError", "DeviceError", "__version__"]
 
 
 def models() -> dict:

@@ -20,12 +20,23 @@ out = torch.empty(1, 3584, dtype=torch.bfloat16, device="cuda")
 x = torch.zeros(1, device="cuda")
 kerngen.finalize(g, e2p, w, out=out)
 launcher = next(iter(fin._launchers.values()))
+import ctypes  # noqa: E402
+from kerngen.launch import Launcher  # noqa: E402
+
+nolaunch = ctypes.CDLL("libcuda.so.1").cuDriverGetVersion
+ver = ctypes.c_int()
+ver_p = ctypes.addressof(ver)
+pdl_off = Launcher.__new__(Launcher)
+pdl_off.__dict__.update({**launcher.__dict__, "pdl": False, "_tls": __import__("threading").local()})
 rows = {
     "x.add_(1)": lambda: x.add_(1),
     "torch.empty(1, 3584)": lambda: torch.empty((1, 3584), dtype=torch.bfloat16, device=g.device),
     "current_stream": lambda: current_stream(0),
+    "ctypes no-op driver call": lambda: nolaunch(ver_p),
     "launcher(...) only": lambda: launcher(current_stream(0), g.data_ptr(), e2p.data_ptr(), w.data_ptr(),
                                            out.data_ptr(), 3584, 16, 1),
+    "launcher without PDL": lambda: pdl_off(current_stream(0), g.data_ptr(), e2p.data_ptr(), w.data_ptr(),
+                                            out.data_ptr(), 3584, 16, 1),
     "finalize(out=out)": lambda: kerngen.finalize(g, e2p, w, out=out),
     "finalize() allocating": lambda: kerngen.finalize(g, e2p, w),
 }

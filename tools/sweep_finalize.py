@@ -23,7 +23,7 @@ from kerngen.tiers import Rule  # noqa: E402
 
 
 def candidates():
-    for bx, lpg, pdl, early in itertools.product((8, 16, 32, 64), (2, 4, 8), (False, True), (False, True)):
+    for bx, lpg, pdl, early in itertools.product((8, 16, 32, 64), (2, 4, 8, 32), (False, True), (False, True)):
         if early and not pdl:
             continue
         yield "small_batch", dict(block_x=bx, loads_per_group=lpg, pdl=pdl, early_read=early)
@@ -34,7 +34,7 @@ def candidates():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="3584x16,7168x8,2048x22")
-    ap.add_argument("--tokens", default="1,8,32,64,128,512,4096")
+    ap.add_argument("--tokens", default="1,8,32,64,128,256,512,4096")
     args = ap.parse_args()
     dev = torch.cuda.current_device()
     arch = target_arch(dev)
@@ -48,7 +48,7 @@ def main():
             ref = fin.reference(g, e2p, w)
             res = []
             for variant, params in candidates():
-                if variant == "small_batch" and ((K + params["loads_per_group"] - 1) // params["loads_per_group"]) * params["block_x"] > 1024:
+                if variant == "small_batch" and params["block_x"] > 1024:
                     continue
                 if variant == "small_batch" and T > 512:
                     continue

@@ -69,7 +69,8 @@ def _launcher(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher:
     return Launcher(resolve(s), f"{OP}_{s.variant}", device, grid, block, FMT, pdl=bool(p.get("pdl", False)))
 
 
-_launchers: dict[tuple, Launcher] = {}
+_launchers: dict[tuple, Launcher] = {}  # kernel per (dtype, H, K, T, device)
+_fast: dict[tuple, tuple] = {}          # full input signature -> (launcher, T, H, ld, rows, device)
 
 
 def finalize(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_weights: torch.Tensor, *,
@@ -80,37 +81,45 @@ def finalize(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
     expanded_to_permuted: [T, K] int32 row of gemm2_out per (token, k); -1 (or any value outside
     [0, rows)) contributes nothing. topk_weights: [T, K] fp32 or bf16.
     """
-    e2p, w = expanded_to_permuted, topk_weights
-    if type(gemm2_out) is not torch.Tensor or type(e2p) is not torch.Tensor or type(w) is not torch.Tensor:
-        _slow_checks(gemm2_out, e2p, w, hidden, out)
-    ld = gemm2_out.stride(0)
-    rows, width = gemm2_out.shape if gemm2_out.dim() == 2 else (0, 0)
-    T, K = e2p.shape if e2p.dim() == 2 else (0, 0)
-    H = width if hidden is None else hidden
-    dev = gemm2_out.get_device()
-    key = (gemm2_out.dtype, w.dtype, H, K, T, dev)
-    launcher = _launchers.get(key)
-    if (launcher is None or gemm2_out.dim() != 2 or e2p.dtype != torch.int32 or tuple(w.shape) != (T, K)
-            or gemm2_out.stride(1) != 1 or ld % 8 or not e2p.is_contiguous() or not w.is_contiguous()
-            or e2p.get_device() != dev or w.get_device() != dev or gemm2_out.data_ptr() % 16
-            or H > width or ld < H):
-        _slow_checks(gemm2_out, e2p, w, hidden, out)
-        if launcher is None:
-            launcher = _launcher(spec(H, K, DTYPE_NAMES[gemm2_out.dtype], DTYPE_NAMES[w.dtype], T, arch(dev)), T, dev)
-            _launchers[key] = launcher
+    g, e2p, w = gemm2_out, expanded_to_permuted, topk_weights
+    try:  # the signature pins every property the checks below establish, except data_ptr alignment
+        sig = (g.dtype, g.shape, g.stride(), g.device, e2p.dtype, e2p.shape, e2p.stride(), e2p.device,
+               w.dtype, w.shape, w.stride(), w.device, hidden)
+        hit = _fast.get(sig)
+    except AttributeError:
+        hit = None
+    if hit is None or g.data_ptr() % 16:
+        hit = _prepare(g, e2p, w, hidden)
+        if len(_fast) > 4096:
+            _fast.clear()
+        _fast[sig] = hit
+    launcher, T, H, ld, rows, dev = hit
     if out is None:
-        out = torch.empty((T, H), dtype=gemm2_out.dtype, device=gemm2_out.device)
-    elif (out.dtype != gemm2_out.dtype or tuple(out.shape) != (T, H) or not out.is_contiguous()
-          or out.get_device() != dev or out.data_ptr() % 16):
-        check_tensor(OP, "out", out, dtypes=(gemm2_out.dtype,), ndim=2, device=gemm2_out.device, contiguous=True)
+        out = torch.empty((T, H), dtype=g.dtype, device=g.device)
+    elif (out.dtype != g.dtype or out.shape != (T, H) or not out.is_contiguous() or out.device != g.device
+          or out.data_ptr() % 16):
+        check_tensor(OP, "out", out, dtypes=(g.dtype,), ndim=2, device=g.device, contiguous=True)
         check_aligned(OP, "out", out)
         raise InputError(OP, "out", f"of shape ({T}, {H})", f"shape {tuple(out.shape)}")
     if T:
-        launcher(current_stream(dev), gemm2_out.data_ptr(), e2p.data_ptr(), w.data_ptr(), out.data_ptr(), ld, rows, T)
+        launcher(current_stream(dev), g.data_ptr(), e2p.data_ptr(), w.data_ptr(), out.data_ptr(), ld, rows, T)
     return out
 
 
-def _slow_checks(g, e2p, w, hidden, out):
+def _prepare(g, e2p, w, hidden) -> tuple:
+    _slow_checks(g, e2p, w, hidden)
+    T, K = e2p.shape
+    H = g.shape[1] if hidden is None else hidden
+    dev = g.get_device()
+    key = (g.dtype, w.dtype, H, K, T, dev)
+    launcher = _launchers.get(key)
+    if launcher is None:
+        launcher = _launcher(spec(H, K, DTYPE_NAMES[g.dtype], DTYPE_NAMES[w.dtype], T, arch(dev)), T, dev)
+        _launchers[key] = launcher
+    return launcher, T, H, g.stride(0), g.shape[0], dev
+
+
+def _slow_checks(g, e2p, w, hidden):
     """Full validation with a message naming the argument; runs on the first call of a shape or on any doubt."""
     check_tensor(OP, "gemm2_out", g, dtypes=_ACT, ndim=2)
     dev = g.device
@@ -130,6 +139,3 @@ def _slow_checks(g, e2p, w, hidden, out):
     if g.shape[0] >= 2**31 or g.stride(0) >= 2**31:
         raise InputError(OP, "gemm2_out", "fewer than 2**31 rows and row stride", f"shape {tuple(g.shape)}")
     check_aligned(OP, "gemm2_out", g)
-    if out is not None:
-        check_tensor(OP, "out", out, dtypes=(g.dtype,), ndim=2, device=dev, contiguous=True)
-        check_aligned(OP, "out", out)

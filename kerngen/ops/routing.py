@@ -1,0 +1,494 @@
+"""routing: top-k expert selection (MISSION §2) and the permutation a grouped GEMM consumes.
+
+Semantics every kernel matches (and `reference` computes in plain torch):
+- All math in fp32; a NaN logit counts as -inf.
+- Each method ranks experts by a selection key, score descending, the lower expert index first on equal
+  keys (a stable descending sort). An expert whose logit is -inf (or NaN) always has key -inf, so it is never
+  picked while finite keys remain; when fewer than K keys are finite the rest are the lowest-index -inf
+  experts (their weights are 0).
+    softmax_topk, topk_softmax, top1_sigmoid: key = the logit (softmax is monotone).
+    sigmoid_bias, grouped_sigmoid_bias: key = sigmoid(s) + bias, sigmoid(s) = 1 / (1 + exp(-s)) rounded
+    step by step (exp, add, reciprocal) exactly as the kernels do, so ids are bitwise equal.
+- Weights (fp32, within 1e-6 relative of the reference; the sum orders differ):
+    softmax_topk:  p = softmax(s) over all E (0 for a row without finite logits); renormalize: p / sum(p_topk)
+    topk_softmax:  softmax over the K picked logits (0 if they are all -inf)
+    sigmoid(_grouped)_bias: g = sigmoid(s); renormalize: g * rsf / (sum g + 1e-20), else g * rsf
+    top1_sigmoid:  sigmoid(s)
+  every method multiplies by routed_scaling_factor (rsf) last (1.0 by default).
+- grouped_sigmoid_bias: group score = sum of the top-2 keys of each of n_group groups (top-1 if a group has
+  one expert); the topk_group best groups (lower group index on ties) keep their keys, the others get -inf.
+
+Permutation (tile given) over the local experts [local_start, local_start + num_local): MISSION §2, with
+rows of one expert in ascending expanded index e = t*K + k (deterministic, compared exactly).
+`expert_offsets` has num_local + 1 entries (the last is num_permuted_rows); `tile_to_expert` holds local
+expert indices. permuted_to_token has T*K + num_local*(tile-1) rows (the worst case, so no host sync is
+needed) and tile_to_expert that many rows / tile; everything past num_permuted_rows is -1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import plan as plan_mod
+from ..errors import InputError
+from ..launch import Launcher, current_stream
+from ..tiers import MAX_EXPERTS, MAX_TOPK, METHODS, Model, Table
+from ._common import SHORT, DTYPE_NAMES, arch, check_tensor, resolve, table
+
+OP = "routing"
+PERMUTE_OP = "permute"
+_LOGITS = (torch.float32, torch.bfloat16)
+_BIAS = (torch.float32, torch.bfloat16)
+_WEIGHTS = (torch.float32, torch.bfloat16)
+_SIGMOID_BIAS = ("sigmoid_bias", "grouped_sigmoid_bias")
+_SHORT_METHOD = {"softmax_topk": "smk", "topk_softmax": "tks", "sigmoid_bias": "sgb",
+                 "grouped_sigmoid_bias": "gsb", "top1_sigmoid": "t1s"}
+MIN_TOKENS_PER_BLOCK = 16          # permute tiers: the histogram scratch is sized for this
+ROUTE_FMT = "10Qf6i4x"
+PERMUTE_FMT = "8Q5i4x"
+
+
+# ----------------------------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class Routing:
+    """topk_ids [T,K] int32, topk_weights [T,K]; the permutation fields are None without a tile."""
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    expert_counts: torch.Tensor | None = None          # [num_local] int32
+    expert_offsets: torch.Tensor | None = None         # [num_local + 1] int32, rows
+    expanded_to_permuted: torch.Tensor | None = None   # [T, K] int32, -1 for non-local experts
+    permuted_to_token: torch.Tensor | None = None      # [T*K + num_local*(tile-1)] int32, -1 padding/tail
+    tile_to_expert: torch.Tensor | None = None         # [len(permuted_to_token) // tile] int32, -1 unused
+    num_permuted_rows: torch.Tensor | None = None      # [] int32 on the device
+
+
+def max_rows(tokens: int, top_k: int, num_local: int, tile: int) -> int:
+    """Worst-case num_permuted_rows: every local expert's last tile is padded."""
+    return tokens * top_k + num_local * (tile - 1)
+
+
+class RoutingWorkspace:
+    """Every output of `route` / `permute` for up to max_tokens tokens, allocated once.
+
+    Pass it as `workspace=` to write into it (no allocation: CUDA graphs, a router stream). Results are
+    views of it, valid until the next call that uses the same workspace.
+    """
+
+    def __init__(self, max_tokens: int, num_experts: int, top_k: int, tile: int | None = None, *,
+                 local_experts: tuple[int, int] | None = None, weights_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | int | None = None):
+        _check_int("RoutingWorkspace", "max_tokens", max_tokens, 1, 1 << 24)
+        _check_int("RoutingWorkspace", "num_experts", num_experts, 1, MAX_EXPERTS)
+        _check_int("RoutingWorkspace", "top_k", top_k, 1, min(MAX_TOPK, num_experts))
+        if tile is not None:
+            _check_int("RoutingWorkspace", "tile", tile, 1, 1024)
+        if weights_dtype not in _WEIGHTS:
+            raise InputError("RoutingWorkspace", "weights_dtype", "torch.float32 or torch.bfloat16", str(weights_dtype))
+        ls, nl = _check_local("RoutingWorkspace", local_experts, num_experts)
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        T, K = max_tokens, top_k
+        self.max_tokens, self.num_experts, self.top_k, self.tile = T, num_experts, K, tile
+        self.local_experts, self.weights_dtype, self.device = (ls, nl), weights_dtype, dev
+        sizes = {"ids": T * K}
+        if weights_dtype == torch.float32:
+            sizes["weights"] = T * K
+        if tile is not None:
+            self.max_rows = max_rows(T, K, nl, tile)
+            sizes.update(counts=nl, offsets=nl + 1, e2p=T * K, p2t=self.max_rows, t2e=self.max_rows // tile,
+                         num_rows=1, hist=-(-T // MIN_TOKENS_PER_BLOCK) * nl)
+        # One allocation, one fill: -1 everywhere (num_rows = -1 reads as "no previous call"); ids and weights
+        # alone need no fill.
+        n = sum(sizes.values())
+        self.buffer = (torch.full((n,), -1, dtype=torch.int32, device=dev) if tile is not None
+                       else torch.empty((n,), dtype=torch.int32, device=dev))
+        views, at = {}, 0
+        for name, n in sizes.items():
+            views[name] = self.buffer[at:at + n]
+            at += n
+        self.ids = views["ids"].view(T, K)
+        self.weights = (views["weights"].view(torch.float32).view(T, K) if "weights" in views
+                        else torch.empty((T, K), dtype=weights_dtype, device=dev))
+        if tile is not None:
+            self.counts, self.offsets = views["counts"], views["offsets"]
+            self.e2p = views["e2p"].view(T, K)
+            self.p2t, self.t2e, self.hist = views["p2t"], views["t2e"], views["hist"]
+            self.num_rows = views["num_rows"]
+
+    def result(self, tokens: int, num_local: int) -> Routing:
+        ids, w = self.ids[:tokens], self.weights[:tokens]
+        if self.tile is None:
+            return Routing(ids, w)
+        rows = max_rows(tokens, self.top_k, num_local, self.tile)
+        return Routing(ids, w, self.counts[:num_local], self.offsets[:num_local + 1], self.e2p[:tokens],
+                       self.p2t[:rows], self.t2e[:rows // self.tile], self.num_rows[0])
+
+
+# --------------------------------------------------------------------------------------------- reference
+def _key_and_values(logits, method, bias):
+    s = logits.float()
+    s = torch.where(torch.isnan(s), torch.full_like(s, float("-inf")), s)
+    if method in _SIGMOID_BIAS or method == "top1_sigmoid":
+        g = 1.0 / (1.0 + torch.exp(-s))                  # reciprocal of (1 + exp(-s)), as the kernels round it
+    else:
+        g = None
+    if method in _SIGMOID_BIAS:
+        key = g if bias is None else g + bias.float()
+        key = torch.where(s == float("-inf"), s, key)
+    else:
+        key = s
+    return s, g, key
+
+
+def _topk_stable(key, k):
+    return torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def reference(logits: torch.Tensor, top_k: int, method: str, bias: torch.Tensor | None = None, n_group: int = 1,
+              topk_group: int = 1, routed_scaling_factor: float = 1.0,
+              renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch (module docstring semantics): (topk_ids int32 [T,K], topk_weights fp32 [T,K])."""
+    T, E = logits.shape
+    K, rsf = top_k, routed_scaling_factor
+    ninf = float("-inf")
+    s, g, key = _key_and_values(logits, method, bias)
+    if method == "grouped_sigmoid_bias":
+        gs = E // n_group
+        score = key.view(T, n_group, gs).topk(min(2, gs), dim=-1).values.sum(-1)
+        keep = torch.zeros(T, n_group, dtype=torch.bool, device=s.device)
+        keep.scatter_(1, _topk_stable(score, topk_group), True)
+        key = key.masked_fill(~keep.repeat_interleave(gs, dim=1), ninf)
+    ids = _topk_stable(key, K)
+    if method in _SIGMOID_BIAS:
+        w = g.gather(-1, ids)
+        w = w * rsf / (w.sum(-1, keepdim=True) + 1e-20) if renormalize else w * rsf
+    elif method == "softmax_topk":
+        finite = s.amax(-1, keepdim=True) > ninf
+        p = torch.where(finite, s.softmax(-1), torch.zeros_like(s))
+        w = p.gather(-1, ids)
+        if renormalize:
+            total = w.sum(-1, keepdim=True)
+            w = torch.where(total > 0, w / total, torch.zeros_like(w))
+        w = w * rsf
+    elif method == "topk_softmax":
+        sel = s.gather(-1, ids)
+        finite = sel[:, :1] > ninf
+        w = torch.where(finite, sel.softmax(-1), torch.zeros_like(sel)) * rsf
+    elif method == "top1_sigmoid":
+        w = g.gather(-1, ids) * rsf
+    else:
+        raise InputError(OP, "method", f"one of {', '.join(METHODS)}", repr(method))
+    return ids.to(torch.int32), w.float()
+
+
+def permute_reference(topk_ids: torch.Tensor, num_experts: int, tile: int,
+                      local_experts: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """MISSION §2 permutation in plain torch, rows of one expert in ascending expanded index."""
+    T, K = topk_ids.shape
+    ls, nl = local_experts or (0, num_experts)
+    dev = topk_ids.device
+    x = topk_ids.reshape(-1).long() - ls
+    local = (x >= 0) & (x < nl)
+    cnt = torch.bincount(x[local], minlength=nl)
+    ntile = (cnt + tile - 1) // tile
+    tile_off = torch.cumsum(ntile, 0) - ntile
+    rows = int(ntile.sum()) * tile
+    offsets = torch.cat([tile_off * tile, torch.tensor([rows], device=dev)])
+    group = torch.where(local, x, torch.full_like(x, nl))
+    order = torch.sort(group, stable=True).indices                       # by expert, then ascending e
+    first = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long, device=dev), cnt]), 0)
+    sorted_x = group[order]
+    keep = sorted_x < nl
+    e_sorted, x_sorted = order[keep], sorted_x[keep]
+    rank = torch.arange(e_sorted.numel(), device=dev) - first[x_sorted]
+    e2p = torch.full((T * K,), -1, dtype=torch.long, device=dev)
+    e2p[e_sorted] = offsets[x_sorted] + rank
+    cap = max_rows(T, K, nl, tile)
+    p2t = torch.full((cap,), -1, dtype=torch.long, device=dev)
+    p2t[e2p[e_sorted]] = e_sorted // K
+    t2e = torch.full((cap // tile,), -1, dtype=torch.long, device=dev)
+    nt = int(ntile.sum())
+    t2e[:nt] = torch.repeat_interleave(torch.arange(nl, device=dev), ntile)
+    i32 = torch.int32
+    return {"expert_counts": cnt.to(i32), "expert_offsets": offsets.to(i32),
+            "expanded_to_permuted": e2p.view(T, K).to(i32), "permuted_to_token": p2t.to(i32),
+            "tile_to_expert": t2e.to(i32), "num_permuted_rows": torch.tensor(rows, dtype=i32, device=dev)}
+
+
+# ----------------------------------------------------------------------------------------------- planning
+def _constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype):
+    renorm = bool(renormalize) if method in ("softmax_topk", *_SIGMOID_BIAS) else True
+    grouped = method == "grouped_sigmoid_bias"
+    consts = {"E": E, "K": K, "METHOD": method, "N_GROUP": n_group if grouped else 1,
+              "TOPK_GROUP": topk_group if grouped else 1, "RENORM": renorm, "LDTYPE": ldtype,
+              "BDTYPE": bdtype if method in _SIGMOID_BIAS else "none", "WDTYPE": wdtype}
+    tag = (f"E{E}-K{K}-{_SHORT_METHOD[method]}" + (f"-g{n_group}x{topk_group}" if grouped else "")
+           + ("" if renorm else "-norenorm") + f"-{SHORT[ldtype]}"
+           + (f"-b{SHORT[consts['BDTYPE']]}" if consts["BDTYPE"] != "none" else "") + f"-w{SHORT[wdtype]}")
+    return tag, consts
+
+
+def spec(E: int, K: int, method: str, tokens: int, arch_: str, *, n_group: int = 1, topk_group: int = 1,
+         renormalize: bool = True, ldtype: str = "float32", bdtype: str = "none", wdtype: str = "float32",
+         tbl: Table | None = None) -> plan_mod.KernelSpec:
+    tag, consts = _constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype)
+    return plan_mod.plan(tbl or table(), OP, {"num_experts": E, "top_k": K, "tokens": tokens}, tag, consts, arch_)
+
+
+def permute_spec(E: int, K: int, tokens: int, arch_: str, tbl: Table | None = None) -> plan_mod.KernelSpec:
+    return plan_mod.plan(tbl or table(), PERMUTE_OP, {"num_experts": E, "top_k": K, "tokens": tokens},
+                         f"E{E}-K{K}", {"E": E, "K": K}, arch_)
+
+
+def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpec]:
+    """Every routing and permute kernel `model` can dispatch to over its token range (fp32 and bf16 logits,
+    fp32 bias for the bias methods, the model's weight dtype)."""
+    E, K = model.num_experts, model.top_k
+    shape = {"num_experts": E, "top_k": K, "hidden": model.hidden}
+    out: list[plan_mod.KernelSpec] = []
+    for rule in tbl.rules_for(OP, shape, model.tokens):
+        for ldtype in ("float32", "bfloat16"):
+            tag, consts = _constants(E, K, model.routing, model.n_group, model.topk_group, model.renormalize,
+                                     ldtype, "float32", model.weights_dtype)
+            out.append(plan_mod.spec_for(rule, tag, consts, arch_))
+    for rule in tbl.rules_for(PERMUTE_OP, shape, model.tokens):
+        out.append(plan_mod.spec_for(rule, f"E{E}-K{K}", {"E": E, "K": K}, arch_))
+    return out
+
+
+def explain_spec(args, tbl: Table, arch_: str) -> plan_mod.KernelSpec:
+    """The routing kernel `kerngen explain --op routing` shows (fp32 logits, fp32 bias)."""
+    if not args.experts or not args.topk:
+        raise InputError("explain", "--experts/--topk", "given (or --model)", f"{args.experts}/{args.topk}")
+    m = tbl.model(args.model) if args.model else None
+    method = m.routing if m else "softmax_topk"
+    return spec(args.experts, args.topk, method, args.tokens, arch_, n_group=m.n_group if m else 1,
+                topk_group=m.topk_group if m else 1, renormalize=m.renormalize if m else True,
+                bdtype="float32", wdtype=m.weights_dtype if m else "float32", tbl=tbl)
+
+
+# ----------------------------------------------------------------------------------------------- launching
+class _Route:
+    """The launches of one (shape, method, dtypes, T, permutation on/off) on one device."""
+
+    def __init__(self, consts: dict, s: plan_mod.KernelSpec, T: int, dev: int, permute: bool, tbl: Table,
+                 arch_: str):
+        p = dict(s.params)
+        warps, wpt = int(p.get("warps", 4)), int(p.get("warps_per_token", 1))
+        if warps < 1 or wpt < 1 or warps % wpt or warps * 32 > 1024:
+            raise InputError(OP, "tier params", "warps in [1, 32], a multiple of warps_per_token", str(s.params))
+        self.fused = s.variant == "fused"
+        if self.fused:
+            if T > int(p["max_tokens"]):
+                raise InputError(OP, "tier params", f"max_tokens >= {T} for the fused variant", str(s.params))
+            self.topk = Launcher(resolve(s), "routing_fused", dev, (1, 1, 1), (warps * 32, 1, 1), ROUTE_FMT)
+            self.permute = None
+        elif s.variant == "topk":
+            groups = warps // wpt
+            self.topk = Launcher(resolve(s), "routing_topk", dev, (max(1, -(-T // groups)), 1, 1),
+                                 (warps * 32, 1, 1), ROUTE_FMT)
+            self.permute = _Permute(consts["E"], consts["K"], T, dev, tbl, arch_) if permute else None
+        else:
+            raise InputError(OP, "tier variant", "fused or topk", s.variant)
+
+
+class _Permute:
+    def __init__(self, E: int, K: int, T: int, dev: int, tbl: Table, arch_: str):
+        s = permute_spec(E, K, max(T, 1), arch_, tbl)
+        if s.variant != "histogram":
+            raise InputError(PERMUTE_OP, "tier variant", "histogram", s.variant)
+        c = int(dict(s.params)["tokens_per_block"])
+        if c < MIN_TOKENS_PER_BLOCK:
+            raise InputError(PERMUTE_OP, "tier params", f"tokens_per_block >= {MIN_TOKENS_PER_BLOCK}", str(s.params))
+        mod = resolve(s)
+        nb = -(-T // c)
+        self.rank = Launcher(mod, "permute_block_rank", dev, (nb, 1, 1), (256, 1, 1), PERMUTE_FMT)
+        self.offsets = Launcher(mod, "permute_offsets", dev, (1, 1, 1), (1024, 1, 1), PERMUTE_FMT)
+        self.scatter = Launcher(mod, "permute_scatter", dev, (-(-T * K // 256), 1, 1), (256, 1, 1), PERMUTE_FMT)
+        self.blocks = nb
+
+    def __call__(self, stream, ids_ptr, ws: RoutingWorkspace, T: int, tile: int, ls: int, nl: int):
+        args = (ids_ptr, ws.counts.data_ptr(), ws.offsets.data_ptr(), ws.e2p.data_ptr(), ws.p2t.data_ptr(),
+                ws.t2e.data_ptr(), ws.num_rows.data_ptr(), ws.hist.data_ptr(), T, tile, ls, nl, ws.max_rows)
+        if T:
+            self.rank(stream, *args)
+        self.offsets(stream, *args)
+        if T:
+            self.scatter(stream, *args)
+
+
+_routes: dict[tuple, _Route] = {}
+_permutes: dict[tuple, _Permute] = {}
+_models: dict[tuple, tuple] = {}
+
+
+def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None = None,
+          bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+          routed_scaling_factor: float = 1.0, renormalize: bool = True, tile: int | None = None,
+          local_experts: tuple[int, int] | None = None, model: str | None = None,
+          workspace: RoutingWorkspace | None = None) -> Routing:
+    """Top-k routing of logits [T, E] (fp32 or bf16) and, with `tile`, the permutation; see the module doc.
+
+    model="kimi-k3" fills top_k, method and constants from the tier table; explicit values must agree.
+    local_experts=(start, count) restricts the permutation to an expert-parallel range. With `workspace`
+    the outputs are written into it (no allocation; CUDA-graph and side-stream friendly).
+    """
+    if model is not None:
+        top_k, method, n_group, topk_group, routed_scaling_factor, renormalize = _from_model(
+            model, top_k, method, n_group, topk_group, routed_scaling_factor, renormalize)
+    if type(logits) is not torch.Tensor or logits.dim() != 2:
+        check_tensor(OP, "logits", logits, dtypes=_LOGITS, ndim=2)
+    T, E = logits.shape
+    dev = logits.get_device()
+    bdt = None if bias is None else bias.dtype
+    wdt = workspace.weights_dtype if workspace is not None else torch.float32
+    key = (logits.dtype, bdt, wdt, T, E, top_k, method, n_group, topk_group, bool(renormalize), tile is not None, dev)
+    r = _routes.get(key)
+    if r is None or logits.stride(1) != 1 or (bias is not None and (bias.get_device() != dev or bias.shape != (E,)
+                                                                     or not bias.is_contiguous())):
+        _check_route(logits, top_k, method, bias, n_group, topk_group, renormalize, tile)
+        if r is None:
+            tbl = table()
+            a = arch(dev)
+            tag_consts = _constants(E, top_k, method, n_group, topk_group, renormalize, DTYPE_NAMES[logits.dtype],
+                                    "none" if bias is None else DTYPE_NAMES[bias.dtype], DTYPE_NAMES[wdt])
+            s = plan_mod.plan(tbl, OP, {"num_experts": E, "top_k": top_k, "tokens": max(T, 1)}, *tag_consts, a)
+            r = _Route(tag_consts[1], s, T, dev, tile is not None, tbl, a)
+            _routes[key] = r
+    if not (isinstance(routed_scaling_factor, (int, float)) and 0 < routed_scaling_factor < float("inf")):
+        raise InputError(OP, "routed_scaling_factor", "a positive finite number", repr(routed_scaling_factor))
+    ls, nl = (0, E) if local_experts is None else _check_local(OP, local_experts, E)
+    if tile is not None and (type(tile) is not int or not 1 <= tile <= 1024):
+        _check_int(OP, "tile", tile, 1, 1024)
+    if workspace is None:
+        workspace = RoutingWorkspace(max(T, 1), E, top_k, tile, local_experts=(ls, nl), device=logits.device)
+    else:
+        _check_workspace(OP, workspace, T, E, top_k, tile, nl, logits.device)
+    ws = workspace
+    stream = current_stream(dev)
+    bias_ptr = 0 if bias is None else bias.data_ptr()
+    if tile is None:
+        r.topk(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), 0, 0, 0, 0, 0, 0,
+               float(routed_scaling_factor), T, logits.stride(0), 0, ls, nl, 0)
+    elif r.fused:
+        r.topk(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), ws.counts.data_ptr(),
+               ws.offsets.data_ptr(), ws.e2p.data_ptr(), ws.p2t.data_ptr(), ws.t2e.data_ptr(),
+               ws.num_rows.data_ptr(), float(routed_scaling_factor), T, logits.stride(0), tile, ls, nl, ws.max_rows)
+    else:
+        if T:
+            r.topk(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), 0, 0, 0, 0, 0, 0,
+                   float(routed_scaling_factor), T, logits.stride(0), 0, ls, nl, 0)
+        r.permute(stream, ws.ids.data_ptr(), ws, T, tile, ls, nl)
+    return ws.result(T, nl)
+
+
+def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_experts: tuple[int, int] | None = None,
+            workspace: RoutingWorkspace | None = None) -> Routing:
+    """The permutation of top-k ids computed elsewhere ([T, K] int32, contiguous); same outputs as route.
+
+    The returned Routing's topk_ids is `topk_ids` itself and topk_weights is empty ([T, 0]).
+    """
+    check_tensor(PERMUTE_OP, "topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, contiguous=True)
+    _check_int(PERMUTE_OP, "num_experts", num_experts, 1, MAX_EXPERTS)
+    T, K = topk_ids.shape
+    _check_int(PERMUTE_OP, "topk_ids.shape[1]", K, 1, min(MAX_TOPK, num_experts))
+    _check_int(PERMUTE_OP, "tile", tile, 1, 1024)
+    ls, nl = _check_local(PERMUTE_OP, local_experts, num_experts)
+    dev = topk_ids.get_device()
+    if workspace is None:
+        workspace = RoutingWorkspace(max(T, 1), num_experts, K, tile, local_experts=(ls, nl), device=topk_ids.device)
+    else:
+        _check_workspace(PERMUTE_OP, workspace, T, num_experts, K, tile, nl, topk_ids.device)
+    key = (num_experts, K, T, dev)
+    p = _permutes.get(key)
+    if p is None:
+        p = _permutes[key] = _Permute(num_experts, K, T, dev, table(), arch(dev))
+    p(current_stream(dev), topk_ids.data_ptr(), workspace, T, tile, ls, nl)
+    res = workspace.result(T, nl)
+    return Routing(topk_ids, topk_ids.new_empty((T, 0), dtype=torch.float32), res.expert_counts, res.expert_offsets,
+                   res.expanded_to_permuted, res.permuted_to_token, res.tile_to_expert, res.num_permuted_rows)
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _check_int(op, name, v, lo, hi):
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise InputError(op, name, f"an integer in [{lo}, {hi}]", repr(v))
+
+
+def _check_local(op, local_experts, E):
+    if local_experts is None:
+        return 0, E
+    if (not isinstance(local_experts, (tuple, list)) or len(local_experts) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in local_experts)):
+        raise InputError(op, "local_experts", "a pair (local_start, num_local) of integers", repr(local_experts))
+    ls, nl = local_experts
+    if ls < 0 or nl < 1 or ls + nl > E:
+        raise InputError(op, "local_experts", f"a range inside [0, {E}) with num_local >= 1", repr(local_experts))
+    return ls, nl
+
+
+def _check_workspace(op, ws, T, E, K, tile, nl, device):
+    if not isinstance(ws, RoutingWorkspace):
+        raise InputError(op, "workspace", "a kerngen.RoutingWorkspace", type(ws).__name__)
+    if ws.num_experts != E or ws.top_k != K or ws.tile != tile or ws.device != device:
+        raise InputError(op, "workspace", f"built for num_experts={E}, top_k={K}, tile={tile} on {device}",
+                         f"num_experts={ws.num_experts}, top_k={ws.top_k}, tile={ws.tile} on {ws.device}")
+    if T > ws.max_tokens or nl > ws.local_experts[1]:
+        raise InputError(op, "workspace", f"room for {T} tokens and {nl} local experts",
+                         f"max_tokens={ws.max_tokens}, num_local={ws.local_experts[1]}")
+
+
+def _check_route(logits, K, method, bias, n_group, topk_group, renormalize, tile):
+    check_tensor(OP, "logits", logits, dtypes=_LOGITS, ndim=2)
+    if logits.stride(1) != 1:
+        raise InputError(OP, "logits", "row-major with a contiguous last dim", f"strides {logits.stride()}")
+    T, E = logits.shape
+    if not 1 <= E <= MAX_EXPERTS:
+        raise InputError(OP, "logits", f"[T, E] with 1 <= E <= {MAX_EXPERTS}", f"E = {E}")
+    if method not in METHODS:
+        raise InputError(OP, "method", f"one of {', '.join(METHODS)} (or give model=)", repr(method))
+    _check_int(OP, "top_k", K, 1, min(MAX_TOPK, E))
+    if method == "top1_sigmoid" and K != 1:
+        raise InputError(OP, "top_k", "1 for method 'top1_sigmoid'", repr(K))
+    _check_int(OP, "n_group", n_group, 1, E)
+    if E % n_group:
+        raise InputError(OP, "n_group", f"a divisor of the expert count {E}", repr(n_group))
+    _check_int(OP, "topk_group", topk_group, 1, n_group)
+    if method == "grouped_sigmoid_bias":
+        if K > topk_group * (E // n_group):
+            raise InputError(OP, "top_k", f"at most topk_group * E / n_group = {topk_group * (E // n_group)}", repr(K))
+    elif n_group != 1 or topk_group != 1:
+        raise InputError(OP, "n_group", "1 (and topk_group 1) unless method is 'grouped_sigmoid_bias'",
+                         f"n_group={n_group}, topk_group={topk_group}")
+    if not isinstance(renormalize, bool):
+        raise InputError(OP, "renormalize", "True or False", repr(renormalize))
+    if bias is not None:
+        if method not in _SIGMOID_BIAS:
+            raise InputError(OP, "bias", "None for method " + repr(method), "a tensor")
+        check_tensor(OP, "bias", bias, dtypes=_BIAS, ndim=1, device=logits.device, contiguous=True)
+        if bias.shape[0] != E:
+            raise InputError(OP, "bias", f"of length {E} (one per expert)", f"length {bias.shape[0]}")
+    if tile is not None:
+        _check_int(OP, "tile", tile, 1, 1024)
+    if T * K >= 2**31 - 1:
+        raise InputError(OP, "logits", "fewer than 2**31 / K tokens", f"T = {T}")
+
+
+def _from_model(name, top_k, method, n_group, topk_group, rsf, renormalize):
+    key = (name, top_k, method, n_group, topk_group, rsf, renormalize)
+    hit = _models.get(key)
+    if hit is not None:
+        return hit
+    m = table().model(name)
+    given = {"top_k": (top_k, m.top_k, None), "method": (method, m.routing, None),
+             "n_group": (n_group, m.n_group, 1), "topk_group": (topk_group, m.topk_group, 1),
+             "routed_scaling_factor": (rsf, m.routed_scaling_factor, 1.0),
+             "renormalize": (renormalize, m.renormalize, True)}
+    for arg, (v, want, default) in given.items():
+        if v is not None and v != default and v != want:
+            raise InputError(OP, arg, f"{want!r} as model '{name}' says (or left out)", repr(v))
+    out = (m.top_k, m.routing, m.n_group, m.topk_group, m.routed_scaling_factor, m.renormalize)
+    _models[key] = out
+    return out
