@@ -339,7 +339,8 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
         top_k, method, n_group, topk_group, routed_scaling_factor, renormalize = _from_model(
             model, top_k, method, n_group, topk_group, routed_scaling_factor, renormalize)
     if type(logits) is not torch.Tensor or logits.dim() != 2:
-        check_tensor(OP, "logits", logits, dtypes=_LOGITS, ndim=2)
+        _check_route(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local_experts,
+                     routed_scaling_factor)
     T, E = logits.shape
     dev = logits.get_device()
     bdt = None if bias is None else bias.dtype
@@ -348,7 +349,8 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
     r = _routes.get(key)
     if r is None or logits.stride(1) != 1 or (bias is not None and (bias.get_device() != dev or bias.shape != (E,)
                                                                      or not bias.is_contiguous())):
-        _check_route(logits, top_k, method, bias, n_group, topk_group, renormalize, tile)
+        _check_route(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local_experts,
+                     routed_scaling_factor)
         if r is None:
             tbl = table()
             a = arch(dev)
@@ -390,12 +392,14 @@ def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_expert
 
     The returned Routing's topk_ids is `topk_ids` itself and topk_weights is empty ([T, 0]).
     """
-    check_tensor(PERMUTE_OP, "topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, contiguous=True)
+    check_tensor(PERMUTE_OP, "topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, contiguous=True,
+                 device=getattr(topk_ids, "device", None))
     _check_int(PERMUTE_OP, "num_experts", num_experts, 1, MAX_EXPERTS)
     T, K = topk_ids.shape
     _check_int(PERMUTE_OP, "topk_ids.shape[1]", K, 1, min(MAX_TOPK, num_experts))
     _check_int(PERMUTE_OP, "tile", tile, 1, 1024)
     ls, nl = _check_local(PERMUTE_OP, local_experts, num_experts)
+    check_tensor(PERMUTE_OP, "topk_ids", topk_ids)
     dev = topk_ids.get_device()
     if workspace is None:
         workspace = RoutingWorkspace(max(T, 1), num_experts, K, tile, local_experts=(ls, nl), device=topk_ids.device)
@@ -440,8 +444,9 @@ def _check_workspace(op, ws, T, E, K, tile, nl, device):
                          f"max_tokens={ws.max_tokens}, num_local={ws.local_experts[1]}")
 
 
-def _check_route(logits, K, method, bias, n_group, topk_group, renormalize, tile):
-    check_tensor(OP, "logits", logits, dtypes=_LOGITS, ndim=2)
+def _check_route(logits, K, method, bias, n_group, topk_group, renormalize, tile, local_experts, rsf):
+    """Full validation naming the argument; shape and scalar checks come before the device check."""
+    check_tensor(OP, "logits", logits, dtypes=_LOGITS, ndim=2, device=getattr(logits, "device", None))
     if logits.stride(1) != 1:
         raise InputError(OP, "logits", "row-major with a contiguous last dim", f"strides {logits.stride()}")
     T, E = logits.shape
@@ -472,8 +477,12 @@ def _check_route(logits, K, method, bias, n_group, topk_group, renormalize, tile
             raise InputError(OP, "bias", f"of length {E} (one per expert)", f"length {bias.shape[0]}")
     if tile is not None:
         _check_int(OP, "tile", tile, 1, 1024)
+    _check_local(OP, local_experts, E)
+    if not (isinstance(rsf, (int, float)) and not isinstance(rsf, bool) and 0 < rsf < float("inf")):
+        raise InputError(OP, "routed_scaling_factor", "a positive finite number", repr(rsf))
     if T * K >= 2**31 - 1:
         raise InputError(OP, "logits", "fewer than 2**31 / K tokens", f"T = {T}")
+    check_tensor(OP, "logits", logits)
 
 
 def _from_model(name, top_k, method, n_group, topk_group, rsf, renormalize):

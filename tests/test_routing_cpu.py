@@ -1,0 +1,248 @@
+"""routing without a GPU: every tier compiles for sm_90a, inputs are validated, the references are consistent."""
+import pytest
+import torch
+
+import kerngen
+from kerngen import jit, tiers
+from kerngen.cache import DiskCache
+from kerngen.errors import InputError, TierError
+from kerngen.ops import routing as rt
+
+
+def all_routing_specs():
+    t = tiers.load()
+    specs = []
+    for m in t.models.values():
+        specs += [s for s in rt.model_specs(m, t, "sm_90a") if s not in specs]
+    generic = [  # beyond the shipped models: the limits and odd sizes
+        dict(E=2048, K=32, method="grouped_sigmoid_bias", n_group=16, topk_group=4, bdtype="bfloat16"),
+        dict(E=2048, K=32, method="softmax_topk", renormalize=False, wdtype="bfloat16"),
+        dict(E=2048, K=1, method="top1_sigmoid", ldtype="bfloat16"),
+        dict(E=1000, K=3, method="topk_softmax"),
+        dict(E=33, K=5, method="sigmoid_bias"),
+        dict(E=1, K=1, method="softmax_topk"),
+    ]
+    for g in generic:
+        E, K, method = g.pop("E"), g.pop("K"), g.pop("method")
+        for T in (1, 16, 17, 8192):
+            s = rt.spec(E, K, method, T, "sm_90a", tbl=t, **g)
+            if s not in specs:
+                specs.append(s)
+    for E, K in ((2048, 32), (1, 1), (1000, 3)):
+        s = rt.permute_spec(E, K, 100, "sm_90a", t)
+        if s not in specs:
+            specs.append(s)
+    return specs
+
+
+ENTRY = {"fused": [b"routing_fused"], "topk": [b"routing_topk"],
+         "histogram": [b"permute_block_rank", b"permute_offsets", b"permute_scatter"]}
+
+
+@pytest.mark.parametrize("spec", all_routing_specs(), ids=lambda s: f"{s.op}-{s.variant}-{s.tag}")
+def test_every_routing_tier_compiles_to_sm90a_cubin(spec, tmp_path):
+    built = jit.build(spec, store=DiskCache(tmp_path))
+    cubin = built.files["kernel.cubin"]
+    assert built.status == "compiled" and cubin[:4] == b"\x7fELF"
+    for name in ENTRY[spec.variant]:
+        assert name in cubin
+
+
+def test_every_shipped_model_has_routing_and_permute_tiers():
+    t = tiers.load()
+    for m in t.models.values():
+        ops = {(s.op, s.variant) for s in rt.model_specs(m, t, "sm_90a")}
+        assert ("routing", "fused") in ops and ("permute", "histogram") in ops, m.name
+        for s in rt.model_specs(m, t, "sm_90a"):
+            if s.variant == "fused":  # the fused kernel sizes shared memory for max_tokens
+                rule = t.rule("routing", {"num_experts": m.num_experts, "top_k": m.top_k, "tokens": 1})
+                assert rule.ranges["tokens"][1] <= dict(s.params)["max_tokens"]
+
+
+def test_explain_routing_names_the_fused_tier(capsys):
+    from kerngen import cli
+    assert cli.main(["explain", "--op", "routing", "--model", "kimi-k3", "--tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "variant   fused" in out and "routing-fused-E896-K16-sgb" in out
+
+
+# ------------------------------------------------------------------------------------------ validation
+def logits_cpu(T=4, E=256, dtype=torch.float32):
+    return torch.zeros(T, E, dtype=dtype)
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(logits=torch.zeros(4, 3000), top_k=8, method="softmax_topk"), "logits"),
+    (dict(logits=torch.zeros(4, 256, dtype=torch.float16), top_k=8, method="softmax_topk"), "logits"),
+    (dict(logits=torch.zeros(256), top_k=8, method="softmax_topk"), "logits"),
+    (dict(logits=logits_cpu(), top_k=0, method="softmax_topk"), "top_k"),
+    (dict(logits=logits_cpu(), top_k=33, method="softmax_topk"), "top_k"),
+    (dict(logits=logits_cpu(E=4), top_k=5, method="softmax_topk"), "top_k"),
+    (dict(logits=logits_cpu(), top_k=2, method="top1_sigmoid"), "top_k"),
+    (dict(logits=logits_cpu(), top_k=8, method="sparsemax"), "method"),
+    (dict(logits=logits_cpu(), top_k=8, method="grouped_sigmoid_bias", n_group=3), "n_group"),
+    (dict(logits=logits_cpu(), top_k=8, method="grouped_sigmoid_bias", n_group=8, topk_group=9), "topk_group"),
+    (dict(logits=logits_cpu(), top_k=70, method="grouped_sigmoid_bias", n_group=8, topk_group=2), "top_k"),
+    (dict(logits=logits_cpu(), top_k=8, method="sigmoid_bias", n_group=8, topk_group=4), "n_group"),
+    (dict(logits=logits_cpu(), top_k=8, method="sigmoid_bias", bias=torch.zeros(255)), "bias"),
+    (dict(logits=logits_cpu(), top_k=8, method="sigmoid_bias", bias=torch.zeros(256, dtype=torch.float16)), "bias"),
+    (dict(logits=logits_cpu(), top_k=8, method="softmax_topk", bias=torch.zeros(256)), "bias"),
+    (dict(logits=logits_cpu(), top_k=8, method="softmax_topk", tile=0), "tile"),
+    (dict(logits=logits_cpu(), top_k=8, method="softmax_topk", tile=1025), "tile"),
+    (dict(logits=logits_cpu(), top_k=8, method="softmax_topk", tile=128, local_experts=(250, 10)), "local_experts"),
+    (dict(logits=logits_cpu(), top_k=8, method="softmax_topk", local_experts=(0, 0)), "local_experts"),
+    (dict(logits=logits_cpu(), top_k=8, method="softmax_topk", routed_scaling_factor=-1.0), "routed_scaling_factor"),
+    (dict(logits=logits_cpu(), top_k=8, method="softmax_topk"), "logits"),  # on the CPU
+    (dict(logits=logits_cpu(E=896), model="kimi-k3", top_k=8), "top_k"),
+    (dict(logits=logits_cpu(E=896), model="kimi-k3", method="softmax_topk"), "method"),
+    (dict(logits=logits_cpu(E=896), model="kimi-k3", routed_scaling_factor=2.0), "routed_scaling_factor"),
+])
+def test_route_rejects_bad_input_naming_the_argument(kwargs, arg):
+    logits = kwargs.pop("logits")
+    with pytest.raises(InputError) as e:
+        kerngen.route(logits, **kwargs)
+    assert e.value.arg == arg and f"'{arg}'" in str(e.value)
+
+
+def test_route_unknown_model_is_a_tier_error():
+    with pytest.raises(TierError, match="unknown model"):
+        kerngen.route(logits_cpu(), model="no-such-model")
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(topk_ids=torch.zeros(4, 8, dtype=torch.int64), num_experts=256, tile=128), "topk_ids"),
+    (dict(topk_ids=torch.zeros(4, 8, dtype=torch.int32), num_experts=4000, tile=128), "num_experts"),
+    (dict(topk_ids=torch.zeros(4, 8, dtype=torch.int32), num_experts=4, tile=128), "topk_ids.shape[1]"),
+    (dict(topk_ids=torch.zeros(4, 8, dtype=torch.int32), num_experts=256, tile=2048), "tile"),
+    (dict(topk_ids=torch.zeros(4, 8, dtype=torch.int32), num_experts=256, tile=8, local_experts=(-1, 4)),
+     "local_experts"),
+    (dict(topk_ids=torch.zeros(4, 8, dtype=torch.int32), num_experts=256, tile=8), "topk_ids"),  # CPU
+])
+def test_permute_rejects_bad_input_naming_the_argument(kwargs, arg):
+    ids = kwargs.pop("topk_ids")
+    with pytest.raises(InputError) as e:
+        kerngen.permute(ids, **kwargs)
+    assert e.value.arg == arg
+
+
+def test_workspace_views_are_sized_for_the_worst_case():
+    ws = kerngen.RoutingWorkspace(64, 256, 8, 16, local_experts=(32, 64), device="cpu")
+    r = ws.result(10, 64)
+    assert r.topk_ids.shape == (10, 8) and r.topk_weights.dtype == torch.float32
+    assert r.expert_counts.shape == (64,) and r.expert_offsets.shape == (65,)
+    assert r.permuted_to_token.shape == (10 * 8 + 64 * 15,)
+    assert r.tile_to_expert.shape == ((10 * 8 + 64 * 15) // 16,)
+    assert r.num_permuted_rows.dim() == 0 and int(r.num_permuted_rows) == -1   # "no previous call"
+    assert bool((ws.p2t == -1).all()) and bool((ws.t2e == -1).all())
+    with pytest.raises(InputError, match="tile"):
+        kerngen.RoutingWorkspace(64, 256, 8, 0, device="cpu")
+
+
+# ------------------------------------------------------------------------------------------ references
+METHOD_CASES = [("softmax_topk", {}), ("softmax_topk", {"renormalize": False}), ("topk_softmax", {}),
+                ("sigmoid_bias", {"routed_scaling_factor": 2.5}),
+                ("grouped_sigmoid_bias", {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5}),
+                ("top1_sigmoid", {})]
+
+
+def mission_reference(s, K, method, bias=None, n_group=1, topk_group=1, rsf=1.0, renorm=True):
+    """MISSION §2 pseudo-code, literally (valid for rows without ties, NaN or -inf)."""
+    def topk(key, k):
+        return torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :k]
+    T, E = s.shape
+    if method == "softmax_topk":
+        p = s.softmax(-1); i = topk(p, K); w = p.gather(-1, i)
+        return i, (w / w.sum(-1, True) if renorm else w)
+    if method == "topk_softmax":
+        i = topk(s, K)
+        return i, s.gather(-1, i).softmax(-1)
+    if method == "top1_sigmoid":
+        i = topk(s, 1)
+        return i, torch.sigmoid(s.gather(-1, i))
+    g = torch.sigmoid(s)
+    b = g + bias
+    if method == "grouped_sigmoid_bias":
+        G = b.view(T, n_group, E // n_group).topk(2, -1).values.sum(-1)
+        gi = topk(G, topk_group)
+        keep = torch.zeros(T, n_group, dtype=torch.bool).scatter_(1, gi, True).repeat_interleave(E // n_group, 1)
+        b = b.masked_fill(~keep, float("-inf"))
+    i = topk(b, K)
+    w = g.gather(-1, i)
+    return i, w * rsf / (w.sum(-1, True) + 1e-20)
+
+
+@pytest.mark.parametrize("method, kw", METHOD_CASES)
+def test_reference_matches_the_mission_pseudo_code_on_plain_rows(method, kw):
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(64, 256, generator=g)
+    K = 1 if method == "top1_sigmoid" else 8
+    bias = torch.randn(256, generator=g) * 0.1 if "sigmoid_bias" in method else None
+    ids, w = rt.reference(s, K, method, bias, **kw)
+    mi, mw = mission_reference(s, K, method, bias, kw.get("n_group", 1), kw.get("topk_group", 1),
+                               kw.get("routed_scaling_factor", 1.0), kw.get("renormalize", True))
+    assert torch.equal(ids.long(), mi)
+    torch.testing.assert_close(w, mw.float(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("method, kw", METHOD_CASES)
+def test_reference_ties_lower_index_wins_and_nonfinite_last(method, kw):
+    E = 256
+    K = 1 if method == "top1_sigmoid" else 8
+    s = torch.zeros(3, E)
+    s[1, :] = float("-inf")
+    s[1, [200, 7, 100]] = torch.tensor([1.0, 1.0, 0.5])      # 3 finite: 7, 200 (tie), then 100
+    s[1, 50] = float("nan")
+    s[2, :] = float("nan")
+    ids, w = rt.reference(s, K, method, torch.zeros(E) if "sigmoid_bias" in method else None, **kw)
+    if method != "grouped_sigmoid_bias":
+        assert ids[0].tolist() == list(range(K))             # all equal: lowest indices
+        want = [7, 200, 100, 0, 1, 2, 3, 4][:K]               # then the lowest-index -inf / NaN experts
+        assert ids[1].tolist() == want
+    assert ids[2].tolist() == list(range(K))
+    assert torch.isfinite(w).all()
+    if K > 1 and method != "grouped_sigmoid_bias":
+        assert (w[1, 3:] == 0).all() and (w[2] == 0).all()
+
+
+def test_reference_grouped_picks_only_from_the_best_groups():
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(128, 256, generator=g)
+    bias = torch.randn(256, generator=g) * 0.1
+    ids, _ = rt.reference(s, 8, "grouped_sigmoid_bias", bias, n_group=8, topk_group=4)
+    assert all(len(set((ids[t] // 32).tolist())) <= 4 for t in range(128))
+
+
+@pytest.mark.parametrize("tile", [1, 8, 16, 64, 128])
+@pytest.mark.parametrize("local", [None, (0, 256), (64, 64), (250, 6)])
+def test_permutation_reference_invariants(tile, local):
+    g = torch.Generator().manual_seed(tile)
+    T, K, E = 37, 8, 256
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    ids[:5] = ids[:5] % 8                                     # crowd a few experts
+    ids[:5] = torch.stack([torch.randperm(8, generator=g)[:K] for _ in range(5)]).int()
+    p = rt.permute_reference(ids, E, tile, local)
+    ls, nl = local or (0, E)
+    x = ids.flatten().long() - ls
+    is_local = (x >= 0) & (x < nl)
+    cnt, off = p["expert_counts"].long(), p["expert_offsets"].long()
+    rows = int(p["num_permuted_rows"])
+    assert int(cnt.sum()) == int(is_local.sum()) and off[-1] == rows and rows % tile == 0
+    assert torch.equal(off[1:] - off[:-1], (cnt + tile - 1) // tile * tile)
+    e2p = p["expanded_to_permuted"].flatten().long()
+    assert (e2p[~is_local] == -1).all()
+    got = e2p[is_local]
+    assert got.unique().numel() == got.numel()
+    for e in torch.nonzero(is_local).flatten().tolist():
+        xe = int(x[e])
+        assert off[xe] <= e2p[e] < off[xe] + cnt[xe]
+    for xe in range(nl):                                      # ascending expanded index within an expert
+        rows_x = e2p[(x == xe) & is_local]
+        assert torch.equal(rows_x, torch.arange(int(off[xe]), int(off[xe] + cnt[xe])))
+    p2t = p["permuted_to_token"].long()
+    assert p2t.numel() == T * K + nl * (tile - 1)
+    assert torch.equal(p2t[e2p[is_local]], torch.nonzero(is_local).flatten() // K)
+    assert int((p2t >= 0).sum()) == int(is_local.sum())
+    t2e = p["tile_to_expert"].long()
+    assert t2e.numel() == p2t.numel() // tile and (t2e[rows // tile:] == -1).all()
+    for j in range(rows // tile):
+        assert off[t2e[j]] <= j * tile < off[t2e[j] + 1]
