@@ -24,6 +24,7 @@ import ctypes  # noqa: E402
 from kerngen.launch import Launcher  # noqa: E402
 
 nolaunch = ctypes.CDLL("libcuda.so.1").cuDriverGetVersion
+nolaunch.argtypes = [ctypes.c_void_p]
 ver = ctypes.c_int()
 ver_p = ctypes.addressof(ver)
 pdl_off = Launcher.__new__(Launcher)
