@@ -3,7 +3,8 @@
 Every CUDA C++ kernel of kerngen takes one by-value parameter struct (`__grid_constant__ const Params p`),
 so a launch packs its arguments into one preallocated buffer with `struct.pack_into` and hands the driver a
 pointer to it: no per-argument Python objects. The driver copies the parameters at launch (and at graph
-capture), so the buffer may be reused at once; it is per thread.
+capture), so the buffer may be reused at once; it is per thread. Launch goes through ctypes to the
+driver's cuLaunchKernelEx with prebuilt C structs: most of a launch's host cost is then the driver's own.
 """
 from __future__ import annotations
 
@@ -103,33 +104,37 @@ class Launcher:
         self.pack = struct.Struct("<" + fmt)
         self.grid, self.block, self.smem, self.pdl = tuple(grid), tuple(block), smem, pdl
         self.name = name
-        self._fn_ptr = int(self.fn)
+        self._fn_p = ctypes.c_void_p(int(self.fn))
         self._launch = _launch_fn()
-        self._tls = threading.local()
+        self._states: dict[int, _LaunchState] = {}
         if smem > 48 * 1024:
             _ok(drv.cuFuncSetAttribute(self.fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                        smem), "raising the dynamic shared memory limit")
 
     def _state(self):
-        tls = self._tls
-        tls.buf = ctypes.create_string_buffer(max(self.pack.size, 8))
-        tls.argv = (ctypes.c_void_p * 1)(ctypes.addressof(tls.buf))
-        tls.attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-        tls.attr.value = (1).to_bytes(4, "little")
-        tls.cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(*self.grid), block=(ctypes.c_uint * 3)(*self.block),
-                                smem=self.smem, attrs=ctypes.pointer(tls.attr), num_attrs=1 if self.pdl else 0)
-        tls.cfg_addr, tls.argv_addr = ctypes.addressof(tls.cfg), ctypes.addressof(tls.argv)
-        return tls
+        """Per-thread launch state: the parameter buffer and launch config are reused on every call."""
+        st = _LaunchState()
+        st.buf = ctypes.create_string_buffer(max(self.pack.size, 8))
+        st.argv = (ctypes.c_void_p * 1)(ctypes.addressof(st.buf))
+        st.attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        st.attr.value = (1).to_bytes(4, "little")
+        st.cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(*self.grid), block=(ctypes.c_uint * 3)(*self.block),
+                               smem=self.smem, attrs=ctypes.pointer(st.attr), num_attrs=1 if self.pdl else 0)
+        st.cfg_p, st.argv_p = ctypes.c_void_p(ctypes.addressof(st.cfg)), ctypes.c_void_p(ctypes.addressof(st.argv))
+        self._states[threading.get_ident()] = st
+        return st
 
     def __call__(self, stream: int, *args) -> None:
-        tls = self._tls
-        if not hasattr(tls, "cfg"):
-            tls = self._state()
-        self.pack.pack_into(tls.buf, 0, *args)
-        tls.cfg.stream = stream
-        err = self._launch(tls.cfg_addr, self._fn_ptr, tls.argv_addr, None)
+        st = self._states.get(threading.get_ident()) or self._state()
+        self.pack.pack_into(st.buf, 0, *args)
+        st.cfg.stream = stream
+        err = self._launch(st.cfg_p, self._fn_p, st.argv_p, None)
         if err:
             _ok(_drv().CUresult(err), f"launching {self.name} grid={self.grid} block={self.block}")
+
+
+class _LaunchState:
+    __slots__ = ("buf", "argv", "attr", "cfg", "cfg_p", "argv_p")
 
 
 def current_stream(device: int) -> int:

@@ -82,27 +82,29 @@ def finalize(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
     [0, rows)) contributes nothing. topk_weights: [T, K] fp32 or bf16.
     """
     g, e2p, w = gemm2_out, expanded_to_permuted, topk_weights
-    try:  # the signature pins every property the checks below establish, except data_ptr alignment
-        sig = (g.dtype, g.shape, g.stride(), g.device, e2p.dtype, e2p.shape, e2p.stride(), e2p.device,
-               w.dtype, w.shape, w.stride(), w.device, hidden)
+    try:  # the signature pins every property the checks establish, except the data_ptr alignment
+        sig = (g.dtype, g.shape, g.stride(), e2p.dtype, e2p.shape, e2p.stride(), w.dtype, w.shape, w.stride(),
+               g.get_device(), e2p.get_device(), w.get_device(), hidden)
         hit = _fast.get(sig)
     except AttributeError:
         hit = None
-    if hit is None or g.data_ptr() % 16:
+    g_ptr = g.data_ptr() if hit is not None else 1
+    if g_ptr % 16:
         hit = _prepare(g, e2p, w, hidden)
+        g_ptr = g.data_ptr()
         if len(_fast) > 4096:
             _fast.clear()
         _fast[sig] = hit
     launcher, T, H, ld, rows, dev = hit
     if out is None:
         out = torch.empty((T, H), dtype=g.dtype, device=g.device)
-    elif (out.dtype != g.dtype or out.shape != (T, H) or not out.is_contiguous() or out.device != g.device
+    elif (out.dtype != g.dtype or out.shape != (T, H) or out.get_device() != dev or not out.is_contiguous()
           or out.data_ptr() % 16):
         check_tensor(OP, "out", out, dtypes=(g.dtype,), ndim=2, device=g.device, contiguous=True)
         check_aligned(OP, "out", out)
         raise InputError(OP, "out", f"of shape ({T}, {H})", f"shape {tuple(out.shape)}")
     if T:
-        launcher(current_stream(dev), g.data_ptr(), e2p.data_ptr(), w.data_ptr(), out.data_ptr(), ld, rows, T)
+        launcher(current_stream(dev), g_ptr, e2p.data_ptr(), w.data_ptr(), out.data_ptr(), ld, rows, T)
     return out
 
 
