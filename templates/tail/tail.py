@@ -1,0 +1,231 @@
+"""Fused MoE tail (CuTe DSL): top-k combine + shared expert + residual + RMSNorm, one kernel.
+
+    y[t]            = sum_{k ascending, 0 <= e2p[t,k] < rows} w[t,k] * g[e2p[t,k], :H]   (fp32)
+                      + shared[t] (optional) + residual[t] (optional)
+    residual_out[t] = y[t].to(DTYPE)                                                   (optional)
+    out[t]          = (y[t] * rsqrt(mean(y[t]^2) + eps) * norm_w).to(ODTYPE)
+
+y lives in registers only; the finalized [T, H] row is never written to global memory.
+
+Layout (row-major, element strides; T, rows and ld are runtime values, everything else compile-time):
+    g       [rows, H] stride (ld, 1)  DTYPE   ld % 8 == 0, base 16-byte aligned
+    e2p, w  [T, K]    compact         int32 / WDTYPE (fp32 or bf16)
+    shared, residual, residual_out [T, H] compact DTYPE;  norm_w [H] DTYPE;  out [T, H] compact ODTYPE
+    eps     fp32 runtime scalar
+
+Tiling and thread mapping:
+* A token row of H 16-bit values is NV = H / 8 vectors of 128 bits. `cluster` = C CTAs share one token:
+  grid = (T * C), cluster = (C), CTA rank r of token t = blockIdx.x / C owns vectors [r * NT * I, (r+1) * NT * I).
+* Block = NT threads (a multiple of 32, at most `threads`), I = ceil(NV / (C * threads)) vectors per thread:
+  thread i of the CTA owns vectors r*NT*I + tid + j*NT, j < I (consecutive threads -> consecutive 16 bytes,
+  so each warp access is one coalesced 512-byte transaction); vectors >= NV are predicated off.
+* Every thread reads the token's K indices and weights (broadcast loads), then issues the K 128-bit loads
+  of up to GROUP owned vectors back to back (all in flight at once), then accumulates them in ascending k.
+  Shared, residual and norm weight vectors are loaded in the same batch. A slot whose index is outside
+  [0, rows) is not loaded and contributes 0 * 0 (a NaN weight stored there cannot leak).
+* RMSNorm: thread sum of y^2 -> warp butterfly -> one fp32 per warp in shared memory -> CTA sum in warp
+  order. With C > 1, thread p of each CTA stores the CTA's sum into CTA p's shared memory (distributed
+  shared memory, st.shared::cluster), one cluster barrier, and every CTA adds the C partials in rank order
+  (so all CTAs of a token use the same rstd). A cluster barrier at kernel start guarantees every peer runs.
+* With `pdl`, the kernel waits for its predecessor grid (griddepcontrol.wait) before reading any input
+  and lets its dependents launch at once; they in turn wait for this grid to finish before reading.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+VEC_BITS = 128
+WARP = 32
+MAX_IN_FLIGHT = 32   # 128-bit loads a thread keeps in flight (bounds registers: 4 per load)
+DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
+
+
+def thread_shape(hidden: int, cluster: int, max_threads: int, vec: int = 8) -> tuple[int, int]:
+    """(threads per CTA, vectors per thread) covering hidden / vec vectors with `cluster` CTAs."""
+    per_cta = math.ceil(hidden // vec / cluster)
+    iters = max(1, math.ceil(per_cta / max_threads))
+    threads = max(WARP, math.ceil(math.ceil(per_cta / iters) / WARP) * WARP)
+    return threads, iters
+
+
+class MoeTail:
+    def __init__(self, dtype, wdtype, odtype, hidden: int, topk: int, *, threads: int, cluster: int,
+                 pdl: bool):
+        assert dtype.width == 16 and odtype.width == 16, "bf16/fp16 activations and outputs"
+        self.dtype, self.wdtype, self.odtype = dtype, wdtype, odtype
+        self.vec = VEC_BITS // dtype.width
+        assert hidden % self.vec == 0, f"H={hidden} must be a multiple of {self.vec}"
+        self.hidden, self.topk, self.cluster, self.pdl = hidden, topk, cluster, pdl
+        self.num_vec = hidden // self.vec
+        self.threads, self.iters = thread_shape(hidden, cluster, threads, self.vec)
+        self.num_warps = self.threads // WARP
+        self.need_pred = self.threads * self.iters * cluster != self.num_vec
+        self.group = max(1, min(self.iters, MAX_IN_FLIGHT // topk))  # owned vectors whose loads fly together
+
+    @cute.jit
+    def _vec(self, row: cute.Tensor, v: Int32) -> cute.Tensor:
+        return cute.local_tile(row, (self.vec,), (v,))
+
+    @cute.jit
+    def __call__(self, mG: cute.Tensor, mE2p: cute.Tensor, mW: cute.Tensor, mShared: Optional[cute.Tensor],
+                 mRes: Optional[cute.Tensor], mNormW: cute.Tensor, mOut: cute.Tensor,
+                 mResOut: Optional[cute.Tensor], eps: Float32, stream):
+        num_tokens = mE2p.shape[0]
+        if const_expr(self.cluster > 1):
+            self.kernel(mG, mE2p, mW, mShared, mRes, mNormW, mOut, mResOut, eps).launch(
+                grid=[num_tokens * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
+                stream=stream, use_pdl=self.pdl)
+        else:
+            self.kernel(mG, mE2p, mW, mShared, mRes, mNormW, mOut, mResOut, eps).launch(
+                grid=[num_tokens, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, mG: cute.Tensor, mE2p: cute.Tensor, mW: cute.Tensor, mShared: Optional[cute.Tensor],
+               mRes: Optional[cute.Tensor], mNormW: cute.Tensor, mOut: cute.Tensor,
+               mResOut: Optional[cute.Tensor], eps: Float32):
+        VEC, K, NT = self.vec, self.topk, self.threads
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        t = bidx
+        base = tidx
+        if const_expr(self.cluster > 1):
+            cute.arch.cluster_arrive_relaxed()  # paired with the wait before the first remote store
+            t = bidx // self.cluster
+            base = (bidx % self.cluster) * (NT * self.iters) + tidx
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+
+        smem = cutlass.memory.SmemAllocator()
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps,)), 16)
+        sPeer = smem.allocate_tensor(Float32, cute.make_layout((self.cluster,)), 16)
+
+        # routing data of this token; an index outside [0, rows) becomes -1 and is skipped
+        rows = mG.shape[0]
+        rIdx = cute.make_rmem_tensor((K,), Int32)
+        rWn = cute.make_rmem_tensor((K,), self.wdtype)
+        cute.autovec_copy(mE2p[t, None], rIdx)
+        cute.autovec_copy(mW[t, None], rWn)
+        rW = cute.make_rmem_tensor((K,), Float32)
+        rW.store(rWn.load().to(Float32))
+        for k in cutlass.range_constexpr(K):
+            if rIdx[k] >= rows:
+                rIdx[k] = Int32(-1)
+            if rIdx[k] < 0:
+                rW[k] = Float32(0.0)  # a skipped slot adds 0 * 0, even if its stored weight is NaN
+
+        acc = cute.make_rmem_tensor((VEC, self.iters), Float32)
+        rNw = cute.make_rmem_tensor((VEC, self.iters), self.dtype)
+        rX = cute.make_rmem_tensor((VEC, K, self.group), self.dtype)
+        rS = cute.make_rmem_tensor((VEC, self.group), self.dtype)
+        rR = cute.make_rmem_tensor((VEC, self.group), self.dtype)
+        rTmp = cute.make_rmem_tensor((VEC,), self.dtype)
+        for g0 in cutlass.range_constexpr(0, self.iters, self.group):
+            # issue every load of this group first (memory-level parallelism) ...
+            for j in cutlass.range_constexpr(self.group):
+                if const_expr(g0 + j < self.iters):
+                    v = base + (g0 + j) * NT
+                    in_range = True
+                    if const_expr(self.need_pred):
+                        in_range = v < self.num_vec
+                    if in_range:
+                        for k in cutlass.range_constexpr(K):
+                            row = rIdx[k]
+                            if row >= 0:
+                                cute.autovec_copy(self._vec(mG[row, None], v), rX[None, k, j])
+                            else:
+                                rX[None, k, j].fill(0.0)
+                        if const_expr(mShared is not None):
+                            cute.autovec_copy(self._vec(mShared[t, None], v), rS[None, j])
+                        if const_expr(mRes is not None):
+                            cute.autovec_copy(self._vec(mRes[t, None], v), rR[None, j])
+                        cute.autovec_copy(self._vec(mNormW, v), rNw[None, g0 + j])
+            # ... then accumulate in ascending k, add shared and residual
+            for j in cutlass.range_constexpr(self.group):
+                if const_expr(g0 + j < self.iters):
+                    i = g0 + j
+                    v = base + i * NT
+                    in_range = True
+                    if const_expr(self.need_pred):
+                        in_range = v < self.num_vec
+                    acc[None, i].fill(0.0)
+                    if in_range:
+                        a = acc[None, i].load()
+                        for k in cutlass.range_constexpr(K):
+                            a = a + rW[k] * rX[None, k, j].load().to(Float32)
+                        if const_expr(mShared is not None):
+                            a = a + rS[None, j].load().to(Float32)
+                        if const_expr(mRes is not None):
+                            a = a + rR[None, j].load().to(Float32)
+                        acc[None, i].store(a)
+                        if const_expr(mResOut is not None):
+                            rTmp.store(a.to(self.dtype))
+                            cute.autovec_copy(rTmp, self._vec(mResOut[t, None], v))
+
+        # sum of squares: thread -> warp (shuffle) -> CTA (shared memory) -> cluster (distributed smem)
+        y = acc.load()
+        ss = (y * y).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        ss = cute.arch.warp_reduction_sum(ss)
+        warp = cute.arch.warp_idx()
+        lane = cute.arch.lane_idx()
+        if lane == 0:
+            sRed[warp] = ss
+        cute.arch.sync_threads()
+        total = Float32(0.0)
+        for w in cutlass.range_constexpr(self.num_warps):
+            total = total + sRed[w]
+        if const_expr(self.cluster > 1):
+            rank = cute.arch.block_idx_in_cluster()
+            cute.arch.cluster_wait()  # every peer CTA is running: its shared memory may be written
+            if tidx < self.cluster:
+                local = (sPeer.iterator + rank).toint()
+                cute.arch.inline_ptx("{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
+                                     "st.shared::cluster.f32 [remote], {$r2};\n\t}",
+                                     read_only_args=[local, tidx, total])
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            total = Float32(0.0)
+            for p in cutlass.range_constexpr(self.cluster):
+                total = total + sPeer[p]
+        rstd = cute.math.rsqrt(total / Float32(self.hidden) + eps)
+
+        rO = cute.make_rmem_tensor((VEC,), self.odtype)
+        for i in cutlass.range_constexpr(self.iters):
+            v = base + i * NT
+            in_range = True
+            if const_expr(self.need_pred):
+                in_range = v < self.num_vec
+            if in_range:
+                rO.store((acc[None, i].load() * rstd * rNw[None, i].load().to(Float32)).to(self.odtype))
+                cute.autovec_copy(rO, self._vec(mOut[t, None], v))
+
+
+def compile_kernel(*, H: int, K: int, DTYPE: str, WDTYPE: str, ODTYPE: str, SHARED: bool, RESIDUAL: bool,
+                   RESIDUAL_OUT: bool, threads: int, cluster: int = 1, pdl: bool = False, ARCH: str = ""):
+    """Compile one specialization with TVM-FFI. The result is called as
+    f(g, e2p, w, shared|None, residual|None, norm_w, out, residual_out|None, eps) on torch's current stream;
+    None goes exactly where the flags say it does."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+    from cutlass.runtime import make_fake_stream
+
+    dt, wdt, odt = DTYPES[DTYPE], DTYPES[WDTYPE], DTYPES[ODTYPE]
+    T = cute.sym_int32(symbol="T")
+    rows = cute.sym_int32(symbol="rows")
+    ld = cute.sym_int64(divisibility=8, symbol="ld")
+
+    def per_token(d, n):
+        return make_fake_compact_tensor(d, (T, n), stride_order=(1, 0), assumed_align=16)
+
+    g = make_fake_tensor(dt, (rows, H), (ld, 1), assumed_align=16)
+    args = (g, per_token(Int32, K), per_token(wdt, K), per_token(dt, H) if SHARED else None,
+            per_token(dt, H) if RESIDUAL else None, make_fake_compact_tensor(dt, (H,), assumed_align=16),
+            per_token(odt, H), per_token(dt, H) if RESIDUAL_OUT else None, Float32(1e-6),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
+    op = MoeTail(dt, wdt, odt, H, K, threads=threads, cluster=cluster, pdl=pdl)
+    options = "--enable-tvm-ffi" + (f" --gpu-arch {ARCH}" if ARCH else "")
+    return cute.compile(op, *args, options=options)
