@@ -5,10 +5,11 @@ Importing kerngen touches no GPU, imports no CuTe DSL and creates no directory.
 from .errors import CacheMissError, CompileError, DeviceError, InputError, KerngenError, TierError
 from .ops.finalize import finalize
 from .ops.routing import Routing, RoutingWorkspace, permute, route
+from .ops.tail import moe_tail
 from .plan import VERSION as __version__
 
-__all__ = ["route", "permute", "Routing", "RoutingWorkspace", "finalize", "models", "strict", "KerngenError",
-           "InputError", "TierError", "CompileError", "CacheMissError", "DeviceError", "__version__"]
+__all__ = ["route", "permute", "Routing", "RoutingWorkspace", "finalize", "moe_tail", "models", "strict",
+           "KerngenError", "InputError", "TierError", "CompileError", "CacheMissError", "DeviceError", "__version__"]
 
 
 def models() -> dict:

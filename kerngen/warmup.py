@@ -11,7 +11,7 @@ from . import jit
 from .plan import KernelSpec
 from .tiers import Model, Table
 
-OPS = ("routing", "finalize")  # ops with kernels; each module provides model_specs()
+OPS = ("routing", "finalize", "tail")  # ops with kernels; each module provides model_specs()
 
 
 def _op_module(op: str):

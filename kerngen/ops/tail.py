@@ -1,0 +1,191 @@
+"""tail: the fused MoE layer tail, one CuTe DSL kernel (templates/tail/tail.py).
+
+    y            = finalize(gemm2_out, expanded_to_permuted, topk_weights)  (fp32, never written)
+                   + shared (optional) + residual (optional)
+    residual_out = y.to(dtype)                                              (optional)
+    out          = (y * rsqrt(mean(y^2) + eps) * norm_weight).to(out_dtype)
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import cute_backend, jit
+from .. import plan as plan_mod
+from ..errors import InputError
+from ..tiers import Model, Table
+from ._common import DTYPE_NAMES, SHORT, arch, check_aligned, check_tensor, table
+
+OP = "tail"
+MAX_K = 32
+_ACT = (torch.bfloat16, torch.float16)
+_W = (torch.float32, torch.bfloat16)
+# Flag sets `kerngen warmup` builds for every model: (shared, residual, residual_out). The pre-norm residual
+# stream of DeepSeek/Kimi/GLM/Qwen3-Next/Llama-4 (shared expert + residual, with and without writing the
+# new residual). Other combinations compile on first use.
+WARMUP_FLAGS = ((True, True, False), (True, True, True))
+
+
+def reference(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, *, eps=1e-6, shared=None,
+              residual=None, out_dtype=None):
+    """fp32 torch math of the fused tail; returns (out, residual_out). Index -1 (or >= rows) is skipped."""
+    g, e2p = gemm2_out, expanded_to_permuted
+    H = norm_weight.shape[0]
+    rows = g.shape[0]
+    idx = e2p.long()
+    valid = (idx >= 0) & (idx < rows)
+    x = g[idx.clamp(0, max(rows - 1, 0)), :H].float() if rows else torch.zeros(*idx.shape, H, device=g.device)
+    w = torch.where(valid, topk_weights.float(), 0.0)
+    y = torch.zeros(e2p.shape[0], H, dtype=torch.float32, device=g.device)
+    for k in range(e2p.shape[1]):  # k ascending, like the kernel
+        y = y + w[:, k, None] * torch.where(valid[:, k, None], x[:, k], 0.0)
+    if shared is not None:
+        y = y + shared.float()
+    if residual is not None:
+        y = y + residual.float()
+    rstd = torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    out = (y * rstd * norm_weight.float()).to(out_dtype or g.dtype)
+    return out, y.to(g.dtype)
+
+
+def _tag(H, K, dtype, wdtype, odtype, flags):
+    s, r, ro = (int(f) for f in flags)
+    return f"H{H}-K{K}-{SHORT[dtype]}-w{SHORT[wdtype]}-o{SHORT[odtype]}-s{s}r{r}ro{ro}"
+
+
+def _constants(H, K, dtype, wdtype, odtype, flags):
+    return {"H": H, "K": K, "DTYPE": dtype, "WDTYPE": wdtype, "ODTYPE": odtype, "SHARED": bool(flags[0]),
+            "RESIDUAL": bool(flags[1]), "RESIDUAL_OUT": bool(flags[2])}
+
+
+def spec(hidden: int, top_k: int, dtype: str, weights_dtype: str, out_dtype: str, flags: tuple, tokens: int,
+         arch_: str, tbl: Table | None = None) -> plan_mod.KernelSpec:
+    """flags = (has_shared, has_residual, has_residual_out)."""
+    shape = {"hidden": hidden, "top_k": top_k, "tokens": tokens}
+    return plan_mod.plan(tbl or table(), OP, shape, _tag(hidden, top_k, dtype, weights_dtype, out_dtype, flags),
+                         _constants(hidden, top_k, dtype, weights_dtype, out_dtype, flags), arch_)
+
+
+def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpec]:
+    """The tail kernels of `model` over its token range, for each flag set of WARMUP_FLAGS."""
+    shape = {"hidden": model.hidden, "top_k": model.top_k, "num_experts": model.num_experts}
+    out = []
+    for rule in tbl.rules_for(OP, shape, model.tokens):
+        for flags in WARMUP_FLAGS:
+            args = (model.hidden, model.top_k, model.dtype, model.weights_dtype, model.dtype, flags)
+            out.append(plan_mod.spec_for(rule, _tag(*args), _constants(*args), arch_))
+    return out
+
+
+def explain_spec(args, tbl: Table, arch_: str) -> plan_mod.KernelSpec:
+    """`kerngen explain --op tail`: the shared + residual kernel (no residual_out) of that shape."""
+    return spec(args.hidden, args.topk, args.dtype, args.weights_dtype, args.dtype, (True, True, False),
+                args.tokens, arch_, tbl)
+
+
+_functions: dict[plan_mod.KernelSpec, object] = {}
+_fast: dict[tuple, tuple] = {}   # full input signature -> (function, T, H, out dtype, slice g, device)
+
+
+def _function(s: plan_mod.KernelSpec):
+    fn = _functions.get(s)
+    if fn is None:
+        built = jit.build(s)
+        fn = cute_backend.load(built.files, built.key)
+        _functions[s] = fn
+    return fn
+
+
+def _sig(t):
+    return None if t is None else (t.dtype, t.shape, t.stride(), t.device)
+
+
+def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_weights: torch.Tensor,
+             norm_weight: torch.Tensor, *, eps: float = 1e-6, shared: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """finalize + shared + residual + RMSNorm in one kernel; returns out [T, H] (out_dtype, default gemm2_out's).
+
+    gemm2_out: [rows, ld] bf16/fp16, ld >= H (padded rows allowed, last dim contiguous, 16-byte aligned).
+    expanded_to_permuted: [T, K] int32 (K <= 32); -1 or any value outside [0, rows) contributes nothing.
+    topk_weights: [T, K] fp32 or bf16. norm_weight: [H] in gemm2_out's dtype; H = norm_weight's length.
+    shared, residual: optional [T, H] contiguous, gemm2_out's dtype. residual_out: optional [T, H] buffer that
+    receives y (the pre-norm sum) in gemm2_out's dtype; it may be `residual` itself (updated in place).
+    All of it is CUDA-graph capturable; the kernel runs on torch's current stream.
+    """
+    g, e2p, w, nw = gemm2_out, expanded_to_permuted, topk_weights, norm_weight
+    try:  # the signature pins everything the full checks establish, except alignment (the kernel checks it)
+        sig = (g.dtype, g.shape, g.stride(), g.device, e2p.dtype, e2p.shape, e2p.stride(), e2p.device,
+               w.dtype, w.shape, w.stride(), w.device, nw.dtype, nw.shape, nw.stride(), nw.device,
+               _sig(shared), _sig(residual), _sig(residual_out), out_dtype)
+        hit = _fast.get(sig)
+    except AttributeError:
+        hit = None
+    if hit is None:
+        hit = _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype)
+        if len(_fast) > 4096:
+            _fast.clear()
+        _fast[sig] = hit
+    fn, T, H, odt, narrow, dev = hit
+    if out is None:
+        out = torch.empty((T, H), dtype=odt, device=g.device)
+    elif out.dtype != odt or out.shape != (T, H) or not out.is_contiguous() or out.device != g.device:
+        check_tensor(OP, "out", out, dtypes=(odt,), ndim=2, device=g.device, contiguous=True)
+        raise InputError(OP, "out", f"of shape ({T}, {H})", f"shape {tuple(out.shape)}")
+    if T:
+        try:
+            fn(g[:, :H] if narrow else g, e2p, w, shared, residual, nw, out, residual_out, eps)
+        except (ValueError, TypeError, RuntimeError):
+            for name, t in (("gemm2_out", g), ("expanded_to_permuted", e2p), ("topk_weights", w),
+                            ("norm_weight", nw), ("shared", shared), ("residual", residual), ("out", out),
+                            ("residual_out", residual_out)):
+                if t is not None:
+                    check_aligned(OP, name, t)
+            if not isinstance(eps, (int, float)):
+                raise InputError(OP, "eps", "a float", type(eps).__name__) from None
+            raise
+    return out
+
+
+def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
+    _slow_checks(g, e2p, w, nw, shared, residual, residual_out, out_dtype)
+    T, K = e2p.shape
+    H = nw.shape[0]
+    odt = out_dtype or g.dtype
+    dev = g.get_device()
+    flags = (shared is not None, residual is not None, residual_out is not None)
+    s = spec(H, K, DTYPE_NAMES[g.dtype], DTYPE_NAMES[w.dtype], DTYPE_NAMES[odt], flags, max(T, 1), arch(dev))
+    return _function(s), T, H, odt, g.shape[1] != H, dev
+
+
+def _slow_checks(g, e2p, w, nw, shared, residual, residual_out, out_dtype):
+    """Full validation with a message naming the argument; runs on the first call of a signature."""
+    check_tensor(OP, "gemm2_out", g, dtypes=_ACT, ndim=2)
+    dev = g.device
+    check_tensor(OP, "expanded_to_permuted", e2p, dtypes=(torch.int32,), ndim=2, device=dev, contiguous=True)
+    check_tensor(OP, "topk_weights", w, dtypes=_W, ndim=2, device=dev, contiguous=True)
+    T, K = e2p.shape
+    if tuple(w.shape) != (T, K):
+        raise InputError(OP, "topk_weights", f"of shape {(T, K)} like expanded_to_permuted", f"{tuple(w.shape)}")
+    if not 1 <= K <= MAX_K:
+        raise InputError(OP, "expanded_to_permuted", f"[T, K] with 1 <= K <= {MAX_K}", f"K = {K}")
+    check_tensor(OP, "norm_weight", nw, dtypes=(g.dtype,), ndim=1, device=dev, contiguous=True)
+    H = nw.shape[0]
+    if H < 8 or H % 8 or H > g.shape[1]:
+        raise InputError(OP, "norm_weight", f"of length H, a multiple of 8 in [8, {g.shape[1]}] (gemm2_out's width)",
+                         f"length {H}")
+    if g.stride(1) != 1 or g.stride(0) % 8 or g.stride(0) < H:
+        raise InputError(OP, "gemm2_out", "row-major with a contiguous last dim and a row stride that is a "
+                         f"multiple of 8 and >= {H}", f"strides {g.stride()}")
+    if g.shape[0] >= 2**31 or g.stride(0) >= 2**31:
+        raise InputError(OP, "gemm2_out", "fewer than 2**31 rows and row stride", f"shape {tuple(g.shape)}")
+    for name, t in (("shared", shared), ("residual", residual), ("residual_out", residual_out)):
+        if t is not None:
+            check_tensor(OP, name, t, dtypes=(g.dtype,), ndim=2, device=dev, contiguous=True)
+            if tuple(t.shape) != (T, H):
+                raise InputError(OP, name, f"of shape {(T, H)}", f"{tuple(t.shape)}")
+            check_aligned(OP, name, t)
+    if out_dtype is not None and out_dtype not in _ACT:
+        raise InputError(OP, "out_dtype", "torch.bfloat16, torch.float16 or None (fp8 output is not built yet)",
+                         str(out_dtype))
+    for name, t in (("gemm2_out", g), ("expanded_to_permuted", e2p), ("topk_weights", w), ("norm_weight", nw)):
+        check_aligned(OP, name, t)
