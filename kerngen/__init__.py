@@ -7,6 +7,7 @@ from .ops.finalize import finalize
 from .ops.routing import Routing, RoutingWorkspace, permute, route
 from .ops.tail import moe_tail
 from .plan import VERSION as __version__
+from . import torch_ops  # noqa: F401,E402  (registers torch.ops.kerngen.*)
 
 __all__ = ["route", "permute", "Routing", "RoutingWorkspace", "finalize", "moe_tail", "models", "strict",
            "KerngenError", "InputError", "TierError", "CompileError", "CacheMissError", "DeviceError", "__version__"]
