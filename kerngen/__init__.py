@@ -9,7 +9,7 @@ from .ops.tail import moe_tail
 from .plan import VERSION as __version__
 from . import torch_ops  # noqa: F401,E402  (registers torch.ops.kerngen.*)
 
-__all__ = ["route", "permute", "Routing", "RoutingWorkspace", "finalize", "moe_tail", "models", "strict",
+__all__ = ["route", "permute", "Routing", "RoutingWorkspace", "finalize", "moe_tail", "models", "preload", "strict",
            "KerngenError", "InputError", "TierError", "CompileError", "CacheMissError", "DeviceError", "__version__"]
 
 
@@ -19,7 +19,13 @@ def models() -> dict:
     return dict(tiers.load().models)
 
 
-def strict(on: bool = True) -> None:
+def preload(model: str, **kw) -> dict:
+    """Load every kernel `model` needs on the current GPU at start-up; returns count, compiled, seconds."""
+    from .warmup import preload as _preload
+    return _preload(model, **kw)
+
+
+def strict(on: bool | None = True) -> None:
     """Serving mode: a kernel missing from the cache raises CacheMissError instead of compiling."""
     from . import jit
     jit.set_strict(on)

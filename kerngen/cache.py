@@ -32,6 +32,7 @@ class DiskCache:
         self.root = Path(root)
         self.writable = True
         self._warned = False
+        self.miss_reason: dict[str, str] = {}  # key -> why the last get() missed
 
     # ------------------------------------------------------------------ read
     def get(self, key: str) -> dict[str, bytes] | None:
@@ -41,6 +42,9 @@ class DiskCache:
         if not meta_path.is_file():
             if entry.is_dir():
                 self._discard(key, "incomplete (no meta.json)")
+                self.miss_reason[key] = "incomplete"
+            else:
+                self.miss_reason[key] = self._absent_reason(key)
             return None
         try:
             meta = json.loads(meta_path.read_text())
@@ -54,8 +58,18 @@ class DiskCache:
                 raise ValueError("meta.json names another key")
         except (OSError, ValueError, KeyError, TypeError) as e:
             self._discard(key, f"corrupt ({e})")
+            self.miss_reason[key] = "corrupt"
             return None
         return files
+
+    def _absent_reason(self, key: str) -> str:
+        """'stale' when an entry of the same op/variant/shape/arch but another hash exists (an older toolchain,
+        template or kerngen version built it), else 'absent'."""
+        prefix = key.rsplit("-", 1)[0] + "-"
+        try:
+            return "stale" if any(p.name.startswith(prefix) for p in self.root.iterdir()) else "absent"
+        except OSError:
+            return "absent"
 
     def meta(self, key: str) -> dict | None:
         try:

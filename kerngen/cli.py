@@ -20,15 +20,20 @@ def _arches(text: str | None) -> list[str]:
 
 def cmd_warmup(args) -> int:
     tbl = _table(args)
-    names = sorted(tbl.models) if args.all else args.model
-    if not names:
-        print("kerngen warmup: give --model NAME (repeatable) or --all", file=sys.stderr)
+    names = sorted(tbl.models) if args.all else (args.model or [])
+    if not names and not args.op and not args.spec:
+        print("kerngen warmup: give --model NAME (repeatable), --all, --op with a shape, or --spec", file=sys.stderr)
         return 2
     ops = tuple(args.ops.split(",")) if args.ops else warmup.OPS
-    specs = []
-    for arch in _arches(args.arch):
+    from .plan import KernelSpec
+    specs = [KernelSpec.from_json(text) for text in args.spec or []]
+    for arch in _arches(args.arch) if not args.spec else []:
+        if args.op:  # one shape's kernel, e.g. the one a strict-mode miss names
+            specs.append(_shape_spec(args, tbl, arch))
+            continue
         for name in names:
             specs += [s for s in warmup.model_specs(tbl.model(name), tbl, arch, ops) if s not in specs]
+    names = names or [f"{len(specs)} kernel(s)"]
     store = cache_mod.default()
     jobs = args.jobs or min(len(specs), os.cpu_count() or 1)
     results, secs = warmup.timed(warmup.run, specs, str(store.root), jobs, progress=not args.quiet)
@@ -41,18 +46,22 @@ def cmd_warmup(args) -> int:
     return 1 if n["failed"] else 0
 
 
-def cmd_explain(args) -> int:
-    from .ops import finalize as fin
-    tbl = _table(args)
-    arch = _arches(args.arch)[0]
+def _shape_spec(args, tbl: tiers.Table, arch: str):
+    """The one kernel a shape given on the command line (or a model's shape at --tokens) dispatches to."""
     if args.model:
+        if isinstance(args.model, list):
+            args.model = args.model[0]
         m = tbl.model(args.model)
         args.experts, args.topk, args.hidden = m.num_experts, m.top_k, m.hidden
-    if args.op == "finalize":
-        spec = fin.spec(args.hidden, args.topk, args.dtype, args.weights_dtype, args.tokens, arch, tbl)
-    else:
-        from .warmup import _op_module
-        spec = _op_module(args.op).explain_spec(args, tbl, arch)
+    if args.topk is None:
+        raise KerngenError(f"{args.op}: give --model NAME or --topk (with --experts / --hidden as the op needs)")
+    return warmup._op_module(args.op).explain_spec(args, tbl, arch)
+
+
+def cmd_explain(args) -> int:
+    tbl = _table(args)
+    arch = _arches(args.arch)[0]
+    spec = _shape_spec(args, tbl, arch)
     rule = tbl.rule(args.op, {"num_experts": args.experts or 0, "top_k": args.topk, "hidden": args.hidden,
                               "tokens": args.tokens})
     key = jit.key_of(spec)
@@ -98,6 +107,16 @@ def cmd_cache(args) -> int:
     return 0
 
 
+def _shape_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--op", required=required, choices=("routing", "finalize", "tail"), help="op of one shape")
+    p.add_argument("--experts", type=int, default=0)
+    p.add_argument("--topk", type=int)
+    p.add_argument("--hidden", type=int, default=0)
+    p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--weights-dtype", default="float32", choices=("float32", "bfloat16"))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kerngen", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -109,17 +128,13 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--jobs", type=int, default=0, help="parallel compile processes (default: CPU count)")
     w.add_argument("--tiers", help="user tiers file layered over the shipped one")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
+    w.add_argument("--spec", action="append", help="one kernel spec as JSON (strict-mode misses print it)")
+    _shape_args(w, required=False)
     w.set_defaults(fn=cmd_warmup)
     e = sub.add_parser("explain", help="show the tier, variant, params and cache key a shape dispatches to")
-    e.add_argument("--op", required=True, choices=("routing", "finalize", "tail"))
     e.add_argument("--model")
-    e.add_argument("--experts", type=int, default=0)
-    e.add_argument("--topk", type=int)
-    e.add_argument("--hidden", type=int, default=0)
-    e.add_argument("--tokens", type=int, required=True)
-    e.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    e.add_argument("--weights-dtype", default="float32", choices=("float32", "bfloat16"))
     e.add_argument("--arch")
+    _shape_args(e, required=True)
     e.add_argument("--tiers")
     e.set_defaults(fn=cmd_explain)
     t = sub.add_parser("tiers", help="list models and tier rules")

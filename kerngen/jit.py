@@ -17,6 +17,7 @@ from .render import render
 
 log = logging.getLogger("kerngen")
 _strict_override: bool | None = None
+last_status: dict[KernelSpec, str] = {}  # how each spec was last obtained in this process
 _lock = threading.Lock()
 
 
@@ -53,7 +54,16 @@ def _prepared(spec: KernelSpec) -> tuple[str, str]:
 
 
 def warmup_command(spec: KernelSpec) -> str:
-    return f"kerngen warmup --op {spec.op} --arch {spec.arch} --spec '{spec.variant}:{spec.tag}'"
+    """The exact command that builds `spec`: a model's warmup when a shipped/user model needs it."""
+    from . import tiers, warmup
+    try:
+        tbl = tiers.load()
+        for name, model in sorted(tbl.models.items()):
+            if spec in warmup.model_specs(model, tbl, spec.arch):
+                return f"kerngen warmup --model {name} --arch {spec.arch}"
+    except Exception:  # a broken tiers file must not hide the miss itself
+        pass
+    return f"kerngen warmup --spec '{spec.to_json()}'"
 
 
 def _compile(spec: KernelSpec, source: str, key: str, store: cache_mod.DiskCache) -> dict[str, bytes]:
@@ -74,8 +84,11 @@ def build(spec: KernelSpec, store: cache_mod.DiskCache | None = None, strict: bo
     source, key = _prepared(spec)
     files = store.get(key)
     if files is not None:
+        last_status[spec] = "cached"
         return Built(spec, key, files, "cached")
+    reason = store.miss_reason.pop(key, "absent")
     if is_strict() if strict is None else strict:
+        log.warning("kerngen: strict mode, kernel %s is not cached (%s)", key, reason)
         raise CacheMissError(key, command or warmup_command(spec))
     t0 = time.perf_counter()
     with store.lock(key):
@@ -84,7 +97,6 @@ def build(spec: KernelSpec, store: cache_mod.DiskCache | None = None, strict: bo
         if files is not None:
             log.info("kerngen: %s built by another process (waited %.2fs)", key, waited)
             return Built(spec, key, files, "cached", waited)
-        reason = "absent"
         t1 = time.perf_counter()
         files = _compile(spec, source, key, store)
         secs = time.perf_counter() - t1
@@ -93,6 +105,7 @@ def build(spec: KernelSpec, store: cache_mod.DiskCache | None = None, strict: bo
                                "constants": dict(spec.constants), "compile_seconds": round(secs, 3),
                                "toolchain": toolchain(spec.backend)})
         log.info("kerngen: compiled %s (%s) in %.2fs, lock wait %.2fs", key, reason, secs, waited)
+        last_status[spec] = "compiled"
         return Built(spec, key, files, "compiled", secs)
 
 

@@ -45,6 +45,14 @@ class Module:
         self._library = None
         self._mutex = threading.Lock()
 
+    def load(self, device: int) -> None:
+        """Load the library now (start-up) rather than on the first launch."""
+        with self._mutex:
+            if self._library is None:
+                torch.cuda.init()
+                self._library = _ok(_drv().cuLibraryLoadData(self.cubin, None, None, 0, None, None, 0),
+                                    f"loading {self.key}")
+
     def function(self, name: str, device: int):
         fn = self._functions.get((device, name))
         if fn is None:

@@ -43,6 +43,19 @@ class KernelSpec:
         return f"{self.op}-{self.variant}-{self.tag}-{self.arch}-{digest}"
 
 
+    def to_json(self) -> str:
+        return json.dumps({"op": self.op, "variant": self.variant, "backend": self.backend, "tag": self.tag,
+                           "constants": dict(self.constants), "params": dict(self.params), "arch": self.arch},
+                          sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> "KernelSpec":
+        d = json.loads(text)
+        return KernelSpec(op=d["op"], variant=d["variant"], backend=d["backend"], tag=d["tag"],
+                          constants=tuple(sorted(d["constants"].items())),
+                          params=tuple(sorted(d["params"].items())), arch=d["arch"])
+
+
 def spec_for(rule: Rule, tag: str, constants: dict[str, Any], arch: str) -> KernelSpec:
     backend = str(rule.params.get("backend", "nvrtc"))
     params = tuple(sorted((k, v) for k, v in rule.params.items() if k != "backend"))

@@ -78,3 +78,32 @@ def timed(fn, *a, **kw):
     t = time.perf_counter()
     out = fn(*a, **kw)
     return out, time.perf_counter() - t
+
+
+def preload(model: str, *, tiers_file=None, device: int | None = None) -> dict:
+    """Load (from the cache, or compile unless strict) every kernel `model` needs on this GPU, now.
+
+    Returns {"kernels", "compiled", "seconds"}; in strict mode a missing kernel raises CacheMissError.
+    """
+    import logging
+
+    import torch
+
+    from . import tiers
+    from .ops import _common
+    from .plan import target_arch
+    tbl = tiers.load(tiers_file)
+    dev = torch.cuda.current_device() if device is None else device
+    t0 = time.perf_counter()
+    specs = model_specs(tbl.model(model), tbl, target_arch(dev))
+    compiled = 0
+    for spec in specs:
+        if spec.backend == "cute":
+            _op_module(spec.op)._function(spec)
+        else:
+            _common.resolve(spec).load(dev)
+        compiled += jit.last_status.get(spec) == "compiled"
+    secs = time.perf_counter() - t0
+    logging.getLogger("kerngen").info("kerngen: preloaded %d kernels of %s in %.2fs (%d compiled)",
+                                      len(specs), model, secs, compiled)
+    return {"kernels": len(specs), "compiled": compiled, "seconds": secs}

@@ -122,3 +122,18 @@ def test_import_creates_nothing_and_loads_no_cutlass(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KERNGEN_CACHE_DIR": str(d)},
                          capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"] and not d.exists()
+
+
+def test_miss_reasons_are_logged(tmp_path, caplog):
+    import logging
+    caplog.set_level(logging.INFO, logger="kerngen")
+    store = DiskCache(tmp_path)
+    key = jit.build(SPEC, store=store).key
+    assert f"compiled {key} (absent)" in caplog.text
+    (tmp_path / key / "kernel.cubin").write_bytes(b"garbage")
+    jit.build(SPEC, store=DiskCache(tmp_path))
+    assert f"compiled {key} (corrupt)" in caplog.text
+    old = tmp_path / key
+    old.rename(tmp_path / (key.rsplit("-", 1)[0] + "-000000000000"))  # as if an older version built it
+    jit.build(SPEC, store=DiskCache(tmp_path))
+    assert f"compiled {key} (stale)" in caplog.text

@@ -52,6 +52,11 @@ def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpe
     return out
 
 
+def explain_spec(args, tbl: Table, arch_: str) -> plan_mod.KernelSpec:
+    """The kernel `kerngen explain/warmup --op finalize` names (args: topk, hidden, tokens, dtype, weights_dtype)."""
+    return spec(args.hidden, args.topk, args.dtype, args.weights_dtype, args.tokens, arch_, tbl)
+
+
 def _launcher(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher:
     p = dict(s.params)
     vecs = dict(s.constants)["H"] // 8
