@@ -1,0 +1,28 @@
+"""The vLLM-signature adapter on the GPU against the same vLLM-style references."""
+import pytest
+import torch
+
+from kerngen.adapters import select_experts
+from tests.test_adapters import vllm_fused_topk, vllm_grouped_topk
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
+
+
+@pytest.mark.parametrize("T", [1, 8, 300])
+def test_softmax_on_gpu(T):
+    g = torch.randn(T, 128, device="cuda")
+    w, ids = select_experts(None, g, 8, True)
+    rw, rids = vllm_fused_topk(g, 8, True)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 8, 300])
+def test_deepseek_grouped_on_gpu(T):
+    g = torch.randn(T, 256, device="cuda")
+    bias = torch.randn(256, device="cuda") * 0.1
+    w, ids = select_experts(None, g, 8, True, num_expert_group=8, topk_group=4, scoring_func="sigmoid",
+                            routed_scaling_factor=2.5, e_score_correction_bias=bias)
+    rw, rids = vllm_grouped_topk(g, 8, True, 8, 4, bias, 2.5)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
