@@ -73,6 +73,20 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from . import tune
+    ops = args.ops.split(",")
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else tune.DEFAULT_TOKENS
+    out = args.out or (str(env.user_tiers()) if env.user_tiers() else f"kerngen-tuned-{args.model}.toml")
+    rules = tune.tune(args.model, ops, tokens, progress=not args.quiet)
+    tune.write(out, args.model, rules)
+    for r in rules:
+        print(f"  {r.op:9s} tokens {r.ranges['tokens'][0]}..{r.ranges['tokens'][1]:<6d} {r.variant:12s} {r.params}"
+              f"  ({r.source})")
+    print(f"wrote {len(rules)} rules to {out}; use them with KERNGEN_TIERS={out} (warmup and dispatch)")
+    return 0
+
+
 def cmd_tiers(args) -> int:
     tbl = _table(args)
     print("files: " + ", ".join(tbl.files))
@@ -137,6 +151,13 @@ def parser() -> argparse.ArgumentParser:
     _shape_args(e, required=True)
     e.add_argument("--tiers")
     e.set_defaults(fn=cmd_explain)
+    u = sub.add_parser("tune", help="time candidate kernels on this GPU and write the winners to a tiers file")
+    u.add_argument("--model", required=True)
+    u.add_argument("--ops", default="finalize", help="comma separated (ops without candidates are skipped)")
+    u.add_argument("--tokens", help="comma separated token buckets")
+    u.add_argument("--out", help="tiers file to write (default: KERNGEN_TIERS or kerngen-tuned-MODEL.toml)")
+    u.add_argument("--quiet", action="store_true")
+    u.set_defaults(fn=cmd_tune)
     t = sub.add_parser("tiers", help="list models and tier rules")
     t.add_argument("--tiers")
     t.set_defaults(fn=cmd_tiers)

@@ -188,8 +188,8 @@ def parse(path: Path) -> tuple[dict[str, Model], list[Rule]]:
     except tomllib.TOMLDecodeError as e:
         raise TierError(f"{path}: not valid TOML: {e}") from None
     for k in doc:
-        if k not in ("schema", "models", "tier"):
-            _fail(str(path), f"unknown top-level key '{k}' (known: schema, models, tier)")
+        if k not in ("schema", "models", "tier", "provenance"):
+            _fail(str(path), f"unknown top-level key '{k}' (known: schema, models, tier, provenance)")
     if doc.get("schema") != SCHEMA:
         _fail(str(path), f"field 'schema' must be {SCHEMA}, got {doc.get('schema')!r}")
     models = {}
@@ -202,7 +202,24 @@ def parse(path: Path) -> tuple[dict[str, Model], list[Rule]]:
     if not isinstance(tiers, list):
         _fail(str(path), "'tier' must be an array of tables: write [[tier]]")
     rules = [_parse_rule(f"{path} [[tier]] #{i + 1}", d) for i, d in enumerate(tiers)]
+    _check_provenance(path, doc.get("provenance"))
     return models, rules
+
+
+def _check_provenance(path: Path, prov) -> None:
+    """A file tuned on another GPU still loads, with a warning: its rules may not be the fastest here."""
+    if not isinstance(prov, dict) or "gpu" not in prov:
+        return
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return
+    here = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if prov.get("gpu") != here.name or prov.get("sm_count", here.multi_processor_count) != here.multi_processor_count:
+        import warnings
+        warnings.warn(f"kerngen: {path} was tuned on {prov.get('gpu')} ({prov.get('sm_count')} SMs), this is "
+                      f"{here.name} ({here.multi_processor_count} SMs); run `kerngen tune` here for rules that fit",
+                      RuntimeWarning, stacklevel=2)
 
 
 @lru_cache(maxsize=8)

@@ -1,0 +1,140 @@
+"""kerngen tune: time every candidate kernel per token bucket on this GPU and write the winners as tier rules.
+
+The output is a user tiers file (never the shipped tiers.toml) with a [provenance] table naming the GPU,
+its SM count and compute capability, the toolchain versions and the date. Loading a file tuned on another
+GPU warns. Ops without a candidate list keep their shipped rules.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+from pathlib import Path
+
+import torch
+
+from . import env, tiers
+from .errors import KerngenError
+from .plan import spec_for, target_arch
+from .timing import graph_time_us
+
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def finalize_candidates():
+    for bx, lpg in itertools.product((8, 16, 32, 64), (2, 4, 8, 32)):
+        yield "small_batch", dict(block_x=bx, loads_per_group=lpg, pdl=True, early_read=False)
+    for vpt, unroll in itertools.product((1, 2, 4), (2, 4, 8)):
+        yield "large_batch", dict(vectors_per_thread=vpt, unroll=unroll, pdl=True, early_read=False)
+
+
+def _time_finalize(model: tiers.Model, T: int, variant: str, params: dict) -> float:
+    from .launch import current_stream
+    from .ops import finalize as fin
+    H, K, dev = model.hidden, model.top_k, torch.cuda.current_device()
+    if variant == "small_batch" and T > 1024:
+        return float("inf")  # one CTA per (token, slice): never competitive there, and slow to time
+    rule = tiers.Rule(op="finalize", variant=variant, ranges={}, params=params)
+    spec = spec_for(rule, f"H{H}-K{K}-bf16-wf32", {"H": H, "K": K, "DTYPE": model.dtype,
+                                                  "WDTYPE": model.weights_dtype}, target_arch(dev))
+    dt = getattr(torch, model.dtype)
+    g = torch.randn(T * K, H, device="cuda").to(dt)
+    e2p = torch.randperm(T * K, device="cuda").view(T, K).int()
+    w = torch.rand(T, K, device="cuda").to(getattr(torch, model.weights_dtype))
+    out = torch.empty(T, H, dtype=dt, device="cuda")
+    launcher = fin._launcher(spec, T, dev)
+    call = lambda: launcher(current_stream(dev), g.data_ptr(), e2p.data_ptr(), w.data_ptr(), out.data_ptr(),
+                            H, T * K, T)
+    call()
+    torch.cuda.synchronize()
+    if not torch.equal(out.view(torch.int16), fin.reference(g, e2p, w).view(torch.int16)):
+        raise KerngenError(f"tune: candidate finalize {variant} {params} gave a wrong result at T={T}")
+    return graph_time_us(call, calls=10, replays=15)
+
+
+TUNERS = {"finalize": (finalize_candidates, _time_finalize)}
+
+
+def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> list[tiers.Rule]:
+    """Winning rules for `model_name` on this GPU, merged over consecutive token buckets."""
+    tbl = tiers.load()
+    model = tbl.model(model_name)
+    tokens = [t for t in sorted(tokens) if model.tokens[0] <= t <= model.tokens[1]]
+    rules: list[tiers.Rule] = []
+    for op in ops:
+        if op not in TUNERS:
+            print(f"kerngen tune: no candidates for {op} yet; its shipped rules stay in force")
+            continue
+        candidates, timer = TUNERS[op]
+        cands = list(candidates())
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(cands) * len(tokens), desc=f"tune {model_name} {op}", unit="run", leave=False)
+        winners = []
+        for T in tokens:
+            best = None
+            for variant, params in cands:
+                us = timer(model, T, variant, params)
+                if best is None or us < best[0]:
+                    best = (us, variant, params)
+                bar and bar.update()
+            winners.append((T, *best))
+        if bar:
+            bar.close()
+        rules += _merge(op, model, winners)
+    return rules
+
+
+def _merge(op: str, model: tiers.Model, winners) -> list[tiers.Rule]:
+    """One rule per run of buckets with the same winner; a boundary sits halfway between buckets."""
+    out: list[tiers.Rule] = []
+    lo = model.tokens[0]
+    for i, (T, us, variant, params) in enumerate(winners):
+        last = i == len(winners) - 1
+        if not last and (winners[i + 1][2], winners[i + 1][3]) == (variant, params):
+            continue
+        hi = model.tokens[1] if last else (T + winners[i + 1][0]) // 2
+        out.append(tiers.Rule(op=op, variant=variant, params=dict(params),
+                              ranges={"hidden": (model.hidden, model.hidden), "top_k": (model.top_k, model.top_k),
+                                      "tokens": (lo, hi)},
+                              source=f"tuned: {us:.2f} us at T={T}"))
+        lo = hi + 1
+    return out
+
+
+def provenance() -> dict:
+    from .compile import nvrtc_version
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {"gpu": p.name, "sm_count": p.multi_processor_count, "compute_capability": f"{p.major}.{p.minor}",
+            "nvrtc": nvrtc_version(), "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def _toml(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def write(path: Path, model_name: str, rules: list[tiers.Rule]) -> None:
+    path = Path(path).resolve()
+    if path == env.shipped_tiers().resolve():
+        raise KerngenError(f"tune: refusing to overwrite the shipped {path}; write a user tiers file and point "
+                           "KERNGEN_TIERS at it")
+    lines = ["# Tuned by `kerngen tune`; load with KERNGEN_TIERS=" + str(path), "schema = 1", "",
+             "[provenance]"]
+    lines += [f"{k} = {_toml(v)}" for k, v in provenance().items()]
+    lines.append(f'model = "{model_name}"')
+    for r in rules:
+        lines += ["", f"# {r.source}", "[[tier]]", f'op = "{r.op}"', f'variant = "{r.variant}"']
+        lines += [f"{k} = {_toml(list(v))}" for k, v in r.ranges.items()]
+        lines.append("params = { " + ", ".join(f"{k} = {_toml(v)}" for k, v in r.params.items()) + " }")
+    text = "\n".join(lines) + "\n"
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tiers.parse(tmp)  # what we write must load
+    tmp.replace(path)
