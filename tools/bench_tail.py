@@ -53,4 +53,8 @@ def bench_tail(tokens, bw) -> list[dict]:
             nbytes = T * K * H * 2 + 3 * T * H * 2 + T * K * 8 + H * 2
             rows.append(dict(op="tail", case=f"{name} H={H} K={K}", T=T, ours=ours, eager=eager, compile=comp,
                              unfused=unf, floor_us=nbytes / (bw * 1e12) * 1e6, tbs=nbytes / (ours * 1e-6) / 1e12))
+    print(f"\n{'tail case':26s} {'T':>5s} {'ours':>8s} {'unfused':>8s} {'compile':>8s}  (unfused = kerngen.finalize "
+          "+ torch RMSNorm)")
+    for r in rows:
+        print(f"{r['case']:26s} {r['T']:5d} {r['ours']:8.2f} {r['unfused']:8.2f} {r['compile']:8.2f}")
     return rows

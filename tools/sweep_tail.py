@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time the tail kernel over launch parameters (cluster, threads) per token count, to set the tail tiers.
 
-    tools/sweep_tail.py [--tokens 1,8,64,512,4096] [--clusters 1,2,4,8] [--threads 128,256,512]
+    tools/sweep_tail.py [--tokens 1,8,64,512,4096] [--clusters 1,2,4,8] [--threads 128,256,512] [--max-loads 16,32]
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def main():
     ap.add_argument("--tokens", default="1,8,64,512,4096")
     ap.add_argument("--clusters", default="1,2,4,8")
     ap.add_argument("--threads", default="128,256,512")
+    ap.add_argument("--max-loads", default="32")
     a = ap.parse_args()
     bw = copy_bandwidth_tbs()
     print(f"copy bandwidth {bw:.2f} TB/s")
@@ -37,12 +38,13 @@ def main():
             line = []
             for c in [int(x) for x in a.clusters.split(",")]:
                 for nt in [int(x) for x in a.threads.split(",")]:
-                    spec = KernelSpec(op="tail", variant="tail", backend="cute", tag=f"sweep-c{c}-t{nt}",
-                                      constants=tuple(sorted(consts.items())),
-                                      params=(("cluster", c), ("pdl", True), ("threads", nt)), arch=target_arch())
-                    fn = tail._function(spec)
-                    us = graph_time_us(lambda: fn(g, e2p, w, sh, res, nw, out, None, 1e-6))
-                    line.append(f"c{c}/t{nt} {us:6.2f}")
+                    for ml in [int(x) for x in a.max_loads.split(",")]:
+                        params = (("cluster", c), ("max_loads", ml), ("pdl", True), ("threads", nt))
+                        spec = KernelSpec(op="tail", variant="tail", backend="cute", tag=f"sweep-c{c}-t{nt}-l{ml}",
+                                          constants=tuple(sorted(consts.items())), params=params, arch=target_arch())
+                        fn = tail._function(spec)
+                        us = graph_time_us(lambda: fn(g, e2p, w, sh, res, nw, out, None, 1e-6))
+                        line.append(f"c{c}/t{nt}/l{ml} {us:6.2f}")
             best = min(line, key=lambda s: float(s.split()[-1]))
             print(f"{name:12s} T={T:5d} {nbytes / 1e6:8.2f} MB  best {best}  |  " + "  ".join(line), flush=True)
 

@@ -83,7 +83,7 @@ def explain_spec(args, tbl: Table, arch_: str) -> plan_mod.KernelSpec:
 
 
 _functions: dict[plan_mod.KernelSpec, object] = {}
-_fast: dict[tuple, tuple] = {}   # full input signature -> (function, T, H, out dtype, slice g, device)
+_fast: dict[tuple, tuple] = {}   # full input signature -> (function, T, H, out dtype, g stand-in, device)
 
 
 def _function(s: plan_mod.KernelSpec):
@@ -125,7 +125,7 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
         if len(_fast) > 4096:
             _fast.clear()
         _fast[sig] = hit
-    fn, T, H, odt, narrow, dev = hit
+    fn, T, H, odt, g_arg, dev = hit
     if out is None:
         out = torch.empty((T, H), dtype=odt, device=g.device)
     elif out.dtype != odt or out.shape != (T, H) or not out.is_contiguous() or out.device != g.device:
@@ -133,7 +133,8 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
         raise InputError(OP, "out", f"of shape ({T}, {H})", f"shape {tuple(out.shape)}")
     if T:
         try:
-            fn(g[:, :H] if narrow else g, e2p, w, shared, residual, nw, out, residual_out, eps)
+            fn(g if g_arg is None else (g_arg if g_arg is not True else g[:, :H]), e2p, w, shared, residual, nw, out,
+               residual_out, eps)
         except (ValueError, TypeError, RuntimeError):
             for name, t in (("gemm2_out", g), ("expanded_to_permuted", e2p), ("topk_weights", w),
                             ("norm_weight", nw), ("shared", shared), ("residual", residual), ("out", out),
@@ -154,7 +155,9 @@ def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
     dev = g.get_device()
     flags = (shared is not None, residual is not None, residual_out is not None)
     s = spec(H, K, DTYPE_NAMES[g.dtype], DTYPE_NAMES[w.dtype], DTYPE_NAMES[odt], flags, max(T, 1), arch(dev))
-    return _function(s), T, H, odt, g.shape[1] != H, dev
+    # the kernel loads row 0 for skipped slots (no branch around loads): give it a row when gemm2_out has none
+    g_arg = torch.zeros(1, H, dtype=g.dtype, device=g.device) if not g.shape[0] else (True if g.shape[1] != H else None)
+    return _function(s), T, H, odt, g_arg, dev
 
 
 def _slow_checks(g, e2p, w, nw, shared, residual, residual_out, out_dtype):

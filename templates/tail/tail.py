@@ -20,9 +20,11 @@ Tiling and thread mapping:
   thread i of the CTA owns vectors r*NT*I + tid + j*NT, j < I (consecutive threads -> consecutive 16 bytes,
   so each warp access is one coalesced 512-byte transaction); vectors >= NV are predicated off.
 * Every thread reads the token's K indices and weights (broadcast loads), then issues the K 128-bit loads
-  of up to GROUP owned vectors back to back (all in flight at once), then accumulates them in ascending k.
+  of up to GROUP = max(1, max_loads // K) owned vectors back to back (all in flight at once), then accumulates them in ascending k.
   Shared, residual and norm weight vectors are loaded in the same batch. A slot whose index is outside
-  [0, rows) is not loaded and contributes 0 * 0 (a NaN weight stored there cannot leak).
+  [0, rows) never leaks a NaN: with `branch_free` it loads row 0 instead (no branch around loads, so none
+  waits for another: best for latency at few tokens; the host never passes rows == 0) and is left out of
+  the sum; without, its load is skipped and it adds 0 * 0 (best for bandwidth at many tokens, measured).
 * RMSNorm: thread sum of y^2 -> warp butterfly -> one fp32 per warp in shared memory -> CTA sum in warp
   order. With C > 1, thread p of each CTA stores the CTA's sum into CTA p's shared memory (distributed
   shared memory, st.shared::cluster), one cluster barrier, and every CTA adds the C partials in rank order
@@ -41,7 +43,6 @@ from cutlass import Float32, Int32, const_expr
 
 VEC_BITS = 128
 WARP = 32
-MAX_IN_FLIGHT = 32   # 128-bit loads a thread keeps in flight (bounds registers: 4 per load)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
 
 
@@ -55,17 +56,17 @@ def thread_shape(hidden: int, cluster: int, max_threads: int, vec: int = 8) -> t
 
 class MoeTail:
     def __init__(self, dtype, wdtype, odtype, hidden: int, topk: int, *, threads: int, cluster: int,
-                 pdl: bool):
+                 pdl: bool, max_loads: int, branch_free: bool):
         assert dtype.width == 16 and odtype.width == 16, "bf16/fp16 activations and outputs"
         self.dtype, self.wdtype, self.odtype = dtype, wdtype, odtype
         self.vec = VEC_BITS // dtype.width
         assert hidden % self.vec == 0, f"H={hidden} must be a multiple of {self.vec}"
-        self.hidden, self.topk, self.cluster, self.pdl = hidden, topk, cluster, pdl
+        self.hidden, self.topk, self.cluster, self.pdl, self.branch_free = hidden, topk, cluster, pdl, branch_free
         self.num_vec = hidden // self.vec
         self.threads, self.iters = thread_shape(hidden, cluster, threads, self.vec)
         self.num_warps = self.threads // WARP
         self.need_pred = self.threads * self.iters * cluster != self.num_vec
-        self.group = max(1, min(self.iters, MAX_IN_FLIGHT // topk))  # owned vectors whose loads fly together
+        self.group = max(1, min(self.iters, max_loads // topk))  # owned vectors whose loads fly together
 
     @cute.jit
     def _vec(self, row: cute.Tensor, v: Int32) -> cute.Tensor:
@@ -113,11 +114,14 @@ class MoeTail:
         cute.autovec_copy(mW[t, None], rWn)
         rW = cute.make_rmem_tensor((K,), Float32)
         rW.store(rWn.load().to(Float32))
+        rSafe = cute.make_rmem_tensor((K,), Int32)
         for k in cutlass.range_constexpr(K):
             if rIdx[k] >= rows:
                 rIdx[k] = Int32(-1)
+            rSafe[k] = rIdx[k]
             if rIdx[k] < 0:
-                rW[k] = Float32(0.0)  # a skipped slot adds 0 * 0, even if its stored weight is NaN
+                rSafe[k] = Int32(0)
+                rW[k] = Float32(0.0)
 
         acc = cute.make_rmem_tensor((VEC, self.iters), Float32)
         rNw = cute.make_rmem_tensor((VEC, self.iters), self.dtype)
@@ -135,11 +139,13 @@ class MoeTail:
                         in_range = v < self.num_vec
                     if in_range:
                         for k in cutlass.range_constexpr(K):
-                            row = rIdx[k]
-                            if row >= 0:
-                                cute.autovec_copy(self._vec(mG[row, None], v), rX[None, k, j])
+                            if const_expr(self.branch_free):  # no branch: no load waits for another
+                                cute.autovec_copy(self._vec(mG[rSafe[k], None], v), rX[None, k, j])
                             else:
-                                rX[None, k, j].fill(0.0)
+                                if rIdx[k] >= 0:
+                                    cute.autovec_copy(self._vec(mG[rIdx[k], None], v), rX[None, k, j])
+                                else:
+                                    rX[None, k, j].fill(0.0)
                         if const_expr(mShared is not None):
                             cute.autovec_copy(self._vec(mShared[t, None], v), rS[None, j])
                         if const_expr(mRes is not None):
@@ -155,9 +161,14 @@ class MoeTail:
                         in_range = v < self.num_vec
                     acc[None, i].fill(0.0)
                     if in_range:
+                        if const_expr(self.branch_free):
+                            for k in cutlass.range_constexpr(K):
+                                if rIdx[k] >= 0:  # a skipped slot's row 0 stand-in (maybe NaN) never enters the sum
+                                    acc[None, i].store(acc[None, i].load() + rW[k] * rX[None, k, j].load().to(Float32))
                         a = acc[None, i].load()
-                        for k in cutlass.range_constexpr(K):
-                            a = a + rW[k] * rX[None, k, j].load().to(Float32)
+                        if const_expr(not self.branch_free):  # skipped slots hold x = 0 and w = 0
+                            for k in cutlass.range_constexpr(K):
+                                a = a + rW[k] * rX[None, k, j].load().to(Float32)
                         if const_expr(mShared is not None):
                             a = a + rS[None, j].load().to(Float32)
                         if const_expr(mRes is not None):
@@ -206,7 +217,8 @@ class MoeTail:
 
 
 def compile_kernel(*, H: int, K: int, DTYPE: str, WDTYPE: str, ODTYPE: str, SHARED: bool, RESIDUAL: bool,
-                   RESIDUAL_OUT: bool, threads: int, cluster: int = 1, pdl: bool = False, ARCH: str = ""):
+                   RESIDUAL_OUT: bool, threads: int, cluster: int = 1, pdl: bool = False, max_loads: int = 32,
+                   branch_free: bool = True, ARCH: str = ""):
     """Compile one specialization with TVM-FFI. The result is called as
     f(g, e2p, w, shared|None, residual|None, norm_w, out, residual_out|None, eps) on torch's current stream;
     None goes exactly where the flags say it does."""
@@ -226,6 +238,7 @@ def compile_kernel(*, H: int, K: int, DTYPE: str, WDTYPE: str, ODTYPE: str, SHAR
             per_token(dt, H) if RESIDUAL else None, make_fake_compact_tensor(dt, (H,), assumed_align=16),
             per_token(odt, H), per_token(dt, H) if RESIDUAL_OUT else None, Float32(1e-6),
             make_fake_stream(use_tvm_ffi_env_stream=True))
-    op = MoeTail(dt, wdt, odt, H, K, threads=threads, cluster=cluster, pdl=pdl)
+    op = MoeTail(dt, wdt, odt, H, K, threads=threads, cluster=cluster, pdl=pdl, max_loads=max_loads,
+                 branch_free=branch_free)
     options = "--enable-tvm-ffi" + (f" --gpu-arch {ARCH}" if ARCH else "")
     return cute.compile(op, *args, options=options)

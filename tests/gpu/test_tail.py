@@ -92,7 +92,17 @@ def test_all_rows_skipped_and_nan_weights_on_skipped_slots():
     e2p[:, ::2] = -1
     w[:, ::2] = float("nan")
     check(gemm2, e2p, w, nw, sh, res)
+    e2p.masked_fill_(e2p == 0, -1)
+    gemm2[0] = float("nan")  # skipped slots read row 0 as a stand-in; it must not leak
+    check(gemm2, e2p, w, nw, sh, res)
     e2p.fill_(-1)
+    check(gemm2, e2p, w, nw, sh, res)
+
+
+def test_empty_gemm2_out():
+    _, _, w, nw, sh, res = make(3, 4, 1024)
+    gemm2 = torch.empty(0, 1024, dtype=torch.bfloat16, device="cuda")
+    e2p = torch.full((3, 4), -1, dtype=torch.int32, device="cuda")
     check(gemm2, e2p, w, nw, sh, res)
 
 
