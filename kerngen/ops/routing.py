@@ -46,7 +46,7 @@ _SHORT_METHOD = {"softmax_topk": "smk", "topk_softmax": "tks", "sigmoid_bias": "
                  "grouped_sigmoid_bias": "gsb", "top1_sigmoid": "t1s"}
 MIN_TOKENS_PER_BLOCK = 16          # permute tiers: the histogram scratch is sized for this
 ROUTE_FMT = "10Qf6i4x"
-PERMUTE_FMT = "9Q5i4x"
+PERMUTE_FMT = "8Q5i4x"
 
 
 # ----------------------------------------------------------------------------------------------- results
@@ -98,7 +98,7 @@ class RoutingWorkspace:
         if tile is not None:
             self.max_rows = max_rows(T, K, nl, tile)
             sizes.update(counts=nl, offsets=nl + 1, e2p=T * K, p2t=self.max_rows, t2e=self.max_rows // tile,
-                         num_rows=1, hist=-(-T // MIN_TOKENS_PER_BLOCK) * nl, done=1)
+                         num_rows=1, hist=-(-T // MIN_TOKENS_PER_BLOCK) * nl)
         # One allocation, one fill: -1 everywhere (num_rows = -1 reads as "no previous call"); ids and weights
         # alone need no fill.
         n = sum(sizes.values())
@@ -116,7 +116,6 @@ class RoutingWorkspace:
             self.e2p = views["e2p"].view(T, K)
             self.p2t, self.t2e, self.hist = views["p2t"], views["t2e"], views["hist"]
             self.num_rows = views["num_rows"]
-            self.done = views["done"].zero_()       # permute_offsets' finished-CTA counter, 0 between calls
 
     def result(self, tokens: int, num_local: int) -> Routing:
         ids, w = self.ids[:tokens], self.weights[:tokens]
@@ -306,13 +305,13 @@ class _Permute:
         mod = resolve(s)
         nb = -(-T // c)
         self.rank = Launcher(mod, "permute_block_rank", dev, (nb, 1, 1), (256, 1, 1), PERMUTE_FMT)
-        self.offsets = Launcher(mod, "permute_offsets", dev, (-(-E // 256), 1, 1), (256, 1, 1), PERMUTE_FMT)
+        self.offsets = Launcher(mod, "permute_offsets", dev, (1, 1, 1), (1024, 1, 1), PERMUTE_FMT)
         self.scatter = Launcher(mod, "permute_scatter", dev, (-(-T * K // 256), 1, 1), (256, 1, 1), PERMUTE_FMT)
         self.blocks = nb
 
     def __call__(self, stream, ids_ptr, ws: RoutingWorkspace, T: int, tile: int, ls: int, nl: int):
         args = (ids_ptr, ws.counts.data_ptr(), ws.offsets.data_ptr(), ws.e2p.data_ptr(), ws.p2t.data_ptr(),
-                ws.t2e.data_ptr(), ws.num_rows.data_ptr(), ws.hist.data_ptr(), ws.done.data_ptr(), T, tile, ls, nl, ws.max_rows)
+                ws.t2e.data_ptr(), ws.num_rows.data_ptr(), ws.hist.data_ptr(), T, tile, ls, nl, ws.max_rows)
         if T:
             self.rank(stream, *args)
         self.offsets(stream, *args)
