@@ -38,7 +38,8 @@ def route(logits: Tensor, top_k: int, method: str, bias: Tensor | None = None, n
           topk_group: int = 1, routed_scaling_factor: float = 1.0, renormalize: bool = True) -> tuple[Tensor, Tensor]:
     r = _rt.route(logits, top_k=top_k, method=method, bias=bias, n_group=n_group, topk_group=topk_group,
                   routed_scaling_factor=routed_scaling_factor, renormalize=renormalize)
-    return r.topk_ids, r.topk_weights
+    # route's outputs are views of one workspace buffer; a custom op's outputs may not alias each other.
+    return r.topk_ids.clone(), r.topk_weights.clone()
 
 
 @route.register_kernel("cpu")
