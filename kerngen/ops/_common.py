@@ -31,6 +31,28 @@ def check_aligned(op: str, name: str, t: torch.Tensor, nbytes: int = 16):
         raise InputError(op, name, f"{nbytes}-byte aligned (128-bit loads)", f"address offset {t.data_ptr() % nbytes}")
 
 
+def check_gather_inputs(op: str, g, e2p, w, acts, weights, max_k: int) -> tuple[int, int]:
+    """gemm2_out / expanded_to_permuted / topk_weights of the ops that combine top-k rows; returns (T, K)."""
+    check_tensor(op, "gemm2_out", g, dtypes=acts, ndim=2)
+    check_tensor(op, "expanded_to_permuted", e2p, dtypes=(torch.int32,), ndim=2, device=g.device, contiguous=True)
+    check_tensor(op, "topk_weights", w, dtypes=weights, ndim=2, device=g.device, contiguous=True)
+    T, K = e2p.shape
+    if tuple(w.shape) != (T, K):
+        raise InputError(op, "topk_weights", f"of shape {(T, K)} like expanded_to_permuted", f"{tuple(w.shape)}")
+    if not 1 <= K <= max_k:
+        raise InputError(op, "expanded_to_permuted", f"[T, K] with 1 <= K <= {max_k}", f"K = {K}")
+    return T, K
+
+
+def check_rows(op: str, g, H: int) -> None:
+    """gemm2_out's row layout for 16-byte loads of the first H columns of each row."""
+    if g.stride(1) != 1 or g.stride(0) % 8 or g.stride(0) < H:
+        raise InputError(op, "gemm2_out", "row-major with a contiguous last dim and a row stride that is a "
+                         f"multiple of 8 and >= {H}", f"strides {g.stride()}")
+    if g.shape[0] >= 2**31 or g.stride(0) >= 2**31:
+        raise InputError(op, "gemm2_out", "fewer than 2**31 rows and row stride", f"shape {tuple(g.shape)}")
+
+
 def resolve(spec: KernelSpec) -> launch.Module:
     """The loaded module of a spec (built or fetched from the cache once per process)."""
     mod = _modules.get(spec)

@@ -10,7 +10,8 @@ from .. import plan as plan_mod
 from ..errors import InputError
 from ..launch import Launcher, current_stream
 from ..tiers import Model, Table
-from ._common import SHORT, DTYPE_NAMES, arch, check_aligned, check_tensor, resolve, table
+from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_gather_inputs, check_rows, check_tensor,
+                      resolve, table)
 
 OP = "finalize"
 MAX_K = 64
@@ -128,21 +129,9 @@ def _prepare(g, e2p, w, hidden) -> tuple:
 
 def _slow_checks(g, e2p, w, hidden):
     """Full validation with a message naming the argument; runs on the first call of a shape or on any doubt."""
-    check_tensor(OP, "gemm2_out", g, dtypes=_ACT, ndim=2)
-    dev = g.device
-    check_tensor(OP, "expanded_to_permuted", e2p, dtypes=(torch.int32,), ndim=2, device=dev, contiguous=True)
-    check_tensor(OP, "topk_weights", w, dtypes=_W, ndim=2, device=dev, contiguous=True)
-    T, K = e2p.shape
-    if tuple(w.shape) != (T, K):
-        raise InputError(OP, "topk_weights", f"of shape {(T, K)} like expanded_to_permuted", f"{tuple(w.shape)}")
-    if not 1 <= K <= MAX_K:
-        raise InputError(OP, "expanded_to_permuted", f"[T, K] with 1 <= K <= {MAX_K}", f"K = {K}")
+    T, K = check_gather_inputs(OP, g, e2p, w, _ACT, _W, MAX_K)
     H = g.shape[1] if hidden is None else hidden
     if not isinstance(H, int) or H < 8 or H % 8 or H > g.shape[1]:
         raise InputError(OP, "hidden", f"a multiple of 8 in [8, {g.shape[1]}] (gemm2_out's width)", repr(H))
-    if g.stride(1) != 1 or g.stride(0) % 8 or g.stride(0) < H:
-        raise InputError(OP, "gemm2_out", "row-major with a contiguous last dim and a row stride that is a "
-                         f"multiple of 8 and >= {H}", f"strides {g.stride()}")
-    if g.shape[0] >= 2**31 or g.stride(0) >= 2**31:
-        raise InputError(OP, "gemm2_out", "fewer than 2**31 rows and row stride", f"shape {tuple(g.shape)}")
+    check_rows(OP, g, H)
     check_aligned(OP, "gemm2_out", g)

@@ -13,7 +13,7 @@ from .. import cute_backend, jit
 from .. import plan as plan_mod
 from ..errors import InputError
 from ..tiers import Model, Table
-from ._common import DTYPE_NAMES, SHORT, arch, check_aligned, check_tensor, table
+from ._common import DTYPE_NAMES, SHORT, arch, check_aligned, check_gather_inputs, check_rows, check_tensor, table
 
 OP = "tail"
 MAX_K = 32
@@ -162,25 +162,14 @@ def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
 
 def _slow_checks(g, e2p, w, nw, shared, residual, residual_out, out_dtype):
     """Full validation with a message naming the argument; runs on the first call of a signature."""
-    check_tensor(OP, "gemm2_out", g, dtypes=_ACT, ndim=2)
+    T, K = check_gather_inputs(OP, g, e2p, w, _ACT, _W, MAX_K)
     dev = g.device
-    check_tensor(OP, "expanded_to_permuted", e2p, dtypes=(torch.int32,), ndim=2, device=dev, contiguous=True)
-    check_tensor(OP, "topk_weights", w, dtypes=_W, ndim=2, device=dev, contiguous=True)
-    T, K = e2p.shape
-    if tuple(w.shape) != (T, K):
-        raise InputError(OP, "topk_weights", f"of shape {(T, K)} like expanded_to_permuted", f"{tuple(w.shape)}")
-    if not 1 <= K <= MAX_K:
-        raise InputError(OP, "expanded_to_permuted", f"[T, K] with 1 <= K <= {MAX_K}", f"K = {K}")
     check_tensor(OP, "norm_weight", nw, dtypes=(g.dtype,), ndim=1, device=dev, contiguous=True)
     H = nw.shape[0]
     if H < 8 or H % 8 or H > g.shape[1]:
         raise InputError(OP, "norm_weight", f"of length H, a multiple of 8 in [8, {g.shape[1]}] (gemm2_out's width)",
                          f"length {H}")
-    if g.stride(1) != 1 or g.stride(0) % 8 or g.stride(0) < H:
-        raise InputError(OP, "gemm2_out", "row-major with a contiguous last dim and a row stride that is a "
-                         f"multiple of 8 and >= {H}", f"strides {g.stride()}")
-    if g.shape[0] >= 2**31 or g.stride(0) >= 2**31:
-        raise InputError(OP, "gemm2_out", "fewer than 2**31 rows and row stride", f"shape {tuple(g.shape)}")
+    check_rows(OP, g, H)
     for name, t in (("shared", shared), ("residual", residual), ("residual_out", residual_out)):
         if t is not None:
             check_tensor(OP, name, t, dtypes=(g.dtype,), ndim=2, device=dev, contiguous=True)
