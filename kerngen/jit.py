@@ -5,7 +5,6 @@ Strict mode (KERNGEN_STRICT=1 or kerngen.strict()) turns a disk miss into CacheM
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 
@@ -18,7 +17,6 @@ from .render import render
 log = logging.getLogger("kerngen")
 _strict_override: bool | None = None
 last_status: dict[KernelSpec, str] = {}  # how each spec was last obtained in this process
-_lock = threading.Lock()
 
 
 def set_strict(on: bool | None) -> None:
@@ -36,7 +34,7 @@ class Built:
     spec: KernelSpec
     key: str
     files: dict[str, bytes]       # artifact name -> bytes
-    status: str                   # "memory" | "cached" | "compiled"
+    status: str                   # "cached" | "compiled"
     seconds: float = 0.0
 
 
