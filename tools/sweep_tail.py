@@ -43,7 +43,7 @@ def main():
                         spec = KernelSpec(op="tail", variant="tail", backend="cute", tag=f"sweep-c{c}-t{nt}-l{ml}",
                                           constants=tuple(sorted(consts.items())), params=params, arch=target_arch())
                         fn = tail._function(spec)
-                        us = graph_time_us(lambda: fn(g, e2p, w, sh, res, nw, out, None, 1e-6))
+                        us = graph_time_us(lambda: fn(g, e2p, w, sh, res, nw, out, None, None, 1e-6))
                         line.append(f"c{c}/t{nt}/l{ml} {us:6.2f}")
             best = min(line, key=lambda s: float(s.split()[-1]))
             print(f"{name:12s} T={T:5d} {nbytes / 1e6:8.2f} MB  best {best}  |  " + "  ".join(line), flush=True)

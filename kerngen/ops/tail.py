@@ -3,7 +3,22 @@
     y            = finalize(gemm2_out, expanded_to_permuted, topk_weights)  (fp32, never written)
                    + shared (optional) + residual (optional)
     residual_out = y.to(dtype)                                              (optional)
-    out          = (y * rsqrt(mean(y^2) + eps) * norm_weight).to(out_dtype)
+    n            = y * rstd(y) * norm_weight,  rstd(y) = rsqrt(mean(y^2) + eps)  (fp32)
+    out          = n.to(out_dtype)                                        (bf16 / fp16)
+
+fp8 output (out_dtype=torch.float8_e4m3fn) is the per-token, per-128-column activation quantization of
+DeepSeek-V3 (what its fp8 GEMMs consume). H must be a multiple of 128. For token t and block b (columns
+128b .. 128b+127), quantized from the fp32 n itself (n is NOT rounded to bf16 first):
+
+    scales[t, b] = max(amax(|n[t, block b]|), 1e-12) / 448                           (fp32)
+    out[t, c]    = (n[t, c] / scales[t, b]) -> float8_e4m3fn, round to nearest even, saturated to +-448
+
+so out * scales (broadcast over each block) dequantizes. scales is [T, H // 128] fp32, row-major, the layout
+DeepSeek-V3's act_quant produces (DeepGEMM takes it transposed to a column-major, TMA-aligned copy).
+The kernel divides with IEEE fp32 division, as the reference does, so the two differ only where their n
+differ (FMA and summation order, ~1e-7 relative): scales agree to a few 1e-7 relative, and q bitwise except
+where n / scale lies that close to an e4m3 rounding boundary (one e4m3 step apart there). A NaN in y makes
+the row's rstd, scales and values NaN, as it makes the bf16 output NaN.
 """
 from __future__ import annotations
 
@@ -17,17 +32,39 @@ from ._common import DTYPE_NAMES, SHORT, arch, check_aligned, check_gather_input
 
 OP = "tail"
 MAX_K = 32
+FP8 = torch.float8_e4m3fn
+FP8_BLOCK = 128      # columns per scale
+FP8_MAX = 448.0      # largest finite e4m3fn
+SCALE_FLOOR = 1e-12  # an all-zero block gets this amax (scale > 0, q = 0)
 _ACT = (torch.bfloat16, torch.float16)
 _W = (torch.float32, torch.bfloat16)
+_OUT = _ACT + (FP8,)
+_NAMES = {**DTYPE_NAMES, FP8: "float8_e4m3fn"}
+_SHORT = {**SHORT, "float8_e4m3fn": "e4m3"}
 # Flag sets `kerngen warmup` builds for every model: (shared, residual, residual_out). The pre-norm residual
 # stream of DeepSeek/Kimi/GLM/Qwen3-Next/Llama-4 (shared expert + residual, with and without writing the
-# new residual). Other combinations compile on first use.
+# new residual), with the model's dtype as output. Other combinations, fp8 output among them, compile on
+# first use (fp8 variants for every model would double warmup's compile time).
 WARMUP_FLAGS = ((True, True, False), (True, True, True))
+
+
+def quantize_fp8(n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, H] fp32 -> (q [T, H] float8_e4m3fn, scales [T, H // 128] fp32), per token and 128 columns."""
+    T, H = n.shape
+    blocks = n.float().view(T, H // FP8_BLOCK, FP8_BLOCK)
+    scales = blocks.abs().amax(-1).clamp_min(SCALE_FLOOR) / FP8_MAX
+    # n / scale exceeds 448 only by a rounding error; saturate explicitly, as the kernel's cvt.rn.satfinite
+    # does, instead of relying on how a torch version casts values beyond 448 (round to nearest even below)
+    q = (blocks / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(T, H), scales
 
 
 def reference(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, *, eps=1e-6, shared=None,
               residual=None, out_dtype=None):
-    """fp32 torch math of the fused tail; returns (out, residual_out). Index -1 (or >= rows) is skipped."""
+    """fp32 torch math of the fused tail; returns (out, residual_out). Index -1 (or >= rows) is skipped.
+
+    out is what moe_tail returns: a tensor, or (q, scales) for out_dtype=torch.float8_e4m3fn.
+    out_dtype=torch.float32 gives n itself (the normalized row before any rounding)."""
     g, e2p = gemm2_out, expanded_to_permuted
     H = norm_weight.shape[0]
     rows = g.shape[0]
@@ -43,13 +80,14 @@ def reference(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, *, eps
     if residual is not None:
         y = y + residual.float()
     rstd = torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    out = (y * rstd * norm_weight.float()).to(out_dtype or g.dtype)
+    n = y * rstd * norm_weight.float()
+    out = quantize_fp8(n) if out_dtype == FP8 else n.to(out_dtype or g.dtype)
     return out, y.to(g.dtype)
 
 
 def _tag(H, K, dtype, wdtype, odtype, flags):
     s, r, ro = (int(f) for f in flags)
-    return f"H{H}-K{K}-{SHORT[dtype]}-w{SHORT[wdtype]}-o{SHORT[odtype]}-s{s}r{r}ro{ro}"
+    return f"H{H}-K{K}-{SHORT[dtype]}-w{SHORT[wdtype]}-o{_SHORT[odtype]}-s{s}r{r}ro{ro}"
 
 
 def _constants(H, K, dtype, wdtype, odtype, flags):
@@ -83,7 +121,7 @@ def explain_spec(args, tbl: Table, arch_: str) -> plan_mod.KernelSpec:
 
 
 _functions: dict[plan_mod.KernelSpec, object] = {}
-_fast: dict[tuple, tuple] = {}   # full input signature -> (function, T, H, out dtype, g stand-in, device)
+_fast: dict[tuple, tuple] = {}   # input signature -> (function, T, H, out dtype, g stand-in, device, fp8 blocks)
 
 
 def _function(s: plan_mod.KernelSpec):
@@ -102,14 +140,19 @@ def _sig(t):
 def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_weights: torch.Tensor,
              norm_weight: torch.Tensor, *, eps: float = 1e-6, shared: torch.Tensor | None = None,
              residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """finalize + shared + residual + RMSNorm in one kernel; returns out [T, H] (out_dtype, default gemm2_out's).
+             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+             out_scales: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """finalize + shared + residual + RMSNorm in one kernel; returns out [T, H] (out_dtype, default gemm2_out's),
+    or (out, scales) for out_dtype=torch.float8_e4m3fn (semantics and scale layout: module docstring).
 
     gemm2_out: [rows, ld] bf16/fp16, ld >= H (padded rows allowed, last dim contiguous, 16-byte aligned).
     expanded_to_permuted: [T, K] int32 (K <= 32); -1 or any value outside [0, rows) contributes nothing.
     topk_weights: [T, K] fp32 or bf16. norm_weight: [H] in gemm2_out's dtype; H = norm_weight's length.
     shared, residual: optional [T, H] contiguous, gemm2_out's dtype. residual_out: optional [T, H] buffer that
     receives y (the pre-norm sum) in gemm2_out's dtype; it may be `residual` itself (updated in place).
+    out_dtype: None, torch.bfloat16, torch.float16, or torch.float8_e4m3fn (H a multiple of 128).
+    out: optional [T, H] contiguous buffer of out_dtype. out_scales: optional [T, H // 128] contiguous fp32
+    buffer for the fp8 scales (fp8 output only). Both are returned as given (use them in CUDA graphs).
     All of it is CUDA-graph capturable; the kernel runs on torch's current stream.
     """
     g, e2p, w, nw = gemm2_out, expanded_to_permuted, topk_weights, norm_weight
@@ -125,26 +168,43 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
         if len(_fast) > 4096:
             _fast.clear()
         _fast[sig] = hit
-    fn, T, H, odt, g_arg, dev = hit
+    fn, T, H, odt, g_arg, dev, blocks = hit
     if out is None:
         out = torch.empty((T, H), dtype=odt, device=g.device)
     elif out.dtype != odt or out.shape != (T, H) or not out.is_contiguous() or out.device != g.device:
-        check_tensor(OP, "out", out, dtypes=(odt,), ndim=2, device=g.device, contiguous=True)
-        raise InputError(OP, "out", f"of shape ({T}, {H})", f"shape {tuple(out.shape)}")
+        _bad_buffer("out", out, odt, (T, H), g.device)
+    scales = out_scales
+    if blocks:
+        if scales is None:
+            scales = torch.empty((T, blocks), dtype=torch.float32, device=g.device)
+        elif (scales.dtype != torch.float32 or scales.shape != (T, blocks) or not scales.is_contiguous()
+              or scales.device != g.device):
+            _bad_buffer("out_scales", scales, torch.float32, (T, blocks), g.device)
+    elif scales is not None:
+        raise InputError(OP, "out_scales", "None unless out_dtype is torch.float8_e4m3fn",
+                         f"a {type(scales).__name__} with out_dtype {odt}")
     if T:
         try:
             fn(g if g_arg is None else (g_arg if g_arg is not True else g[:, :H]), e2p, w, shared, residual, nw, out,
-               residual_out, eps)
+               scales, residual_out, eps)
         except (ValueError, TypeError, RuntimeError):
             for name, t in (("gemm2_out", g), ("expanded_to_permuted", e2p), ("topk_weights", w),
                             ("norm_weight", nw), ("shared", shared), ("residual", residual), ("out", out),
                             ("residual_out", residual_out)):
                 if t is not None:
                     check_aligned(OP, name, t)
+            if scales is not None:
+                check_aligned(OP, "out_scales", scales, 4)
             if not isinstance(eps, (int, float)):
                 raise InputError(OP, "eps", "a float", type(eps).__name__) from None
             raise
-    return out
+    return (out, scales) if blocks else out
+
+
+def _bad_buffer(name, t, dtype, shape, device):
+    """Raise the InputError of an output buffer that failed the fast check."""
+    check_tensor(OP, name, t, dtypes=(dtype,), ndim=2, device=device, contiguous=True)
+    raise InputError(OP, name, f"of shape {shape}", f"shape {tuple(t.shape)}")
 
 
 def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
@@ -154,10 +214,10 @@ def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
     odt = out_dtype or g.dtype
     dev = g.get_device()
     flags = (shared is not None, residual is not None, residual_out is not None)
-    s = spec(H, K, DTYPE_NAMES[g.dtype], DTYPE_NAMES[w.dtype], DTYPE_NAMES[odt], flags, max(T, 1), arch(dev))
+    s = spec(H, K, _NAMES[g.dtype], _NAMES[w.dtype], _NAMES[odt], flags, max(T, 1), arch(dev))
     # the kernel loads row 0 for skipped slots (no branch around loads): give it a row when gemm2_out has none
     g_arg = torch.zeros(1, H, dtype=g.dtype, device=g.device) if not g.shape[0] else (True if g.shape[1] != H else None)
-    return _function(s), T, H, odt, g_arg, dev
+    return _function(s), T, H, odt, g_arg, dev, H // FP8_BLOCK if odt == FP8 else 0
 
 
 def _slow_checks(g, e2p, w, nw, shared, residual, residual_out, out_dtype):
@@ -176,8 +236,10 @@ def _slow_checks(g, e2p, w, nw, shared, residual, residual_out, out_dtype):
             if tuple(t.shape) != (T, H):
                 raise InputError(OP, name, f"of shape {(T, H)}", f"{tuple(t.shape)}")
             check_aligned(OP, name, t)
-    if out_dtype is not None and out_dtype not in _ACT:
-        raise InputError(OP, "out_dtype", "torch.bfloat16, torch.float16 or None (fp8 output is not built yet)",
-                         str(out_dtype))
+    if out_dtype is not None and out_dtype not in _OUT:
+        raise InputError(OP, "out_dtype", "torch.bfloat16, torch.float16, torch.float8_e4m3fn or None", str(out_dtype))
+    if out_dtype == FP8 and H % FP8_BLOCK:
+        raise InputError(OP, "norm_weight", f"of length H, a multiple of {FP8_BLOCK}, for out_dtype="
+                         "torch.float8_e4m3fn (one scale per 128 columns); use a bf16/fp16 out_dtype", f"length {H}")
     for name, t in (("gemm2_out", g), ("expanded_to_permuted", e2p), ("topk_weights", w), ("norm_weight", nw)):
         check_aligned(OP, name, t)

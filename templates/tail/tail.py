@@ -3,7 +3,11 @@
     y[t]            = sum_{k ascending, 0 <= e2p[t,k] < rows} w[t,k] * g[e2p[t,k], :H]   (fp32)
                       + shared[t] (optional) + residual[t] (optional)
     residual_out[t] = y[t].to(DTYPE)                                                   (optional)
-    out[t]          = (y[t] * rsqrt(mean(y[t]^2) + eps) * norm_w).to(ODTYPE)
+    n[t]            = y[t] * rsqrt(mean(y[t]^2) + eps) * norm_w                        (fp32)
+    out[t]          = n[t].to(ODTYPE)                                                  (bf16 / fp16)
+  or, with ODTYPE float8_e4m3fn, per 128-column block b (DeepSeek-V3 activation quantization):
+    scales[t, b]    = max(amax(|n[t, 128b : 128b+128]|), 1e-12) / 448                  (fp32, NaN propagates)
+    out[t, 128b+c]  = (n[t, 128b+c] / scales[t, b]).to(e4m3)        (round to nearest even, saturate to +-448)
 
 y lives in registers only; the finalized [T, H] row is never written to global memory.
 
@@ -11,6 +15,7 @@ Layout (row-major, element strides; T, rows and ld are runtime values, everythin
     g       [rows, H] stride (ld, 1)  DTYPE   ld % 8 == 0, base 16-byte aligned
     e2p, w  [T, K]    compact         int32 / WDTYPE (fp32 or bf16)
     shared, residual, residual_out [T, H] compact DTYPE;  norm_w [H] DTYPE;  out [T, H] compact ODTYPE
+    scales  [T, H / 128] compact fp32 (fp8 output only; H % 128 == 0)
     eps     fp32 runtime scalar
 
 Tiling and thread mapping:
@@ -29,6 +34,13 @@ Tiling and thread mapping:
   order. With C > 1, thread p of each CTA stores the CTA's sum into CTA p's shared memory (distributed
   shared memory, st.shared::cluster), one cluster barrier, and every CTA adds the C partials in rank order
   (so all CTAs of a token use the same rstd). A cluster barrier at kernel start guarantees every peer runs.
+* fp8 output: a 128-column block is 16 consecutive vectors, and each CTA's first vector and NT are multiples
+  of 32, so for every j lanes 0-15 and lanes 16-31 of a warp each hold one whole block. Each lane takes the
+  max |n| of its 8 values; a 16-lane butterfly (shfl.bfly 8, 4, 2, 1) gives the block amax. Every lane of
+  the warp shuffles, outside any predicate: with H % 128 == 0 a half-warp is all in range or all out, and
+  an out-of-range lane contributes 0. Each lane computes the same scale, divides its 8 values by it (IEEE
+  division, as the reference does), converts them to e4m3 (cvt.rn.satfinite) and stores 8 bytes (64-bit
+  store); the first lane of the half-warp stores the scale.
 * With `pdl`, the kernel waits for its predecessor grid (griddepcontrol.wait) before reading any input
   and lets its dependents launch at once; they in turn wait for this grid to finish before reading.
 """
@@ -43,7 +55,11 @@ from cutlass import Float32, Int32, const_expr
 
 VEC_BITS = 128
 WARP = 32
-DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
+DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32,
+          "float8_e4m3fn": cutlass.Float8E4M3FN}
+FP8_BLOCK = 128     # columns per scale
+FP8_MAX = 448.0     # largest finite e4m3fn
+SCALE_FLOOR = 1e-12
 
 
 def thread_shape(hidden: int, cluster: int, max_threads: int, vec: int = 8) -> tuple[int, int]:
@@ -57,10 +73,13 @@ def thread_shape(hidden: int, cluster: int, max_threads: int, vec: int = 8) -> t
 class MoeTail:
     def __init__(self, dtype, wdtype, odtype, hidden: int, topk: int, *, threads: int, cluster: int,
                  pdl: bool, max_loads: int, branch_free: bool):
-        assert dtype.width == 16 and odtype.width == 16, "bf16/fp16 activations and outputs"
+        assert dtype.width == 16 and odtype.width in (16, 8), "bf16/fp16 activations, bf16/fp16/e4m3 outputs"
         self.dtype, self.wdtype, self.odtype = dtype, wdtype, odtype
         self.vec = VEC_BITS // dtype.width
         assert hidden % self.vec == 0, f"H={hidden} must be a multiple of {self.vec}"
+        self.fp8 = odtype is cutlass.Float8E4M3FN
+        self.lanes_per_block = FP8_BLOCK // self.vec  # lanes that share one scale (16)
+        assert not self.fp8 or hidden % FP8_BLOCK == 0, f"fp8 output needs H={hidden} a multiple of {FP8_BLOCK}"
         self.hidden, self.topk, self.cluster, self.pdl, self.branch_free = hidden, topk, cluster, pdl, branch_free
         self.num_vec = hidden // self.vec
         self.threads, self.iters = thread_shape(hidden, cluster, threads, self.vec)
@@ -75,20 +94,20 @@ class MoeTail:
     @cute.jit
     def __call__(self, mG: cute.Tensor, mE2p: cute.Tensor, mW: cute.Tensor, mShared: Optional[cute.Tensor],
                  mRes: Optional[cute.Tensor], mNormW: cute.Tensor, mOut: cute.Tensor,
-                 mResOut: Optional[cute.Tensor], eps: Float32, stream):
+                 mScales: Optional[cute.Tensor], mResOut: Optional[cute.Tensor], eps: Float32, stream):
         num_tokens = mE2p.shape[0]
         if const_expr(self.cluster > 1):
-            self.kernel(mG, mE2p, mW, mShared, mRes, mNormW, mOut, mResOut, eps).launch(
+            self.kernel(mG, mE2p, mW, mShared, mRes, mNormW, mOut, mScales, mResOut, eps).launch(
                 grid=[num_tokens * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
                 stream=stream, use_pdl=self.pdl)
         else:
-            self.kernel(mG, mE2p, mW, mShared, mRes, mNormW, mOut, mResOut, eps).launch(
+            self.kernel(mG, mE2p, mW, mShared, mRes, mNormW, mOut, mScales, mResOut, eps).launch(
                 grid=[num_tokens, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mG: cute.Tensor, mE2p: cute.Tensor, mW: cute.Tensor, mShared: Optional[cute.Tensor],
                mRes: Optional[cute.Tensor], mNormW: cute.Tensor, mOut: cute.Tensor,
-               mResOut: Optional[cute.Tensor], eps: Float32):
+               mScales: Optional[cute.Tensor], mResOut: Optional[cute.Tensor], eps: Float32):
         VEC, K, NT = self.vec, self.topk, self.threads
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -206,22 +225,39 @@ class MoeTail:
         rstd = cute.math.rsqrt(total / Float32(self.hidden) + eps)
 
         rO = cute.make_rmem_tensor((VEC,), self.odtype)
+        rN = cute.make_rmem_tensor((VEC,), Float32)
         for i in cutlass.range_constexpr(self.iters):
             v = base + i * NT
             in_range = True
             if const_expr(self.need_pred):
                 in_range = v < self.num_vec
-            if in_range:
-                rO.store((acc[None, i].load() * rstd * rNw[None, i].load().to(Float32)).to(self.odtype))
-                cute.autovec_copy(rO, self._vec(mOut[t, None], v))
+            if const_expr(not self.fp8):
+                if in_range:
+                    rO.store((acc[None, i].load() * rstd * rNw[None, i].load().to(Float32)).to(self.odtype))
+                    cute.autovec_copy(rO, self._vec(mOut[t, None], v))
+            else:
+                # block amax over the 16 lanes of a half-warp; every lane shuffles (out-of-range lanes add 0)
+                amax = Float32(0.0)
+                if in_range:
+                    rN.store(acc[None, i].load() * rstd * rNw[None, i].load().to(Float32))
+                    for e in cutlass.range_constexpr(VEC):
+                        amax = cute.arch.fmax(amax, abs(rN[e]), nan=True)
+                amax = cute.arch.warp_reduction(amax, lambda a, b: cute.arch.fmax(a, b, nan=True),
+                                                threads_in_group=self.lanes_per_block)
+                if in_range:
+                    scale = cute.arch.fmax(amax, Float32(SCALE_FLOOR), nan=True) / Float32(FP8_MAX)
+                    rO.store((rN.load() / scale).to(self.odtype))  # cvt.rn.satfinite: RNE, saturates to 448
+                    cute.autovec_copy(rO, self._vec(mOut[t, None], v))
+                    if tidx % self.lanes_per_block == 0:
+                        mScales[t, v // self.lanes_per_block] = scale
 
 
 def compile_kernel(*, H: int, K: int, DTYPE: str, WDTYPE: str, ODTYPE: str, SHARED: bool, RESIDUAL: bool,
                    RESIDUAL_OUT: bool, threads: int, cluster: int = 1, pdl: bool = False, max_loads: int = 32,
                    branch_free: bool = True, ARCH: str = ""):
     """Compile one specialization with TVM-FFI. The result is called as
-    f(g, e2p, w, shared|None, residual|None, norm_w, out, residual_out|None, eps) on torch's current stream;
-    None goes exactly where the flags say it does."""
+    f(g, e2p, w, shared|None, residual|None, norm_w, out, scales|None, residual_out|None, eps) on torch's
+    current stream; None goes exactly where the flags say it does (scales: with ODTYPE float8_e4m3fn)."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
     from cutlass.runtime import make_fake_stream
 
@@ -236,7 +272,10 @@ def compile_kernel(*, H: int, K: int, DTYPE: str, WDTYPE: str, ODTYPE: str, SHAR
     g = make_fake_tensor(dt, (rows, H), (ld, 1), assumed_align=16)
     args = (g, per_token(Int32, K), per_token(wdt, K), per_token(dt, H) if SHARED else None,
             per_token(dt, H) if RESIDUAL else None, make_fake_compact_tensor(dt, (H,), assumed_align=16),
-            per_token(odt, H), per_token(dt, H) if RESIDUAL_OUT else None, Float32(1e-6),
+            per_token(odt, H),
+            make_fake_compact_tensor(Float32, (T, H // FP8_BLOCK), stride_order=(1, 0), assumed_align=4)
+            if odt is cutlass.Float8E4M3FN else None,
+            per_token(dt, H) if RESIDUAL_OUT else None, Float32(1e-6),
             make_fake_stream(use_tvm_ffi_env_stream=True))
     op = MoeTail(dt, wdt, odt, H, K, threads=threads, cluster=cluster, pdl=pdl, max_loads=max_loads,
                  branch_free=branch_free)

@@ -4,6 +4,14 @@ Tolerance: the kernel and the reference both compute y in fp32 (the kernel with 
 separate multiply and add, and a different sum-of-squares order), then round once to bf16/fp16. So outputs
 agree to about one rounding step: |got - ref| <= 1e-2 + 1e-2 * |ref| after normalization (unit RMS), i.e.
 1-2 bf16 ulps; residual_out (y itself, magnitudes up to ~10) within 2e-2 + 1e-2 * |ref|.
+
+fp8 output (per token and 128 columns, see kerngen/ops/tail.py): kernel and reference quantize the same way
+(amax, IEEE fp32 division by the scale, round to nearest even, saturate), so differences come only from
+their fp32 n, ~1e-7 relative (a CPU simulation of FMA accumulation and another sum-of-squares order measured
+at most 4.7e-7 on the scales). Checked: scales within 2e-6 relative; every value within half an e4m3 step of
+the reference's n / scale (plus 2e-6 relative and 1e-5 / scale absolute for the n difference); at least
+99.9% of the bytes bitwise equal (they differ only where n / scale lies at a rounding boundary); each
+nonzero block's largest |value| exactly 448; no NaN.
 """
 import pytest
 import torch
@@ -13,6 +21,8 @@ from kerngen.ops.tail import reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
 RTOL, ATOL = 1e-2, 1e-2
+FP8 = torch.float8_e4m3fn
+SCALE_RTOL = 2e-6
 
 
 def make(T, K, H, *, dtype=torch.bfloat16, wdtype=torch.float32, pad=0, skip=0.1, seed=0, rows=None,
@@ -181,4 +191,130 @@ def test_bad_inputs_raise_named_errors():
     ]
     for args, kw, name in cases:
         with pytest.raises(kerngen.InputError, match=name):
+            kerngen.moe_tail(*args, **kw)
+
+
+# ------------------------------------------------------------------------------------------ fp8 output
+def e4m3_step(x):
+    """Spacing of e4m3fn values at |x| (3 mantissa bits; subnormal spacing 2^-9 below 2^-6)."""
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -6))) - 3)
+
+
+def close_fp8(got, got_scales, n, ref_q, ref_scales):
+    """got/got_scales: the kernel's; n: the reference's fp32 normalized rows; ref_q/ref_scales: its quantization."""
+    T, H = n.shape
+    assert got.dtype == FP8 and got.shape == (T, H) and got.is_contiguous()
+    assert got_scales.dtype == torch.float32 and got_scales.shape == (T, H // 128) and got_scales.is_contiguous()
+    assert torch.isfinite(got_scales).all() and (got_scales > 0).all(), "scales: NaN, inf or <= 0"
+    srel = ((got_scales - ref_scales).abs() / ref_scales).max().item()
+    assert srel <= SCALE_RTOL, f"scales: max relative diff {srel:.3g}"
+    q = got.float().view(T, H // 128, 128)
+    assert not torch.isnan(q).any(), "out: NaN bytes (unwritten or not saturated)"
+    s = got_scales[..., None]
+    x = n.view(T, H // 128, 128) / s  # the reference's values in the kernel's scale
+    err = (q - x).abs()
+    tol = 0.5 * e4m3_step(x) + 2e-6 * x.abs() + 1e-5 / s
+    bad = err > tol
+    assert not bad.any(), f"out: {int(bad.sum())} values off by more than half an e4m3 step, max {err.max().item():.4g}"
+    same = (got.view(torch.uint8) == ref_q.view(torch.uint8)).float().mean().item()
+    assert same >= 0.999, f"out: only {same:.5f} of the bytes equal the reference's"
+    block_max = q.abs().amax(-1)
+    zero = n.view(T, H // 128, 128).abs().amax(-1) == 0
+    assert ((block_max == 448) | (zero & (block_max == 0))).all(), "a block's largest value is not 448"
+
+
+def check_fp8(gemm2, e2p, w, nw, sh, res, *, residual_out=False, eps=1e-6, buffers=True):
+    T, H = e2p.shape[0], nw.shape[0]
+    out = scales = ro = None
+    if buffers:  # poisoned: NaN bytes and NaN scales
+        out = torch.empty(T, H, dtype=FP8, device="cuda")
+        out.view(torch.uint8).fill_(0x7F)
+        scales = torch.full((T, H // 128), float("nan"), device="cuda")
+    if residual_out:
+        ro = torch.full((T, H), float("nan"), dtype=gemm2.dtype, device="cuda")
+    got, got_scales = kerngen.moe_tail(gemm2, e2p, w, nw, eps=eps, shared=sh, residual=res, residual_out=ro,
+                                       out=out, out_dtype=FP8, out_scales=scales)
+    if buffers:
+        assert got.data_ptr() == out.data_ptr() and got_scales.data_ptr() == scales.data_ptr()
+    (ref_q, ref_scales), y = reference(gemm2, e2p, w, nw, eps=eps, shared=sh, residual=res, out_dtype=FP8)
+    n, _ = reference(gemm2, e2p, w, nw, eps=eps, shared=sh, residual=res, out_dtype=torch.float32)
+    close_fp8(got, got_scales, n, ref_q, ref_scales)
+    if residual_out:
+        close(ro, y, atol=2e-2, what="residual_out")
+
+
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "shared+residual"])
+@pytest.mark.parametrize("K", [8, 16])
+@pytest.mark.parametrize("H", [2048, 3584, 7168])
+@pytest.mark.parametrize("T", [1, 8, 64, 512])
+def test_fp8_vs_reference(T, H, K, extras):
+    check_fp8(*make(T, K, H, seed=T * 31 + H + K, shared=extras, residual=extras))
+
+
+@pytest.mark.parametrize("shared,residual", [(True, False), (False, True)])
+@pytest.mark.parametrize("residual_out", [False, True])
+@pytest.mark.parametrize("T", [5, 300])
+def test_fp8_flags(shared, residual, residual_out, T):
+    check_fp8(*make(T, 8, 7168, seed=T, shared=shared, residual=residual), residual_out=residual_out)
+
+
+@pytest.mark.parametrize("dtype,wdtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_fp8_from_other_input_dtypes(dtype, wdtype):
+    check_fp8(*make(33, 16, 2048, dtype=dtype, wdtype=wdtype, seed=6), residual_out=True)
+
+
+def test_fp8_allocates_out_and_scales():
+    check_fp8(*make(9, 8, 4096, seed=2), buffers=False)
+
+
+def test_fp8_zero_rows_skipped_slots_and_padded_gemm2():
+    gemm2, e2p, w, nw, _, _ = make(6, 8, 1024, pad=128, skip=0.0, seed=9)
+    e2p[:, ::2] = -1
+    w[:, ::2] = float("nan")
+    e2p[5] = -1  # no expert and no shared/residual: y = 0, every scale is 1e-12 / 448, every value 0
+    check_fp8(gemm2, e2p, w, nw, None, None)
+    got, scales = kerngen.moe_tail(gemm2, e2p, w, nw, out_dtype=FP8)
+    assert (got[5].float() == 0).all() and (scales[5] == torch.tensor(1e-12) / 448).all()
+
+
+@pytest.mark.parametrize("T", [1, 512])
+def test_fp8_inside_cuda_graph(T):
+    H, K = 7168, 8
+    gemm2, e2p, w, nw, sh, res = make(T, K, H, seed=12)
+    out = torch.empty(T, H, dtype=FP8, device="cuda")
+    scales = torch.empty(T, H // 128, device="cuda")
+    kw = dict(shared=sh, residual=res, out=out, out_dtype=FP8, out_scales=scales)
+    kerngen.moe_tail(gemm2, e2p, w, nw, **kw)  # build outside
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kerngen.moe_tail(gemm2, e2p, w, nw, **kw)
+    for seed in range(3):  # new inputs in the same buffers, replayed
+        for dst, src in zip((gemm2, e2p, w, nw, sh, res), make(T, K, H, seed=200 + seed)):
+            dst.copy_(src)
+        out.view(torch.uint8).fill_(0x7F); scales.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        (ref_q, ref_scales), _ = reference(gemm2, e2p, w, nw, shared=sh, residual=res, out_dtype=FP8)
+        n, _ = reference(gemm2, e2p, w, nw, shared=sh, residual=res, out_dtype=torch.float32)
+        close_fp8(out, scales, n, ref_q, ref_scales)
+
+
+def test_fp8_bad_inputs_raise_named_errors():
+    gemm2, e2p, w, nw, sh, res = make(4, 8, 1024)
+    fp8 = {"out_dtype": FP8}
+    g2880, e2880, w2880, nw2880, _, _ = make(4, 8, 2880)
+    cases = [
+        ((g2880, e2880, w2880, nw2880), fp8, "norm_weight"),  # H not a multiple of 128
+        ((gemm2, e2p, w, nw), {**fp8, "out": torch.empty(4, 1024, dtype=torch.bfloat16, device="cuda")}, "out"),
+        ((gemm2, e2p, w, nw), {**fp8, "out": torch.empty(4 * 1024 + 1, dtype=FP8, device="cuda")[1:].view(4, 1024)},
+         "out"),
+        ((gemm2, e2p, w, nw), {**fp8, "out_scales": torch.empty(4, 8, dtype=torch.float16, device="cuda")},
+         "out_scales"),
+        ((gemm2, e2p, w, nw), {**fp8, "out_scales": torch.empty(4, 16, device="cuda")}, "out_scales"),
+        ((gemm2, e2p, w, nw), {**fp8, "out_scales": torch.empty(8, 4, device="cuda").t()}, "out_scales"),
+        ((gemm2, e2p, w, nw), {**fp8, "out_scales": torch.empty(4, 8)}, "out_scales"),
+        ((gemm2, e2p, w, nw), {"out_scales": torch.empty(4, 8, device="cuda")}, "out_scales"),
+    ]
+    for args, kw, name in cases:
+        with pytest.raises(kerngen.InputError, match=f"argument '{name}'"):
             kerngen.moe_tail(*args, **kw)
