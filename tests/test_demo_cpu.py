@@ -1,0 +1,117 @@
+"""tools/moe_layer_demo.py on the CPU: its torch layer against a per-token loop, and its permuted-row expert
+path (with the torch references of route and moe_tail) against its torch layer, for tiny made-up models."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kerngen.ops import routing, tail
+from kerngen.tiers import Model
+
+
+def load_demo():
+    path = Path(__file__).resolve().parents[1] / "tools" / "moe_layer_demo.py"
+    spec = importlib.util.spec_from_file_location("moe_layer_demo", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+demo = load_demo()
+TINY = {
+    "sigmoid_bias": Model("tiny", 8, 2, 64, "sigmoid_bias", (1, 64), routed_scaling_factor=2.5),
+    "grouped_sigmoid_bias": Model("tiny-grouped", 8, 2, 64, "grouped_sigmoid_bias", (1, 64), n_group=4,
+                                  topk_group=2, routed_scaling_factor=2.5),
+    "softmax_topk": Model("tiny-softmax", 8, 2, 64, "softmax_topk", (1, 64)),
+}
+INTER = 16
+# The loop and the demo round the same values to bf16 and sum short dot products in fp32, so on one CPU they
+# agree to about one bf16 step (2**-7 of |out|); tighter than the demo's GPU tolerance, which covers cuBLAS
+# picking different sum orders for different GEMM shapes.
+CPU_TOL = 1e-2
+
+
+def expert(v, w1, w2):
+    """One token through one expert with fp32 dot products and the layer's bf16 roundings."""
+    h = (w1.float() @ v.float()).to(torch.bfloat16).float()
+    act = (F.silu(h[:INTER]) * h[INTER:]).to(torch.bfloat16).float()
+    return (w2.float() @ act).to(torch.bfloat16).float()
+
+
+def loop_layer(m, w, x, residual):
+    """The layer one token and one slot at a time, routed by kerngen's routing reference."""
+    ids, weights = routing.reference(x.float() @ w.router.T, m.top_k, m.routing, w.bias, m.n_group, m.topk_group,
+                                     m.routed_scaling_factor, m.renormalize)
+    out = torch.empty_like(x)
+    for t in range(x.shape[0]):
+        y = residual[t].float() + expert(x[t], w.shared1, w.shared2)
+        for k in range(m.top_k):
+            e = int(ids[t, k])
+            y = y + weights[t, k] * expert(x[t], w.w1[e], w.w2[e])
+        out[t] = (y * torch.rsqrt(y.pow(2).mean() + demo.EPS) * w.norm.float()).to(x.dtype)
+    return out, ids
+
+
+def case(method, T, seed=0):
+    m = TINY[method]
+    w = demo.make_weights(m, INTER, device="cpu", seed=seed)
+    x, residual = demo.make_inputs(T, m.hidden, device="cpu", seed=seed + 1)
+    return m, w, x, residual
+
+
+@pytest.mark.parametrize("method", sorted(TINY))
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_torch_layer_matches_per_token_loop(method, T):
+    m, w, x, residual = case(method, T)
+    out, ids = demo.torch_layer(m, w)(x, residual)
+    ref, ref_ids = loop_layer(m, w, x, residual)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert demo.ids_agreement(ids, ref_ids) == 1.0
+    _, rel = demo.output_error(out, ref)
+    assert rel <= CPU_TOL
+
+
+def test_error_bound_catches_a_wrong_expert():
+    m, w, x, residual = case("sigmoid_bias", 4)
+    ref, ids = loop_layer(m, w, x, residual)
+    w.w2[int(ids[0, 0])].neg_()   # token 0's first expert now pushes the other way
+    out, _ = demo.torch_layer(m, w)(x, residual)
+    _, rel = demo.output_error(out, ref)
+    assert rel > demo.TOL
+
+
+@pytest.mark.parametrize("method", sorted(TINY))
+@pytest.mark.parametrize("T", [1, 3, 4, 16])
+@pytest.mark.parametrize("tile", [1, 4, 16])
+def test_permuted_experts_and_tail_match_torch_layer(method, T, tile):
+    """The kerngen path with route and moe_tail replaced by their torch references (T*K below, at and above E)."""
+    m, w, x, residual = case(method, T)
+    E, K = m.num_experts, m.top_k
+    ids, weights = routing.reference(x.float() @ w.router.T, K, m.routing, w.bias, m.n_group, m.topk_group,
+                                     m.routed_scaling_factor, m.renormalize)
+    p = routing.permute_reference(ids, E, tile)
+    rows = demo.permuted_rows_bound(T, K, E, tile)
+    assert int(p["num_permuted_rows"]) <= rows
+    g = demo.permuted_experts(x, p["permuted_to_token"], p["tile_to_expert"], w, tile, rows)
+    out, _ = tail.reference(g, p["expanded_to_permuted"], weights, w.norm, eps=demo.EPS,
+                            shared=demo.mlp(x, w.shared1, w.shared2), residual=residual)
+    ref, _ = demo.torch_layer(m, w)(x, residual)
+    _, rel = demo.output_error(out, ref)
+    assert rel <= CPU_TOL
+
+
+@pytest.mark.parametrize("E,K,tile", [(8, 2, 4), (896, 16, 16), (256, 8, 128), (5, 3, 7)])
+def test_permuted_rows_bound_holds_and_is_reached(E, K, tile):
+    from kerngen.ops.routing import max_rows
+    g = torch.Generator().manual_seed(E)
+    for T in (1, 2, 3, 8, 64, 300):
+        bound = demo.permuted_rows_bound(T, K, E, tile)
+        assert bound % tile == 0 and bound <= max_rows(T, K, E, tile)
+        for _ in range(3):
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+            assert int(routing.permute_reference(ids, E, tile)["num_permuted_rows"]) <= bound
+        if T * K <= E:   # one row for each of T*K experts: every one pads to a full tile
+            ids = torch.arange(T * K, dtype=torch.int32).view(T, K)
+            assert int(routing.permute_reference(ids, E, tile)["num_permuted_rows"]) == bound

@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""One decode step of a real-shaped MoE layer, kerngen against plain torch (random weights, CUDA graphs).
+
+    python3 tools/moe_layer_demo.py [--models kimi-k3,deepseek-v3] [--tokens 1,8,64] [--inter 256] [--tile 16]
+                                    [--compile]
+
+The layer, for hidden states x [T, H] bf16 and a residual [T, H] bf16 (E, K, H and routing from tiers.toml):
+    logits   = x.float() @ router.T                               fp32 [T, E]; router [E, H] fp32
+    ids, w   = top-k routing of the model's method                ids [T, K] int32, w [T, K] fp32
+    expert_e = down_e(silu(gate_e(x)) * up_e(x))                  bf16 weights, intermediate size I
+    y        = sum_k w[t, k] * expert_{ids[t, k]}(x[t]) + shared(x) + residual            fp32
+    out      = y * rsqrt(mean(y^2) + eps) * norm_weight           bf16
+kerngen path: kerngen.route (ids, weights and the permutation) -> the experts over the permuted rows, one
+batched matmul per tile -> kerngen.moe_tail (finalize + shared + residual + RMSNorm). torch path: the routing
+math of tools/bench_routing.py, each (token, slot) gathers its expert's weights, fp32 weighted sum, RMSNorm.
+Neither path reads a device value on the host, so both run inside CUDA graphs. The expert GEMMs are torch
+matmuls over gathered weights in both paths (a stand-in for a grouped GEMM); at large T or I they dominate.
+
+Prints one Markdown row per (model, T) for docs/benchmarks.md: µs per layer of each path (CUDA graph of 10
+layers, median of 20 replays), kerngen's speedup, the output error of kerngen against torch, and the fraction
+of equal expert ids (each token's K ids sorted). Outputs are compared as left by a graph replay.
+
+Tolerance (exit code 1 above it): max |kerngen - torch| / (|torch| + RMS of the torch row) <= TOL = 2e-2.
+Both paths round the same intermediates to bf16 (expert GEMM outputs, activations) but with GEMMs of different
+shapes, hence different fp32 sum orders, so an intermediate may differ by one bf16 step (2**-8 relative). After
+RMSNorm (row RMS ~1) that is a few 1e-3 of the RMS, and the final roundings may differ by one bf16 step, under
+2**-7 = 0.8% of |out|. 2e-2 leaves room for ~2.5 such steps; a wrong expert, weight or row moves outputs by
+O(RMS), far above it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kerngen  # noqa: E402
+from bench_routing import torch_routing  # noqa: E402
+from benchlib import graph_time_us  # noqa: E402
+
+TOL = 2e-2
+EPS = 1e-6
+BF16 = torch.bfloat16
+
+
+@dataclass
+class Weights:
+    """One MoE layer: router [E, H] fp32, correction bias [E] fp32 (None unless a sigmoid_bias method); bf16
+    experts w1 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], shared expert shared1 [2I, H] and
+    shared2 [H, I], RMSNorm weight norm [H]."""
+    router: torch.Tensor
+    bias: torch.Tensor | None
+    w1: torch.Tensor
+    w2: torch.Tensor
+    shared1: torch.Tensor
+    shared2: torch.Tensor
+    norm: torch.Tensor
+
+
+def make_weights(m, inter: int, device="cuda", seed: int = 0) -> Weights:
+    """Random weights for model m (a kerngen.tiers.Model), scaled so logits and activations are O(1)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    E, H, Inter = m.num_experts, m.hidden, inter
+
+    def randn(*shape, scale, dtype=BF16):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype).mul_(scale)
+
+    return Weights(router=randn(E, H, scale=H ** -0.5, dtype=torch.float32),
+                   bias=randn(E, scale=0.05, dtype=torch.float32) if "sigmoid_bias" in m.routing else None,
+                   w1=randn(E, 2 * Inter, H, scale=H ** -0.5), w2=randn(E, H, Inter, scale=Inter ** -0.5),
+                   shared1=randn(2 * Inter, H, scale=H ** -0.5), shared2=randn(H, Inter, scale=Inter ** -0.5),
+                   norm=randn(H, scale=0.1).add_(1.0))
+
+
+def make_inputs(tokens: int, hidden: int, device="cuda", seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states and residual, [T, H] bf16."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen, device=device, dtype=BF16)
+    residual = torch.randn(tokens, hidden, generator=gen, device=device, dtype=BF16)
+    return x, residual
+
+
+def mlp(x, w1, w2):
+    """SiLU-gated MLP batched over leading dims: x [..., n, H], w1 [..., 2I, H], w2 [..., H, I] -> [..., n, H]."""
+    gate, up = (x @ w1.transpose(-1, -2)).float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype) @ w2.transpose(-1, -2)
+
+
+def rmsnorm(y, weight):
+    """fp32 y [T, H] -> weight's dtype, as kerngen.ops.tail.reference."""
+    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()).to(weight.dtype)
+
+
+def torch_layer(m, w: Weights):
+    """The layer in plain torch: fn(x, residual) -> (out [T, H] bf16, topk_ids [T, K] int32)."""
+    route = torch_routing(m)
+    bias = w.bias if w.bias is not None else torch.zeros(m.num_experts, device=w.router.device)
+
+    def fn(x, residual):
+        T, H = x.shape
+        ids, weights = route(x.float() @ w.router.T, bias)
+        e = ids.flatten().long()
+        xk = x.unsqueeze(1).expand(T, m.top_k, H).reshape(T * m.top_k, 1, H)   # one row per (token, slot)
+        ye = mlp(xk, w.w1[e], w.w2[e]).view(T, m.top_k, H)
+        y = (ye.float() * weights.unsqueeze(-1)).sum(1) + mlp(x, w.shared1, w.shared2).float() + residual.float()
+        return rmsnorm(y, w.norm), ids
+
+    return fn
+
+
+def permuted_rows_bound(tokens: int, top_k: int, num_experts: int, tile: int) -> int:
+    """A bound on num_permuted_rows fixed by the token count, in whole tiles (so no host sync is needed).
+
+    An expert with c > 0 rows takes ceil(c / tile) * tile <= c + tile - 1 rows, the counts sum to T*K and at most
+    min(E, T*K) experts have any. num_permuted_rows is a multiple of tile, so round down. It is reached when
+    T*K <= E experts get one row each; it never exceeds kerngen.ops.routing.max_rows (every expert padded),
+    and is far below it at decode sizes (kimi-k3, T=8, tile 16: 2048 rows instead of 13568).
+    """
+    n = tokens * top_k
+    return (n + min(num_experts, n) * (tile - 1)) // tile * tile
+
+
+def permuted_experts(x, permuted_to_token, tile_to_expert, w: Weights, tile: int, rows: int):
+    """gemm2_out [rows, H]: the experts over the first `rows` permuted rows, one batched matmul per tile.
+
+    rows = permuted_rows_bound(...). Padding rows (token -1) compute token 0 and tiles past num_permuted_rows
+    (expert -1) use expert 0; finalize never reads those rows.
+    """
+    n = rows // tile
+    a = x[permuted_to_token[:rows].clamp(min=0).long()].view(n, tile, -1)
+    e = tile_to_expert[:n].clamp(min=0).long()
+    return mlp(a, w.w1[e], w.w2[e]).view(rows, -1)
+
+
+def kerngen_layer(m, w: Weights, tokens: int, tile: int):
+    """The layer on kerngen's routing and tail: fn(x, residual) -> (out [T, H] bf16, topk_ids [T, K] int32)."""
+    ws = kerngen.RoutingWorkspace(tokens, m.num_experts, m.top_k, tile)
+    rows = permuted_rows_bound(tokens, m.top_k, m.num_experts, tile)
+
+    def fn(x, residual):
+        r = kerngen.route(x.float() @ w.router.T, bias=w.bias, model=m.name, tile=tile, workspace=ws)
+        g = permuted_experts(x, r.permuted_to_token, r.tile_to_expert, w, tile, rows)
+        out = kerngen.moe_tail(g, r.expanded_to_permuted, r.topk_weights, w.norm,
+                               shared=mlp(x, w.shared1, w.shared2), residual=residual, eps=EPS)
+        return out, r.topk_ids
+
+    return fn
+
+
+def output_error(out, ref) -> tuple[float, float]:
+    """(max |out - ref|, max |out - ref| / (|ref| + RMS of ref's row)), the second the one TOL bounds."""
+    o, r = out.float(), ref.float()
+    d = (o - r).abs()
+    return d.max().item(), (d / (r.abs() + r.pow(2).mean(-1, keepdim=True).sqrt())).max().item()
+
+
+def ids_agreement(ids, ref_ids) -> float:
+    """Fraction of equal expert ids, each token's K sorted (order inside a top-k does not change the layer)."""
+    return (ids.sort(-1).values == ref_ids.sort(-1).values).float().mean().item()
+
+
+def graphed(fn, *args):
+    """fn(*args) captured in a CUDA graph after one warm-up call, replayed once: (graph, its outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, outs
+
+
+def run_case(m, w: Weights, tokens: int, tile: int = 16, compiled=None, timed: bool = True) -> dict:
+    """One (model, T): errors and id agreement of kerngen against torch, and µs per layer when timed."""
+    x, residual = make_inputs(tokens, m.hidden)
+    ours, ref = kerngen_layer(m, w, tokens, tile), torch_layer(m, w)
+    g_ours, (out, ids) = graphed(ours, x, residual)
+    g_ref, (ref_out, ref_ids) = graphed(ref, x, residual)
+    max_abs, max_rel = output_error(out, ref_out)
+    row = {"model": m.name, "E": m.num_experts, "K": m.top_k, "H": m.hidden, "I": w.w2.shape[-1], "T": tokens,
+           "tile": tile, "max_abs": max_abs, "max_rel": max_rel, "ids_equal": ids_agreement(ids, ref_ids)}
+    del g_ours, g_ref, out, ids, ref_out, ref_ids
+    if timed:
+        def us(fn):
+            return graph_time_us(lambda: fn(x, residual), calls=10, replays=20)
+        row["kerngen_us"], row["torch_us"] = us(ours), us(ref)
+        row["compile_us"] = us(compiled) if compiled is not None else None
+    return row
+
+
+HEADER = ("| model | E/K | H | I | T | kerngen µs | torch µs | torch.compile µs | vs torch | vs compile "
+          "| max abs err | max rel err | equal ids |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def markdown_row(r: dict) -> str:
+    comp = r["compile_us"]
+    cells = [r["model"], f"{r['E']}/{r['K']}", r["H"], r["I"], r["T"], f"**{r['kerngen_us']:.1f}**",
+             f"{r['torch_us']:.1f}", "" if comp is None else f"{comp:.1f}", f"{r['torch_us'] / r['kerngen_us']:.2f}x",
+             "" if comp is None else f"{comp / r['kerngen_us']:.2f}x", f"{r['max_abs']:.2e}", f"{r['max_rel']:.2e}",
+             f"{r['ids_equal']:.4f}"]
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="kimi-k3,deepseek-v3")
+    ap.add_argument("--tokens", default="8", help="comma-separated token counts T")
+    ap.add_argument("--inter", type=int, default=256, help="intermediate size I of each expert")
+    ap.add_argument("--tile", type=int, default=16, help="rows per tile of the permutation")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile of the torch layer")
+    a = ap.parse_args(argv)
+    known = kerngen.models()
+    names = a.models.split(",")
+    for name in names:
+        if name not in known:
+            ap.error(f"unknown model {name!r}; known: {', '.join(sorted(known))}")
+    tokens = [int(t) for t in a.tokens.split(",")]
+    print(f"inter={a.inter} tile={a.tile} tolerance: max rel err <= {TOL}\n\n{HEADER}", flush=True)
+    worst = 0.0
+    for name in names:
+        m = known[name]
+        w = make_weights(m, a.inter)
+        compiled = torch.compile(torch_layer(m, w), dynamic=False) if a.compile else None
+        for T in tokens:
+            r = run_case(m, w, T, a.tile, compiled)
+            worst = max(worst, r["max_rel"])
+            print(markdown_row(r), flush=True)
+        del w, compiled
+        torch.cuda.empty_cache()
+    if worst > TOL:
+        print(f"FAIL: max rel err {worst:.3e} > {TOL}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
