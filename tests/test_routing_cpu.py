@@ -246,3 +246,12 @@ def test_permutation_reference_invariants(tile, local):
     assert t2e.numel() == p2t.numel() // tile and (t2e[rows // tile:] == -1).all()
     for j in range(rows // tile):
         assert off[t2e[j]] <= j * tile < off[t2e[j] + 1]
+
+
+@pytest.mark.parametrize("T,E,K,tile,local", [(1, 896, 16, 128, None), (3, 7, 3, 8, (2, 3)), (5, 256, 8, 1, (0, 5))])
+def test_workspace_views_are_16_byte_aligned(T, E, K, tile, local):
+    """finalize and moe_tail load expanded_to_permuted with 128-bit loads: every view must start aligned."""
+    ws = rt.RoutingWorkspace(T, E, K, tile, local_experts=local, device="cpu")
+    for name in ("ids", "weights", "counts", "offsets", "e2p", "p2t", "t2e", "num_rows", "hist"):
+        assert getattr(ws, name).data_ptr() % 16 == 0, name
+    assert (ws.p2t == -1).all() and (ws.num_rows == -1).all()

@@ -101,13 +101,15 @@ class RoutingWorkspace:
                          num_rows=1, hist=-(-T // MIN_TOKENS_PER_BLOCK) * nl)
         # One allocation, one fill: -1 everywhere (num_rows = -1 reads as "no previous call"); ids and weights
         # alone need no fill.
-        n = sum(sizes.values())
+        # every view starts 16-byte aligned, so ids / e2p feed the 128-bit loads of finalize and moe_tail
+        pad = {name: -(-n // 4) * 4 for name, n in sizes.items()}
+        n = sum(pad.values())
         self.buffer = (torch.full((n,), -1, dtype=torch.int32, device=dev) if tile is not None
                        else torch.empty((n,), dtype=torch.int32, device=dev))
         views, at = {}, 0
         for name, n in sizes.items():
             views[name] = self.buffer[at:at + n]
-            at += n
+            at += pad[name]
         self.ids = views["ids"].view(T, K)
         self.weights = (views["weights"].view(torch.float32).view(T, K) if "weights" in views
                         else torch.empty((T, K), dtype=weights_dtype, device=dev))
