@@ -153,7 +153,7 @@ def parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_explain)
     u = sub.add_parser("tune", help="time candidate kernels on this GPU and write the winners to a tiers file")
     u.add_argument("--model", required=True)
-    u.add_argument("--ops", default="finalize", help="comma separated (ops without candidates are skipped)")
+    u.add_argument("--ops", default="routing,finalize,tail", help="comma separated subset of routing,finalize,tail")
     u.add_argument("--tokens", help="comma separated token buckets")
     u.add_argument("--out", help="tiers file to write (default: KERNGEN_TIERS or kerngen-tuned-MODEL.toml)")
     u.add_argument("--quiet", action="store_true")

@@ -51,7 +51,76 @@ def _time_finalize(model: tiers.Model, T: int, variant: str, params: dict) -> fl
     return graph_time_us(call, calls=10, replays=15)
 
 
-TUNERS = {"finalize": (finalize_candidates, _time_finalize)}
+def tail_candidates():
+    for cluster, threads, branch_free in itertools.product((1, 2, 4, 8), (128, 256), (True, False)):
+        yield "tail", dict(backend="cute", threads=threads, cluster=cluster, max_loads=32, branch_free=branch_free,
+                           pdl=True)
+
+
+def _time_tail(model: tiers.Model, T: int, variant: str, params: dict) -> float:
+    """The tail as the shipped models call it (shared expert + residual), checked against the reference."""
+    from .ops import tail
+    H, K = model.hidden, model.top_k
+    rule = tiers.Rule(op="tail", variant=variant, ranges={}, params=params)
+    consts = tail._constants(H, K, model.dtype, model.weights_dtype, model.dtype, (True, True, False))
+    spec = spec_for(rule, tail._tag(H, K, model.dtype, model.weights_dtype, model.dtype, (True, True, False)), consts,
+                    target_arch())
+    dt = getattr(torch, model.dtype)
+    g = torch.randn(T * K, H, device="cuda").to(dt)
+    e2p = torch.randperm(T * K, device="cuda").view(T, K).int()
+    w = torch.rand(T, K, device="cuda").to(getattr(torch, model.weights_dtype))
+    nw, sh, res = torch.rand(H, device="cuda").to(dt), torch.randn(T, H, device="cuda").to(dt), torch.randn(
+        T, H, device="cuda").to(dt)
+    out = torch.empty(T, H, dtype=dt, device="cuda")
+    fn = tail._function(spec)
+    call = lambda: fn(g, e2p, w, sh, res, nw, out, None, None, 1e-6)
+    call()
+    torch.cuda.synchronize()
+    ref, _ = tail.reference(g, e2p, w, nw, shared=sh, residual=res)
+    if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
+        raise KerngenError(f"tune: candidate tail {params} gave a wrong result at T={T}")
+    return graph_time_us(call, calls=10, replays=15)
+
+
+ROUTING_TILE = 128   # tools/bench's tile: the permutation is part of the time
+
+
+def routing_candidates():
+    for warps, wpt in ((16, 1), (16, 2), (16, 4), (16, 8), (8, 4)):
+        yield "fused", dict(warps=warps, warps_per_token=wpt, max_tokens=16)
+    for warps, wpt in ((4, 1), (4, 4), (8, 2), (8, 8)):
+        yield "topk", dict(warps=warps, warps_per_token=wpt)
+
+
+def _time_routing(model: tiers.Model, T: int, variant: str, params: dict) -> float:
+    """route(..., tile=128) with fp32 logits (and an fp32 bias for the bias methods); ids checked exactly."""
+    from .launch import current_stream
+    from .ops import routing as rt
+    if variant == "fused" and T > params["max_tokens"]:
+        return float("inf")
+    E, K, dev = model.num_experts, model.top_k, torch.cuda.current_device()
+    has_bias = model.routing in ("sigmoid_bias", "grouped_sigmoid_bias")
+    tag, consts = rt._constants(E, K, model.routing, model.n_group, model.topk_group, model.renormalize, "float32",
+                                "float32" if has_bias else "none", "float32")
+    arch = target_arch(dev)
+    spec = spec_for(tiers.Rule(op="routing", variant=variant, ranges={}, params=params), tag, consts, arch)
+    r = rt._Route(consts, spec, T, dev, True, tiers.load(), arch)
+    logits = torch.randn(T, E, device="cuda")
+    bias = torch.randn(E, device="cuda") * 0.05 if has_bias else None
+    ws = rt.RoutingWorkspace(T, E, K, ROUTING_TILE)
+    rsf = float(model.routed_scaling_factor)
+    call = lambda: rt._launch(r, logits, bias, ws, T, ROUTING_TILE, 0, E, rsf, current_stream(dev))
+    call()
+    torch.cuda.synchronize()
+    ref_ids, _ = rt.reference(logits, K, model.routing, bias=bias, n_group=model.n_group,
+                              topk_group=model.topk_group, renormalize=model.renormalize, routed_scaling_factor=rsf)
+    if not torch.equal(ws.ids[:T].cpu(), ref_ids.int().cpu()):
+        raise KerngenError(f"tune: candidate routing {variant} {params} gave wrong ids at T={T}")
+    return graph_time_us(call, calls=10, replays=15)
+
+
+TUNERS = {"finalize": (finalize_candidates, _time_finalize), "tail": (tail_candidates, _time_tail),
+          "routing": (routing_candidates, _time_routing)}
 
 
 def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> list[tiers.Rule]:
@@ -94,9 +163,12 @@ def _merge(op: str, model: tiers.Model, winners) -> list[tiers.Rule]:
         if not last and (winners[i + 1][2], winners[i + 1][3]) == (variant, params):
             continue
         hi = model.tokens[1] if last else (T + winners[i + 1][0]) // 2
+        if "max_tokens" in params:   # a single-CTA variant never serves more tokens than it is sized for
+            hi = min(hi, int(params["max_tokens"]))
+        shape = ({"num_experts": (model.num_experts, model.num_experts)} if op == "routing"
+                 else {"hidden": (model.hidden, model.hidden)})
         out.append(tiers.Rule(op=op, variant=variant, params=dict(params),
-                              ranges={"hidden": (model.hidden, model.hidden), "top_k": (model.top_k, model.top_k),
-                                      "tokens": (lo, hi)},
+                              ranges={**shape, "top_k": (model.top_k, model.top_k), "tokens": (lo, hi)},
                               source=f"tuned: {us:.2f} us at T={T}"))
         lo = hi + 1
     return out

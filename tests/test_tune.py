@@ -26,3 +26,33 @@ def test_merge_and_write_round_trip(tmp_path, monkeypatch):
 def test_never_writes_the_shipped_table():
     with pytest.raises(KerngenError, match="refusing"):
         tune.write(env.shipped_tiers(), "kimi-k3", [])
+
+
+def test_routing_rules_pin_the_expert_count_and_respect_max_tokens(tmp_path, monkeypatch):
+    """A fused (single-CTA) winner never serves more tokens than its max_tokens; routing rules key on E, not H."""
+    monkeypatch.setattr(tune, "provenance", lambda: {"gpu": "NVIDIA H200", "date": "2026-11-29"})
+    model = tiers.load().model("kimi-k3")
+    fused = dict(warps=16, warps_per_token=8, max_tokens=16)
+    topk = dict(warps=4, warps_per_token=4)
+    winners = [(1, 6.9, "fused", fused), (16, 9.0, "fused", fused), (64, 20.0, "topk", topk)]
+    rules = tune._merge("routing", model, winners)
+    assert [(r.variant, r.ranges["tokens"]) for r in rules] == [("fused", (1, 16)), ("topk", (17, 8192))]
+    assert all(r.ranges["num_experts"] == (896, 896) and "hidden" not in r.ranges for r in rules)
+    out = tmp_path / "tuned.toml"
+    tune.write(out, "kimi-k3", rules)
+    t = tiers.load(out)
+    assert t.rule("routing", {"num_experts": 896, "top_k": 16, "tokens": 16}).params == fused
+    assert t.rule("routing", {"num_experts": 896, "top_k": 16, "tokens": 17}).params == topk
+    assert t.rule("routing", {"num_experts": 384, "top_k": 8, "tokens": 16}).params != fused  # shipped rules
+
+
+def test_every_op_has_candidates_that_the_tier_schema_accepts(tmp_path, monkeypatch):
+    monkeypatch.setattr(tune, "provenance", lambda: {"gpu": "NVIDIA H200", "date": "2026-11-29"})
+    model = tiers.load().model("kimi-k3")
+    for op, (candidates, _) in tune.TUNERS.items():
+        cands = list(candidates())
+        assert len(cands) >= 4, op
+        rules = tune._merge(op, model, [(1, 1.0, *cands[0]), (4096, 2.0, *cands[-1])])
+        path = tmp_path / f"{op}.toml"
+        tune.write(path, "kimi-k3", rules)   # write() re-parses what it wrote
+        assert tiers.load(path).rules[0].op == op

@@ -371,21 +371,26 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
     else:
         _check_workspace(OP, workspace, T, E, top_k, tile, nl, logits.device)
     ws = workspace
-    stream = current_stream(dev)
+    _launch(r, logits, bias, ws, T, tile, ls, nl, float(routed_scaling_factor), current_stream(dev))
+    return ws.result(T, nl)
+
+
+def _launch(r: _Route, logits, bias, ws: RoutingWorkspace, T: int, tile: int | None, ls: int, nl: int,
+            rsf: float, stream: int) -> None:
+    """The launches of one routing call (checked inputs; the tuner times candidates through it too)."""
     bias_ptr = 0 if bias is None else bias.data_ptr()
     if tile is None:
         r.topk(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), 0, 0, 0, 0, 0, 0,
-               float(routed_scaling_factor), T, logits.stride(0), 0, ls, nl, 0)
+               rsf, T, logits.stride(0), 0, ls, nl, 0)
     elif r.fused:
         r.topk(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), ws.counts.data_ptr(),
                ws.offsets.data_ptr(), ws.e2p.data_ptr(), ws.p2t.data_ptr(), ws.t2e.data_ptr(),
-               ws.num_rows.data_ptr(), float(routed_scaling_factor), T, logits.stride(0), tile, ls, nl, ws.max_rows)
+               ws.num_rows.data_ptr(), rsf, T, logits.stride(0), tile, ls, nl, ws.max_rows)
     else:
         if T:
             r.topk(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), 0, 0, 0, 0, 0, 0,
-                   float(routed_scaling_factor), T, logits.stride(0), 0, ls, nl, 0)
+                   rsf, T, logits.stride(0), 0, ls, nl, 0)
         r.permute(stream, ws.ids.data_ptr(), ws, T, tile, ls, nl)
-    return ws.result(T, nl)
 
 
 def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_experts: tuple[int, int] | None = None,
