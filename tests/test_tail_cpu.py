@@ -17,7 +17,6 @@ from kerngen import jit, tiers
 from kerngen.cache import DiskCache
 from kerngen.errors import CompileError
 from kerngen.ops import tail
-from kerngen.plan import KernelSpec
 
 
 def all_tail_specs():
@@ -45,12 +44,6 @@ FP8_CASES = ((7168, 8, "bfloat16", "float32", (True, True, False), (1, 8192)),
              (2048, 8, "float16", "bfloat16", (False, False, False), (8192,)))
 
 
-def finalize_cute_spec(H=3584, K=16):
-    return KernelSpec(op="finalize", variant="cute", backend="cute", tag=f"H{H}-K{K}-bf16-wf32",
-                      constants=(("DTYPE", "bfloat16"), ("H", H), ("K", K), ("WDTYPE", "float32")),
-                      params=(("pdl", True), ("threads", 256)), arch="sm_90a")
-
-
 def _is_object(data: bytes) -> bool:
     return data[:4] == b"\x7fELF" and data[16] == 1  # ET_REL: a relocatable object with the cubin inside
 
@@ -61,11 +54,6 @@ def test_every_tail_tier_compiles_to_sm90a_object(spec, tmp_path):
     assert built.status == "compiled" and _is_object(built.files["kernel.o"])
     assert spec.backend == "cute" and built.key.startswith(f"tail-tail-{spec.tag}-sm_90a-")
     assert b"sm_90a" in built.files["kernel.o"]
-
-
-def test_finalize_cute_variant_compiles(tmp_path):
-    built = jit.build(finalize_cute_spec(), store=DiskCache(tmp_path))
-    assert built.status == "compiled" and _is_object(built.files["kernel.o"])
 
 
 def test_key_carries_cute_toolchain():
