@@ -1,28 +1,15 @@
 """tools/moe_layer_demo.py on the GPU: one decode step of kimi-k3 and deepseek-v3 through kerngen (route,
 moe_tail) inside a CUDA graph matches the torch layer within the demo's tolerance, with the same expert ids."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 import kerngen
+from tests.test_demo_cpu import demo
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("gpu_cache")]
 
 INTER = 64
-
-
-def load_demo():
-    path = Path(__file__).resolve().parents[2] / "tools" / "moe_layer_demo.py"
-    spec = importlib.util.spec_from_file_location("moe_layer_demo", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-demo = load_demo()
 
 
 @pytest.fixture(scope="module", params=["kimi-k3", "deepseek-v3"])

@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Run every kernel family once, small, for compute-sanitizer (racecheck, synccheck, memcheck):
+
+    compute-sanitizer --tool racecheck python3 tools/sanitize_run.py
+
+Covers the fused routing kernel (group barriers, shared-memory counts) at T=1 and 8, the top-k + histogram
+permutation path at T=40, finalize small/large batch chained back to back with programmatic dependent launch
+(PDL) after the routing that produces their indices, and the fused tail. Exits non-zero on a wrong result.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+import kerngen  # noqa: E402
+from kerngen.ops import finalize as fin  # noqa: E402
+from kerngen.ops import routing as rt  # noqa: E402
+from kerngen.ops import tail  # noqa: E402
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    bad = []
+    for name, T in (("kimi-k3", 1), ("kimi-k3", 8), ("deepseek-v3", 8), ("kimi-k3", 40)):
+        m = kerngen.models()[name]
+        logits = torch.randn(T, m.num_experts, device="cuda")
+        bias = torch.randn(m.num_experts, device="cuda") * 0.05
+        r = kerngen.route(logits, bias=bias, model=name, tile=16)
+        ids, _ = rt.reference(logits, m.top_k, m.routing, bias=bias, n_group=m.n_group, topk_group=m.topk_group,
+                              routed_scaling_factor=m.routed_scaling_factor)
+        if not torch.equal(r.topk_ids, ids.int()):
+            bad.append(f"route {name} T={T}")
+        # finalize right after the routing that wrote its indices (PDL: finalize waits on the grid before it)
+        rows = int(r.num_permuted_rows)
+        g = torch.randn(max(rows, 1), m.hidden, device="cuda").to(torch.bfloat16)
+        out = kerngen.finalize(g, r.expanded_to_permuted, r.topk_weights)
+        out2 = kerngen.finalize(g, r.expanded_to_permuted, r.topk_weights)   # back to back, PDL chain
+        ref = fin.reference(g, r.expanded_to_permuted, r.topk_weights)
+        if not (torch.equal(out.view(torch.int16), ref.view(torch.int16)) and torch.equal(out, out2)):
+            bad.append(f"finalize {name} T={T}")
+        nw = torch.rand(m.hidden, device="cuda").to(torch.bfloat16)
+        res = torch.randn(T, m.hidden, device="cuda").to(torch.bfloat16)
+        y = kerngen.moe_tail(g, r.expanded_to_permuted, r.topk_weights, nw, residual=res)
+        yr, _ = tail.reference(g, r.expanded_to_permuted, r.topk_weights, nw, residual=res)
+        if not torch.allclose(y.float(), yr.float(), rtol=2e-2, atol=2e-2):
+            bad.append(f"moe_tail {name} T={T}")
+    g = torch.randn(512 * 8, 7168, device="cuda").to(torch.bfloat16)   # large-batch finalize
+    e2p = torch.randperm(512 * 8, device="cuda").view(512, 8).int()
+    w = torch.rand(512, 8, device="cuda")
+    if not torch.equal(kerngen.finalize(g, e2p, w).view(torch.int16), fin.reference(g, e2p, w).view(torch.int16)):
+        bad.append("finalize large batch")
+    torch.cuda.synchronize()
+    print("sanitize_run:", "wrong results: " + ", ".join(bad) if bad else "all results correct")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
