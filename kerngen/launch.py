@@ -119,8 +119,8 @@ class Launcher:
             _ok(drv.cuFuncSetAttribute(self.fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                        smem), "raising the dynamic shared memory limit")
 
-    def _state(self):
-        """Per-thread launch state: the parameter buffer and launch config are reused on every call."""
+    def _state(self, register: bool = True):
+        """Launch state: parameter buffer and launch config, reused on every call (per thread, or per bind)."""
         st = _LaunchState()
         st.buf = ctypes.create_string_buffer(max(self.pack.size, 8))
         st.argv = (ctypes.c_void_p * 1)(ctypes.addressof(st.buf))
@@ -129,7 +129,8 @@ class Launcher:
         st.cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(*self.grid), block=(ctypes.c_uint * 3)(*self.block),
                                smem=self.smem, attrs=ctypes.pointer(st.attr), num_attrs=1 if self.pdl else 0)
         st.cfg_p, st.argv_p = ctypes.c_void_p(ctypes.addressof(st.cfg)), ctypes.c_void_p(ctypes.addressof(st.argv))
-        self._states[threading.get_ident()] = st
+        if register:
+            self._states[threading.get_ident()] = st
         return st
 
     def __call__(self, stream: int, *args) -> None:
@@ -139,6 +140,28 @@ class Launcher:
         err = self._launch(st.cfg_p, self._fn_p, st.argv_p, None)
         if err:
             _ok(_drv().CUresult(err), f"launching {self.name} grid={self.grid} block={self.block}")
+
+
+    def bind(self, *args) -> "BoundLaunch":
+        """These arguments packed once: the returned call costs the stream lookup and the driver launch."""
+        st = self._state(register=False)
+        self.pack.pack_into(st.buf, 0, *args)
+        return BoundLaunch(self, st)
+
+
+class BoundLaunch:
+    """A launch with its arguments packed; `bound(stream)` launches. Not for concurrent use from threads."""
+    __slots__ = ("_launcher", "_st", "_fn_p", "_launch", "_cfg_p", "_argv_p", "_cfg")
+
+    def __init__(self, launcher: Launcher, st: "_LaunchState"):
+        self._launcher, self._st, self._fn_p, self._launch = launcher, st, launcher._fn_p, launcher._launch
+        self._cfg, self._cfg_p, self._argv_p = st.cfg, st.cfg_p, st.argv_p
+
+    def __call__(self, stream: int) -> None:
+        self._cfg.stream = stream
+        err = self._launch(self._cfg_p, self._fn_p, self._argv_p, None)
+        if err:
+            _ok(_drv().CUresult(err), f"launching {self._launcher.name}")
 
 
 class _LaunchState:

@@ -57,3 +57,9 @@ def test_fullgraph_compile_has_no_graph_breaks():
     compiled = torch.compile(layer, fullgraph=True, backend="eager")
     for a, b in zip(compiled(*args), layer(*args)):
         assert torch.equal(a, b)
+
+
+def test_finalize_prepare_checks_inputs_on_the_cpu_too():
+    g, e2p, w = finalize_args()
+    with pytest.raises(kerngen.InputError, match="gemm2_out"):
+        kerngen.finalize_prepare(g, e2p, w)   # CPU tensors: the kernels need CUDA

@@ -36,6 +36,7 @@ raw = launcher._launch
 plain = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
 plain.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
 gx, bx = launcher.grid, launcher.block
+prepared = kerngen.finalize_prepare(g, e2p, w, out=out)
 rows = {
     "x.add_(1)": lambda: x.add_(1),
     "torch.empty(1, 3584)": lambda: torch.empty((1, 3584), dtype=torch.bfloat16, device=g.device),
@@ -49,6 +50,7 @@ rows = {
     "launcher without PDL": lambda: pdl_off(current_stream(0), g.data_ptr(), e2p.data_ptr(), w.data_ptr(),
                                             out.data_ptr(), 3584, 16, 1),
     "finalize(out=out)": lambda: kerngen.finalize(g, e2p, w, out=out),
+    "finalize_prepare().run()": prepared.run,
     "finalize() allocating": lambda: kerngen.finalize(g, e2p, w),
 }
 base = None

@@ -150,3 +150,29 @@ def test_pdl_back_to_back_kernels():
         got = kerngen.finalize(mid, idx2, w2)
         ref = reference(reference(gemm2, e2p, w), idx2, w2)
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.parametrize("T,K,H", [(1, 16, 3584), (8, 8, 7168), (600, 22, 2048)])
+def test_prepared_run_matches_and_follows_the_buffers(T, K, H):
+    """finalize_prepare binds the tensors once; run() sees new contents of the same buffers, also in a graph."""
+    gemm2, e2p, w = make(T, K, H, seed=21)
+    prepared = kerngen.finalize_prepare(gemm2, e2p, w)
+    assert prepared.out.shape == (T, H) and prepared.out.dtype == gemm2.dtype
+    assert torch.equal(prepared.run().view(torch.int16), reference(gemm2, e2p, w).view(torch.int16))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        prepared.run()
+    g2, e2, w2 = make(T, K, H, seed=22)
+    gemm2.copy_(g2); e2p.copy_(e2); w.copy_(w2)
+    prepared.out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(prepared.out.view(torch.int16), reference(gemm2, e2p, w).view(torch.int16))
+
+
+def test_prepare_rejects_bad_inputs_like_finalize():
+    gemm2, e2p, w = make(4, 8, 256)
+    with pytest.raises(kerngen.InputError, match="topk_weights"):
+        kerngen.finalize_prepare(gemm2, e2p, w[:, :4].contiguous())
+    with pytest.raises(kerngen.InputError, match="'out'"):
+        kerngen.finalize_prepare(gemm2, e2p, w, out=torch.empty(4, 255, dtype=gemm2.dtype, device="cuda"))
