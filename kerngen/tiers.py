@@ -16,10 +16,10 @@ from . import env
 from .errors import TierError
 
 SCHEMA = 1
-OPS = ("routing", "finalize", "tail", "permute")
+OPS = ("routing", "finalize", "tail", "permute", "tail_tp")
 METHODS = ("softmax_topk", "topk_softmax", "sigmoid_bias", "grouped_sigmoid_bias", "top1_sigmoid")
 DTYPES = ("bfloat16", "float16")
-RANGE_KEYS = ("num_experts", "top_k", "hidden", "tokens")
+RANGE_KEYS = ("num_experts", "top_k", "hidden", "tokens", "world_size")
 MAX_EXPERTS, MAX_TOPK = 2048, 32
 
 

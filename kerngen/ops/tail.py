@@ -141,7 +141,8 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
              norm_weight: torch.Tensor, *, eps: float = 1e-6, shared: torch.Tensor | None = None,
              residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-             out_scales: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             out_scales: torch.Tensor | None = None,
+             group=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """finalize + shared + residual + RMSNorm in one kernel; returns out [T, H] (out_dtype, default gemm2_out's),
     or (out, scales) for out_dtype=torch.float8_e4m3fn (semantics and scale layout: module docstring).
 
@@ -153,8 +154,15 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
     out_dtype: None, torch.bfloat16, torch.float16, or torch.float8_e4m3fn (H a multiple of 128).
     out: optional [T, H] contiguous buffer of out_dtype. out_scales: optional [T, H // 128] contiguous fp32
     buffer for the fp8 scales (fp8 output only). Both are returned as given (use them in CUDA graphs).
+    group: a torch.distributed ProcessGroup for tensor parallelism: gemm2_out / topk_weights / shared are this
+    rank's partials, summed over the group before the norm (kerngen/ops/tail_tp.py); every rank gets `out`.
     All of it is CUDA-graph capturable; the kernel runs on torch's current stream.
     """
+    if group is not None:
+        from .tail_tp import moe_tail_tp
+        return moe_tail_tp(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, group=group, eps=eps,
+                           shared=shared, residual=residual, residual_out=residual_out, out=out, out_dtype=out_dtype,
+                           out_scales=out_scales)
     g, e2p, w, nw = gemm2_out, expanded_to_permuted, topk_weights, norm_weight
     try:  # the signature pins everything the full checks establish, except alignment (the kernel checks it)
         sig = (g.dtype, g.shape, g.stride(), g.device, e2p.dtype, e2p.shape, e2p.stride(), e2p.device,
