@@ -141,7 +141,6 @@ class Launcher:
         if err:
             _ok(_drv().CUresult(err), f"launching {self.name} grid={self.grid} block={self.block}")
 
-
     def bind(self, *args) -> "BoundLaunch":
         """These arguments packed once: the returned call costs the stream lookup and the driver launch."""
         st = self._state(register=False)
