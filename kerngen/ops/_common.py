@@ -31,6 +31,15 @@ def check_aligned(op: str, name: str, t: torch.Tensor, nbytes: int = 16):
         raise InputError(op, name, f"{nbytes}-byte aligned (128-bit loads)", f"address offset {t.data_ptr() % nbytes}")
 
 
+def check_buffer(op: str, name: str, t, dtype, shape: tuple, device, align: int = 0) -> None:
+    """An output buffer: a contiguous tensor of `dtype` on `device` (`align`-byte aligned if given) of `shape`."""
+    check_tensor(op, name, t, dtypes=(dtype,), ndim=len(shape), device=device, contiguous=True)
+    if align:
+        check_aligned(op, name, t, align)
+    if tuple(t.shape) != tuple(shape):
+        raise InputError(op, name, f"of shape {tuple(shape)}", f"shape {tuple(t.shape)}")
+
+
 def check_gather_inputs(op: str, g, e2p, w, acts, weights, max_k: int) -> tuple[int, int]:
     """gemm2_out / expanded_to_permuted / topk_weights of the ops that combine top-k rows; returns (T, K)."""
     check_tensor(op, "gemm2_out", g, dtypes=acts, ndim=2)

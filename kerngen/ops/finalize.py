@@ -10,7 +10,7 @@ from .. import plan as plan_mod
 from ..errors import InputError
 from ..launch import Launcher, current_stream
 from ..tiers import Model, Table
-from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_gather_inputs, check_rows, check_tensor,
+from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
                       resolve, table)
 
 OP = "finalize"
@@ -106,9 +106,7 @@ def finalize(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
         out = torch.empty((T, H), dtype=g.dtype, device=g.device)
     elif (out.dtype != g.dtype or out.shape != (T, H) or out.get_device() != dev or not out.is_contiguous()
           or out.data_ptr() % 16):
-        check_tensor(OP, "out", out, dtypes=(g.dtype,), ndim=2, device=g.device, contiguous=True)
-        check_aligned(OP, "out", out)
-        raise InputError(OP, "out", f"of shape ({T}, {H})", f"shape {tuple(out.shape)}")
+        check_buffer(OP, "out", out, g.dtype, (T, H), g.device, align=16)
     if T:
         launcher(current_stream(dev), g_ptr, e2p.data_ptr(), w.data_ptr(), out.data_ptr(), ld, rows, T)
     return out
@@ -127,10 +125,7 @@ class Prepared:
         launcher, T, H, ld, rows, dev = _prepare(g, e2p, w, hidden)
         if out is None:
             out = torch.empty((T, H), dtype=g.dtype, device=g.device)
-        check_tensor(OP, "out", out, dtypes=(g.dtype,), ndim=2, device=g.device, contiguous=True)
-        check_aligned(OP, "out", out)
-        if tuple(out.shape) != (T, H):
-            raise InputError(OP, "out", f"of shape ({T}, {H})", f"shape {tuple(out.shape)}")
+        check_buffer(OP, "out", out, g.dtype, (T, H), g.device, align=16)
         self.out, self._tensors, self._device, self._tokens = out, (g, e2p, w), dev, T
         self._bound = launcher.bind(g.data_ptr(), e2p.data_ptr(), w.data_ptr(), out.data_ptr(), ld, rows, T)
 

@@ -28,7 +28,8 @@ from .. import cute_backend, jit
 from .. import plan as plan_mod
 from ..errors import InputError
 from ..tiers import Model, Table
-from ._common import DTYPE_NAMES, SHORT, arch, check_aligned, check_gather_inputs, check_rows, check_tensor, table
+from ._common import (DTYPE_NAMES, SHORT, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
+                      check_tensor, table)
 
 OP = "tail"
 MAX_K = 32
@@ -180,14 +181,14 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
     if out is None:
         out = torch.empty((T, H), dtype=odt, device=g.device)
     elif out.dtype != odt or out.shape != (T, H) or not out.is_contiguous() or out.device != g.device:
-        _bad_buffer("out", out, odt, (T, H), g.device)
+        check_buffer(OP, "out", out, odt, (T, H), g.device)
     scales = out_scales
     if blocks:
         if scales is None:
             scales = torch.empty((T, blocks), dtype=torch.float32, device=g.device)
         elif (scales.dtype != torch.float32 or scales.shape != (T, blocks) or not scales.is_contiguous()
               or scales.device != g.device):
-            _bad_buffer("out_scales", scales, torch.float32, (T, blocks), g.device)
+            check_buffer(OP, "out_scales", scales, torch.float32, (T, blocks), g.device)
     elif scales is not None:
         raise InputError(OP, "out_scales", "None unless out_dtype is torch.float8_e4m3fn",
                          f"a {type(scales).__name__} with out_dtype {odt}")
@@ -207,12 +208,6 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
                 raise InputError(OP, "eps", "a float", type(eps).__name__) from None
             raise
     return (out, scales) if blocks else out
-
-
-def _bad_buffer(name, t, dtype, shape, device):
-    """Raise the InputError of an output buffer that failed the fast check."""
-    check_tensor(OP, name, t, dtypes=(dtype,), ndim=2, device=device, contiguous=True)
-    raise InputError(OP, name, f"of shape {shape}", f"shape {tuple(t.shape)}")
 
 
 def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
