@@ -86,8 +86,9 @@ ROUTING_TILE = 128   # tools/bench's tile: the permutation is part of the time
 
 
 def routing_candidates():
-    for warps, wpt in ((16, 1), (16, 2), (16, 4), (16, 8), (8, 4)):
-        yield "fused", dict(warps=warps, warps_per_token=wpt, max_tokens=16)
+    for warps, wpt in ((16, 2), (16, 4), (16, 8), (8, 8), (4, 4)):
+        for clusters in (1, 4, 8):
+            yield "fused", dict(warps=warps, warps_per_token=wpt, ctas=8, clusters=clusters, max_tokens=64)
     for warps, wpt in ((4, 1), (4, 4), (8, 2), (8, 8)):
         yield "topk", dict(warps=warps, warps_per_token=wpt)
 
@@ -163,7 +164,7 @@ def _merge(op: str, model: tiers.Model, winners) -> list[tiers.Rule]:
         if not last and (winners[i + 1][2], winners[i + 1][3]) == (variant, params):
             continue
         hi = model.tokens[1] if last else (T + winners[i + 1][0]) // 2
-        if "max_tokens" in params:   # a single-CTA variant never serves more tokens than it is sized for
+        if "max_tokens" in params:   # a fused kernel never serves more tokens than it is sized for
             hi = min(hi, int(params["max_tokens"]))
         shape = ({"num_experts": (model.num_experts, model.num_experts)} if op == "routing"
                  else {"hidden": (model.hidden, model.hidden)})

@@ -29,10 +29,10 @@ def test_never_writes_the_shipped_table():
 
 
 def test_routing_rules_pin_the_expert_count_and_respect_max_tokens(tmp_path, monkeypatch):
-    """A fused (single-CTA) winner never serves more tokens than its max_tokens; routing rules key on E, not H."""
+    """A fused winner never serves more tokens than its max_tokens; routing rules key on E, not H."""
     monkeypatch.setattr(tune, "provenance", lambda: {"gpu": "NVIDIA H200", "date": "2026-11-29"})
     model = tiers.load().model("kimi-k3")
-    fused = dict(warps=16, warps_per_token=8, max_tokens=16)
+    fused = dict(warps=16, warps_per_token=8, ctas=8, clusters=4, max_tokens=16)
     topk = dict(warps=4, warps_per_token=4)
     winners = [(1, 6.9, "fused", fused), (16, 9.0, "fused", fused), (64, 20.0, "topk", topk)]
     rules = tune._merge("routing", model, winners)

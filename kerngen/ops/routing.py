@@ -285,12 +285,22 @@ class _Route:
         if self.fused:
             if T > int(p["max_tokens"]):
                 raise InputError(OP, "tier params", f"max_tokens >= {T} for the fused variant", str(s.params))
-            self.topk = Launcher(resolve(s), "routing_fused", dev, (1, 1, 1), (warps * 32, 1, 1), ROUTE_FMT)
+            ctas, clusters = int(p.get("ctas", 1)), int(p.get("clusters", 1))
+            if not (1 <= ctas <= 8 and 1 <= clusters <= 132 // ctas):
+                raise InputError(OP, "tier params", "ctas in [1, 8] (a portable cluster), ctas * clusters <= 132",
+                                 str(s.params))
+            mod = resolve(s)
+            self.topk = Launcher(mod, "routing_fused", dev, (ctas * clusters, 1, 1), (warps * 32, 1, 1), ROUTE_FMT,
+                                 pdl=True)
+            # ids and weights only: one cluster (the others exist to share the permutation's stores)
+            self.ids_only = Launcher(mod, "routing_fused", dev, (ctas, 1, 1), (warps * 32, 1, 1), ROUTE_FMT,
+                                     pdl=True)
             self.permute = None
         elif s.variant == "topk":
             groups = warps // wpt
             self.topk = Launcher(resolve(s), "routing_topk", dev, (max(1, -(-T // groups)), 1, 1),
-                                 (warps * 32, 1, 1), ROUTE_FMT)
+                                 (warps * 32, 1, 1), ROUTE_FMT, pdl=True)
+            self.ids_only = self.topk
             self.permute = _Permute(consts["E"], consts["K"], T, dev, tbl, arch_) if permute else None
         else:
             raise InputError(OP, "tier variant", "fused or topk", s.variant)
@@ -306,9 +316,10 @@ class _Permute:
             raise InputError(PERMUTE_OP, "tier params", f"tokens_per_block >= {MIN_TOKENS_PER_BLOCK}", str(s.params))
         mod = resolve(s)
         nb = -(-T // c)
-        self.rank = Launcher(mod, "permute_block_rank", dev, (nb, 1, 1), (256, 1, 1), PERMUTE_FMT)
-        self.offsets = Launcher(mod, "permute_offsets", dev, (1, 1, 1), (1024, 1, 1), PERMUTE_FMT)
-        self.scatter = Launcher(mod, "permute_scatter", dev, (-(-T * K // 256), 1, 1), (256, 1, 1), PERMUTE_FMT)
+        self.rank = Launcher(mod, "permute_block_rank", dev, (nb, 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True)
+        self.offsets = Launcher(mod, "permute_offsets", dev, (1, 1, 1), (1024, 1, 1), PERMUTE_FMT, pdl=True)
+        self.scatter = Launcher(mod, "permute_scatter", dev, (-(-T * K // 256), 1, 1), (256, 1, 1), PERMUTE_FMT,
+                                pdl=True)
         self.blocks = nb
 
     def __call__(self, stream, ids_ptr, ws: RoutingWorkspace, T: int, tile: int, ls: int, nl: int):
@@ -380,7 +391,7 @@ def _launch(r: _Route, logits, bias, ws: RoutingWorkspace, T: int, tile: int | N
     """The launches of one routing call (checked inputs; the tuner times candidates through it too)."""
     bias_ptr = 0 if bias is None else bias.data_ptr()
     if tile is None:
-        r.topk(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), 0, 0, 0, 0, 0, 0,
+        r.ids_only(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), 0, 0, 0, 0, 0, 0,
                rsf, T, logits.stride(0), 0, ls, nl, 0)
     elif r.fused:
         r.topk(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), ws.counts.data_ptr(),

@@ -53,3 +53,43 @@ __device__ __forceinline__ void kg_axpy8(float acc[8], float w, const float x[8]
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, x[i]));
 }
+
+// Thread-block clusters (sm_90+): the CTA's rank in its cluster, a cluster-wide barrier split into its arrive
+// and wait halves (release / acquire: shared-memory stores before the arrive are visible after the wait).
+__device__ __forceinline__ unsigned kg_cluster_rank() {
+    unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+__device__ __forceinline__ void kg_cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void kg_cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+// *local |= v in the shared memory of CTA `cta` of the cluster (this CTA's own included).
+__device__ __forceinline__ unsigned kg_cluster_addr(const void* local, unsigned cta) {
+    unsigned remote = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned mine = (unsigned)__cvta_generic_to_shared(local);
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(mine), "r"(cta));
+#endif
+    return remote;
+}
+__device__ __forceinline__ void kg_or_remote(unsigned* local, unsigned cta, unsigned v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.shared::cluster.or.b32 [%0], %1;" :: "r"(kg_cluster_addr(local, cta)), "r"(v) : "memory");
+#endif
+}
+// 64 bits as two 32-bit ORs (on the H200 a 64-bit red.shared::cluster.or was seen to lose bits)
+__device__ __forceinline__ void kg_or_remote(unsigned long long* local, unsigned cta, unsigned long long v) {
+    unsigned* w = reinterpret_cast<unsigned*>(local);
+    if ((unsigned)v) kg_or_remote(w, cta, (unsigned)v);
+    if ((unsigned)(v >> 32)) kg_or_remote(w + 1, cta, (unsigned)(v >> 32));
+}
