@@ -36,7 +36,7 @@ def all_routing_specs():
 
 
 ENTRY = {"fused": [b"routing_fused"], "topk": [b"routing_topk"],
-         "histogram": [b"permute_block_rank", b"permute_offsets", b"permute_scatter"]}
+         "histogram": [b"permute_block_rank", b"permute_offsets", b"permute_layout", b"permute_scatter"]}
 
 
 @pytest.mark.parametrize("spec", all_routing_specs(), ids=lambda s: f"{s.op}-{s.variant}-{s.tag}")

@@ -318,6 +318,7 @@ class _Permute:
         nb = -(-T // c)
         self.rank = Launcher(mod, "permute_block_rank", dev, (nb, 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True)
         self.offsets = Launcher(mod, "permute_offsets", dev, (1, 1, 1), (1024, 1, 1), PERMUTE_FMT, pdl=True)
+        self.layout = Launcher(mod, "permute_layout", dev, (-(-E // 8), 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True)
         self.scatter = Launcher(mod, "permute_scatter", dev, (-(-T * K // 256), 1, 1), (256, 1, 1), PERMUTE_FMT,
                                 pdl=True)
         self.blocks = nb
@@ -328,6 +329,7 @@ class _Permute:
         if T:
             self.rank(stream, *args)
         self.offsets(stream, *args)
+        self.layout(stream, *args)
         if T:
             self.scatter(stream, *args)
 
