@@ -255,3 +255,18 @@ def test_workspace_views_are_16_byte_aligned(T, E, K, tile, local):
     for name in ("ids", "weights", "counts", "offsets", "e2p", "p2t", "t2e", "num_rows", "hist"):
         assert getattr(ws, name).data_ptr() % 16 == 0, name
     assert (ws.p2t == -1).all() and (ws.num_rows == -1).all()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(ctas=9), "ctas: 1 to 8"),
+    (dict(max_tokens=65), "max_tokens: at most 64"),
+    (dict(warps_per_token=3), "warps must be a multiple of warps_per_token"),
+])
+def test_fused_parameters_out_of_range_fail_to_compile_with_the_reason(bad, message, tmp_path):
+    params = {**dict(warps=16, warps_per_token=8, ctas=8, clusters=4, max_tokens=16), **bad}
+    tag, consts = rt._constants(896, 16, "sigmoid_bias", 1, 1, True, "float32", "float32", "float32")
+    s = kerngen.plan.spec_for(tiers.Rule(op="routing", variant="fused", ranges={}, params=params), tag, consts,
+                              "sm_90a")
+    with pytest.raises(kerngen.CompileError, match=message) as e:
+        jit.build(s, store=DiskCache(tmp_path))
+    assert e.value.source_path and open(e.value.source_path).read().count("routing_fused") == 1

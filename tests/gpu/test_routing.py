@@ -207,3 +207,36 @@ def test_permutation_feeds_finalize(T, local):
     w = torch.where((ids >= ls) & (ids < ls + nl), r.topk_weights, torch.zeros_like(r.topk_weights))
     want = ((w * (ids + 1).float()).sum(-1, keepdim=True) * x.float())
     torch.testing.assert_close(out.float(), want, rtol=3e-2, atol=3e-2)
+
+
+FUSED_CONFIGS = [   # beyond the shipped rules: 64-bit token masks, one CTA, odd cluster counts, one warp per token
+    dict(warps=16, warps_per_token=2, ctas=8, clusters=3, max_tokens=64),
+    dict(warps=16, warps_per_token=4, ctas=2, clusters=1, max_tokens=64),
+    dict(warps=8, warps_per_token=1, ctas=1, clusters=5, max_tokens=33),
+    dict(warps=16, warps_per_token=16, ctas=4, clusters=2, max_tokens=8),
+]
+
+
+@pytest.mark.parametrize("params", FUSED_CONFIGS,
+                         ids=lambda p: "w{warps}x{warps_per_token}c{ctas}k{clusters}m{max_tokens}".format(**p))
+@pytest.mark.parametrize("name", ["kimi-k3", "deepseek-v3", "kimi-k2"])
+def test_fused_configurations_any_tier_may_pick(name, params):
+    """Every fused parameter set a tier or `kerngen tune` may choose is exact, at every T it can serve."""
+    from kerngen.launch import current_stream
+    from kerngen.plan import spec_for, target_arch
+    m, kw = model_args(name)
+    E, K, dev = m.num_experts, m.top_k, torch.cuda.current_device()
+    tag, consts = rt._constants(E, K, m.routing, m.n_group, m.topk_group, m.renormalize, "float32",
+                                "float32" if "sigmoid_bias" in m.routing else "none", "float32")
+    spec = spec_for(tiers.Rule(op="routing", variant="fused", ranges={}, params=params), tag, consts, target_arch(dev))
+    for T in sorted({1, 7, params["max_tokens"] // 2 + 1, params["max_tokens"]}):
+        r = rt._Route(consts, spec, T, dev, True, tiers.load(), target_arch(dev))
+        logits = make(T, E, seed=T)
+        bias = make_bias(E, m.routing, T)
+        ws = rt.RoutingWorkspace(T, E, K, 16)
+        for _ in range(2):   # the second call also clears what the first left beyond its rows
+            rt._launch(r, logits, bias, ws, T, 16, 0, E, float(m.routed_scaling_factor), current_stream(dev))
+        ids, _ = rt.reference(logits, K, m.routing, bias, m.n_group, m.topk_group, m.routed_scaling_factor,
+                              m.renormalize)
+        assert torch.equal(ws.ids[:T], ids), (T, params)
+        check_permutation(ws.result(T, E), ids, E, 16, None)
