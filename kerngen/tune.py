@@ -36,18 +36,29 @@ def _time_finalize(model: tiers.Model, T: int, variant: str, params: dict) -> fl
     rule = tiers.Rule(op="finalize", variant=variant, ranges={}, params=params)
     spec = spec_for(rule, f"H{H}-K{K}-bf16-wf32", {"H": H, "K": K, "DTYPE": model.dtype,
                                                   "WDTYPE": model.weights_dtype}, target_arch(dev))
-    dt = getattr(torch, model.dtype)
-    g = torch.randn(T * K, H, device="cuda").to(dt)
-    e2p = torch.randperm(T * K, device="cuda").view(T, K).int()
-    w = torch.rand(T, K, device="cuda").to(getattr(torch, model.weights_dtype))
-    out = torch.empty(T, H, dtype=dt, device="cuda")
+    g, e2p, w, out = _moe_inputs(model, T)
     launcher = fin._launcher(spec, T, dev)
     call = lambda: launcher(current_stream(dev), g.data_ptr(), e2p.data_ptr(), w.data_ptr(), out.data_ptr(),
                             H, T * K, T)
+    return _checked_time(call, lambda: torch.equal(out.view(torch.int16), fin.reference(g, e2p, w).view(torch.int16)),
+                         f"finalize {variant} {params}", T)
+
+
+def _moe_inputs(model: tiers.Model, T: int):
+    """Random expert outputs [T*K, H], a permutation [T, K], weights [T, K] and an output [T, H]."""
+    H, K, dt = model.hidden, model.top_k, getattr(torch, model.dtype)
+    g = torch.randn(T * K, H, device="cuda").to(dt)
+    e2p = torch.randperm(T * K, device="cuda").view(T, K).int()
+    w = torch.rand(T, K, device="cuda").to(getattr(torch, model.weights_dtype))
+    return g, e2p, w, torch.empty(T, H, dtype=dt, device="cuda")
+
+
+def _checked_time(call, correct, what: str, T: int) -> float:
+    """Run a candidate once, check its result with correct(), then time it: µs per call in a CUDA graph."""
     call()
     torch.cuda.synchronize()
-    if not torch.equal(out.view(torch.int16), fin.reference(g, e2p, w).view(torch.int16)):
-        raise KerngenError(f"tune: candidate finalize {variant} {params} gave a wrong result at T={T}")
+    if not correct():
+        raise KerngenError(f"tune: candidate {what} gave a wrong result at T={T}")
     return graph_time_us(call, calls=10, replays=15)
 
 
@@ -65,21 +76,15 @@ def _time_tail(model: tiers.Model, T: int, variant: str, params: dict) -> float:
     consts = tail._constants(H, K, model.dtype, model.weights_dtype, model.dtype, (True, True, False))
     spec = spec_for(rule, tail._tag(H, K, model.dtype, model.weights_dtype, model.dtype, (True, True, False)), consts,
                     target_arch())
-    dt = getattr(torch, model.dtype)
-    g = torch.randn(T * K, H, device="cuda").to(dt)
-    e2p = torch.randperm(T * K, device="cuda").view(T, K).int()
-    w = torch.rand(T, K, device="cuda").to(getattr(torch, model.weights_dtype))
+    g, e2p, w, out = _moe_inputs(model, T)
+    dt = out.dtype
     nw, sh, res = torch.rand(H, device="cuda").to(dt), torch.randn(T, H, device="cuda").to(dt), torch.randn(
         T, H, device="cuda").to(dt)
-    out = torch.empty(T, H, dtype=dt, device="cuda")
     fn = tail._function(spec)
     call = lambda: fn(g, e2p, w, sh, res, nw, out, None, None, 1e-6)
-    call()
-    torch.cuda.synchronize()
-    ref, _ = tail.reference(g, e2p, w, nw, shared=sh, residual=res)
-    if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
-        raise KerngenError(f"tune: candidate tail {params} gave a wrong result at T={T}")
-    return graph_time_us(call, calls=10, replays=15)
+    return _checked_time(call, lambda: torch.allclose(
+        out.float(), tail.reference(g, e2p, w, nw, shared=sh, residual=res)[0].float(), rtol=2e-2, atol=2e-2),
+        f"tail {params}", T)
 
 
 ROUTING_TILE = 128   # tools/bench's tile: the permutation is part of the time
@@ -111,13 +116,10 @@ def _time_routing(model: tiers.Model, T: int, variant: str, params: dict) -> flo
     ws = rt.RoutingWorkspace(T, E, K, ROUTING_TILE)
     rsf = float(model.routed_scaling_factor)
     call = lambda: rt._launch(r, logits, bias, ws, T, ROUTING_TILE, 0, E, rsf, current_stream(dev))
-    call()
-    torch.cuda.synchronize()
     ref_ids, _ = rt.reference(logits, K, model.routing, bias=bias, n_group=model.n_group,
                               topk_group=model.topk_group, renormalize=model.renormalize, routed_scaling_factor=rsf)
-    if not torch.equal(ws.ids[:T].cpu(), ref_ids.int().cpu()):
-        raise KerngenError(f"tune: candidate routing {variant} {params} gave wrong ids at T={T}")
-    return graph_time_us(call, calls=10, replays=15)
+    return _checked_time(call, lambda: torch.equal(ws.ids[:T].cpu(), ref_ids.int().cpu()),
+                         f"routing {variant} {params} (ids)", T)
 
 
 TUNERS = {"finalize": (finalize_candidates, _time_finalize), "tail": (tail_candidates, _time_tail),
