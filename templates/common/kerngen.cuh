@@ -73,7 +73,7 @@ __device__ __forceinline__ void kg_cluster_wait() {
     asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
 #endif
 }
-// *local |= v in the shared memory of CTA `cta` of the cluster (this CTA's own included).
+// Shared-memory address of the same variable in CTA `cta` of the cluster.
 __device__ __forceinline__ unsigned kg_cluster_addr(const void* local, unsigned cta) {
     unsigned remote = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -82,6 +82,7 @@ __device__ __forceinline__ unsigned kg_cluster_addr(const void* local, unsigned 
 #endif
     return remote;
 }
+// *local |= v in the shared memory of CTA `cta` of the cluster (this CTA's own included).
 __device__ __forceinline__ void kg_or_remote(unsigned* local, unsigned cta, unsigned v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("red.shared::cluster.or.b32 [%0], %1;" :: "r"(kg_cluster_addr(local, cta)), "r"(v) : "memory");
