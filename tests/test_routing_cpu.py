@@ -36,7 +36,7 @@ def all_routing_specs():
 
 
 ENTRY = {"fused": [b"routing_fused"], "topk": [b"routing_topk"],
-         "histogram": [b"permute_block_rank", b"permute_offsets", b"permute_layout", b"permute_scatter"]}
+         "histogram": [b"permute_block_rank", b"permute_offsets", b"permute_place"]}
 
 
 @pytest.mark.parametrize("spec", all_routing_specs(), ids=lambda s: f"{s.op}-{s.variant}-{s.tag}")
@@ -252,9 +252,9 @@ def test_permutation_reference_invariants(tile, local):
 def test_workspace_views_are_16_byte_aligned(T, E, K, tile, local):
     """finalize and moe_tail load expanded_to_permuted with 128-bit loads: every view must start aligned."""
     ws = rt.RoutingWorkspace(T, E, K, tile, local_experts=local, device="cpu")
-    for name in ("ids", "weights", "counts", "offsets", "e2p", "p2t", "t2e", "num_rows", "hist"):
+    for name in ("ids", "weights", "counts", "offsets", "e2p", "p2t", "t2e", "num_rows", "hist", "ticket"):
         assert getattr(ws, name).data_ptr() % 16 == 0, name
-    assert (ws.p2t == -1).all() and (ws.num_rows == -1).all()
+    assert (ws.p2t == -1).all() and (ws.num_rows == -1).all() and (ws.ticket == 0).all()
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -46,7 +46,7 @@ _SHORT_METHOD = {"softmax_topk": "smk", "topk_softmax": "tks", "sigmoid_bias": "
                  "grouped_sigmoid_bias": "gsb", "top1_sigmoid": "t1s"}
 MIN_TOKENS_PER_BLOCK = 16          # permute tiers: the histogram scratch is sized for this
 ROUTE_FMT = "10Qf6i4x"
-PERMUTE_FMT = "8Q5i4x"
+PERMUTE_FMT = "9Q5i4x"
 
 
 # ----------------------------------------------------------------------------------------------- results
@@ -98,9 +98,9 @@ class RoutingWorkspace:
         if tile is not None:
             self.max_rows = max_rows(T, K, nl, tile)
             sizes.update(counts=nl, offsets=nl + 1, e2p=T * K, p2t=self.max_rows, t2e=self.max_rows // tile,
-                         num_rows=1, hist=-(-T // MIN_TOKENS_PER_BLOCK) * nl)
-        # One allocation, one fill: -1 everywhere (num_rows = -1 reads as "no previous call"); ids and weights
-        # alone need no fill.
+                         num_rows=1, hist=-(-T // MIN_TOKENS_PER_BLOCK) * nl, ticket=1)
+        # One allocation, one fill: -1 everywhere (num_rows = -1 reads as "no previous call") but the ticket;
+        # ids and weights alone need no fill.
         # every view starts 16-byte aligned, so ids / e2p feed the 128-bit loads of finalize and moe_tail
         pad = {name: -(-n // 4) * 4 for name, n in sizes.items()}
         n = sum(pad.values())
@@ -118,6 +118,8 @@ class RoutingWorkspace:
             self.e2p = views["e2p"].view(T, K)
             self.p2t, self.t2e, self.hist = views["p2t"], views["t2e"], views["hist"]
             self.num_rows = views["num_rows"]
+            self.ticket = views["ticket"]
+            self.ticket.zero_()   # permute_offsets leaves it 0 again after each call
 
     def result(self, tokens: int, num_local: int) -> Routing:
         ids, w = self.ids[:tokens], self.weights[:tokens]
@@ -317,21 +319,20 @@ class _Permute:
         mod = resolve(s)
         nb = -(-T // c)
         self.rank = Launcher(mod, "permute_block_rank", dev, (nb, 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True)
-        self.offsets = Launcher(mod, "permute_offsets", dev, (1, 1, 1), (1024, 1, 1), PERMUTE_FMT, pdl=True)
-        self.layout = Launcher(mod, "permute_layout", dev, (-(-E // 8), 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True)
-        self.scatter = Launcher(mod, "permute_scatter", dev, (-(-T * K // 256), 1, 1), (256, 1, 1), PERMUTE_FMT,
+        self.offsets = Launcher(mod, "permute_offsets", dev, (-(-E // 32), 1, 1), (1024, 1, 1), PERMUTE_FMT,
                                 pdl=True)
+        place = -(-E // 8) + -(-T * K // 256)   # layout CTAs (a warp per expert), then a thread per entry
+        self.place = Launcher(mod, "permute_place", dev, (place, 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True)
         self.blocks = nb
 
     def __call__(self, stream, ids_ptr, ws: RoutingWorkspace, T: int, tile: int, ls: int, nl: int):
         args = (ids_ptr, ws.counts.data_ptr(), ws.offsets.data_ptr(), ws.e2p.data_ptr(), ws.p2t.data_ptr(),
-                ws.t2e.data_ptr(), ws.num_rows.data_ptr(), ws.hist.data_ptr(), T, tile, ls, nl, ws.max_rows)
+                ws.t2e.data_ptr(), ws.num_rows.data_ptr(), ws.hist.data_ptr(), ws.ticket.data_ptr(), T, tile, ls, nl,
+                ws.max_rows)
         if T:
             self.rank(stream, *args)
         self.offsets(stream, *args)
-        self.layout(stream, *args)
-        if T:
-            self.scatter(stream, *args)
+        self.place(stream, *args)
 
 
 _routes: dict[tuple, _Route] = {}

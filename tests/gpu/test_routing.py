@@ -149,6 +149,7 @@ def test_workspace_reuse_keeps_the_tail_minus_one():
         r = check(make(T, 896, seed=T), kw, bias=bias, tile=16, workspace=ws)
         rows = int(r.num_permuted_rows)
         assert (ws.p2t[rows:] == -1).all() and (ws.t2e[rows // 16:] == -1).all()
+        assert int(ws.ticket) == 0   # permute_offsets' last CTA hands the ticket back for the next call
 
 
 @pytest.mark.parametrize("T", [8, 2048])

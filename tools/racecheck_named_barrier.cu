@@ -1,0 +1,34 @@
+// Minimal: group 0 (warps 0-7) syncs on named barrier 1 (256 threads), group 1 idle; then a block scan
+// with __syncthreads. A correct race detector reports nothing.
+#include <cstdio>
+__global__ void k(int* out, int nbar) {
+    __shared__ int wtot[17];
+    __shared__ int scratch[512];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = threadIdx.x / 256;
+    if (g == 0) {
+        for (int i = 0; i < nbar; ++i) {
+            scratch[threadIdx.x] = i;
+            asm volatile("bar.sync 1, 256;" ::: "memory");
+            out[threadIdx.x] += scratch[255 - threadIdx.x];
+            asm volatile("bar.sync 1, 256;" ::: "memory");
+        }
+    }
+    __syncthreads();
+    int inc = threadIdx.x;
+    for (int o = 1; o < 32; o <<= 1) { int y = __shfl_up_sync(~0u, inc, o); if (lane >= o) inc += y; }
+    if (lane == 31) wtot[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        int wv = lane < 16 ? wtot[lane] : 0, wi = wv;
+        for (int o = 1; o < 32; o <<= 1) { int y = __shfl_up_sync(~0u, wi, o); if (lane >= o) wi += y; }
+        if (lane < 16) wtot[lane] = wi - wv;
+        if (lane == 31) wtot[16] = wi;
+    }
+    __syncthreads();
+    out[512 + threadIdx.x] = wtot[warp] + wtot[16];
+}
+int main() {
+    int* d; cudaMalloc(&d, 4096 * 4); cudaMemset(d, 0, 4096 * 4);
+    for (int nbar = 0; nbar < 3; ++nbar) { k<<<1, 512>>>(d, nbar); cudaDeviceSynchronize(); printf("nbar=%d done\n", nbar); }
+    return 0;
+}
