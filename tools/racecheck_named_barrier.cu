@@ -1,5 +1,9 @@
-// Minimal: group 0 (warps 0-7) syncs on named barrier 1 (256 threads), group 1 idle; then a block scan
-// with __syncthreads. A correct race detector reports nothing.
+// compute-sanitizer racecheck false positive, reduced from the fused routing kernel: warps 0-7 meet on named
+// barrier 1 (256 threads) while warps 8-15 skip it, then a block scan whose store / load pair a
+// __syncthreads() orders. No race exists; racecheck reports one whenever nbar > 0.
+//
+//   nvcc -arch=sm_90a -lineinfo -o /tmp/nb tools/racecheck_named_barrier.cu
+//   compute-sanitizer --tool racecheck /tmp/nb
 #include <cstdio>
 __global__ void k(int* out, int nbar) {
     __shared__ int wtot[17];
