@@ -101,6 +101,32 @@ def test_import_kerngen_does_not_import_cutlass():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def split_spec(H, K, odtype="bfloat16", **params):
+    """A tail spec outside the shipped tiers (as `kerngen tune` builds them): split_k and friends."""
+    from kerngen.plan import spec_for
+    flags = (True, True, True)
+    rule = tiers.Rule(op="tail", variant="tail", ranges={},
+                      params={"backend": "cute", "cluster": 1, "max_loads": 32, "pdl": True, "branch_free": False,
+                              **params})
+    return spec_for(rule, tail._tag(H, K, "bfloat16", "float32", odtype, flags),
+                    tail._constants(H, K, "bfloat16", "float32", odtype, flags), "sm_90a")
+
+
+@pytest.mark.parametrize("H,K,odtype,params", [
+    (3584, 16, "bfloat16", dict(threads=1024, split_k=2)),
+    (3584, 16, "float8_e4m3fn", dict(threads=512, split_k=2, branch_free=True)),
+    (2880, 4, "bfloat16", dict(threads=1024, split_k=4)),
+], ids=["k3-1024x2", "k3-fp8-512x2", "H2880-1024x4"])
+def test_split_k_tails_compile(H, K, odtype, params, tmp_path):
+    built = jit.build(split_spec(H, K, odtype, **params), store=DiskCache(tmp_path))
+    assert _is_object(built.files["kernel.o"])
+
+
+def test_split_k_that_does_not_divide_k_fails_to_compile_with_the_reason(tmp_path):
+    with pytest.raises(CompileError, match="split_k divides K"):
+        jit.build(split_spec(3584, 16, threads=1024, split_k=3), store=DiskCache(tmp_path))
+
+
 def test_cute_compile_error_shows_log_and_source_path(tmp_path, monkeypatch):
     s = tail.spec(64, 2, "bfloat16", "float32", "bfloat16", (False, False, False), 1, "sm_90a")
     monkeypatch.setattr(jit, "render", lambda spec: "def compile_kernel(**values):\n    raise ValueError('bad tile')\n")

@@ -318,3 +318,47 @@ def test_fp8_bad_inputs_raise_named_errors():
     for args, kw, name in cases:
         with pytest.raises(kerngen.InputError, match=f"argument '{name}'"):
             kerngen.moe_tail(*args, **kw)
+
+
+# --------------------------------------------------------------------------- configurations beyond the tiers
+SPLIT_CONFIGS = [dict(threads=1024, split_k=2, branch_free=False), dict(threads=512, split_k=2, branch_free=True),
+                 dict(threads=1024, split_k=4, branch_free=False), dict(threads=256, split_k=2, branch_free=False)]
+
+
+def tail_function(H, K, params, odtype="bfloat16", flags=(True, True, True)):
+    """The tail kernel for launch parameters `kerngen tune` may pick, as tune builds it."""
+    from kerngen import tiers
+    from kerngen.ops import tail
+    from kerngen.plan import spec_for, target_arch
+    rule = tiers.Rule(op="tail", variant="tail", ranges={},
+                      params={"backend": "cute", "cluster": 1, "max_loads": 32, "pdl": True, **params})
+    spec = spec_for(rule, tail._tag(H, K, "bfloat16", "float32", odtype, flags),
+                    tail._constants(H, K, "bfloat16", "float32", odtype, flags), target_arch())
+    return tail._function(spec)
+
+
+@pytest.mark.parametrize("params", SPLIT_CONFIGS,
+                         ids=lambda p: f"t{p['threads']}-s{p['split_k']}-bf{int(p['branch_free'])}")
+@pytest.mark.parametrize("H,K", [(3584, 16), (7168, 8), (2880, 4)])
+@pytest.mark.parametrize("T", [1, 3, 130])
+def test_split_k_configurations(params, H, K, T):
+    """split_k thread sets each gather K / split_k slots of every vector; part 0 adds the others' partial sums
+    (through shared memory), shared and residual, and alone normalizes and stores. Against the reference, with
+    -1 slots, residual_out and, where H allows, the fp8 output."""
+    gemm2, e2p, w, nw, sh, res = make(T, K, H, seed=T * 7 + H + K, skip=0.2)
+    out = torch.full((T, H), float("nan"), dtype=gemm2.dtype, device="cuda")
+    ro = torch.full((T, H), float("nan"), dtype=gemm2.dtype, device="cuda")
+    tail_function(H, K, params)(gemm2, e2p, w, sh, res, nw, out, None, ro, 1e-6)
+    torch.cuda.synchronize()
+    ref, y = reference(gemm2, e2p, w, nw, eps=1e-6, shared=sh, residual=res)
+    close(out, ref)
+    close(ro, y, atol=2e-2, what="residual_out")
+    if H % 128 == 0:
+        out8 = torch.full((T, H), float("nan"), dtype=FP8, device="cuda")
+        scales = torch.full((T, H // 128), float("nan"), device="cuda")
+        tail_function(H, K, params, "float8_e4m3fn", (True, True, False))(gemm2, e2p, w, sh, res, nw, out8, scales,
+                                                                           None, 1e-6)
+        torch.cuda.synchronize()
+        (ref_q, ref_scales), _ = reference(gemm2, e2p, w, nw, shared=sh, residual=res, out_dtype=FP8)
+        n, _ = reference(gemm2, e2p, w, nw, shared=sh, residual=res, out_dtype=torch.float32)
+        close_fp8(out8, scales, n, ref_q, ref_scales)
