@@ -2,7 +2,7 @@
 """Registers, shared memory and spills of every kernel a model needs, read from the compiled cubins: no GPU.
 
     tools/kernel_resources.py --model kimi-k3 [--arch sm_90a] [--ops routing,finalize,tail]
-    tools/kernel_resources.py --tail H,K --threads 128,256,512 --max-loads 16,32 [--branch-free 0,1]
+    tools/kernel_resources.py --tail H,K --threads 128,256,512 --max-loads 16,32 [--branch-free 0,1] [--split-k 1,2]
 
 Kernels are built into the cache first when missing (as `kerngen warmup` would). CUDA C++ artifacts hold a
 cubin; a CuTe DSL artifact holds one inside its object file. Both go through `cuobjdump -res-usage` (the CUDA
@@ -14,7 +14,6 @@ memory; no kernel here has another use for one). With R registers a CTA of N thr
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import re
 import shutil
@@ -24,9 +23,11 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from benchlib import add_tail_config_args, tail_configs  # noqa: E402
 from kerngen import jit, tiers  # noqa: E402
-from kerngen.plan import KernelSpec, spec_for  # noqa: E402
+from kerngen.plan import KernelSpec  # noqa: E402
 from kerngen.warmup import OPS, model_specs  # noqa: E402
 
 EM_CUDA = 190
@@ -88,32 +89,19 @@ def report(spec: KernelSpec, tool: str) -> None:
               f"SHARED {r.get('SHARED', 0):6d}  STACK {r.get('STACK', 0):4d}  {params}")
 
 
-def tail_specs(hidden: int, top_k: int, threads, max_loads, branch_free, arch: str):
-    from kerngen.ops import tail
-    flags = (True, True, False)   # shared expert + residual, as the shipped models call it
-    consts = tail._constants(hidden, top_k, "bfloat16", "float32", "bfloat16", flags)
-    tag = tail._tag(hidden, top_k, "bfloat16", "float32", "bfloat16", flags)
-    for nt, ml, bf in itertools.product(threads, max_loads, branch_free):
-        params = dict(backend="cute", branch_free=bool(bf), cluster=1, max_loads=ml, pdl=True, threads=nt)
-        yield spec_for(tiers.Rule(op="tail", variant="tail", ranges={}, params=params), tag, consts, arch)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--tail", help="H,K: list tail configurations instead of a model's kernels")
-    ap.add_argument("--threads", default="128,256,512")
-    ap.add_argument("--max-loads", default="16,32")
-    ap.add_argument("--branch-free", default="0")
+    add_tail_config_args(ap, max_loads="16,32", branch_free="0")
     ap.add_argument("--arch", default="sm_90a")
     a = ap.parse_args()
     os.environ.setdefault("CUTE_DSL_ARCH", a.arch)
     tool = cuobjdump()
     if a.tail:
         hidden, top_k = (int(x) for x in a.tail.split(","))
-        ints = lambda s: [int(x) for x in s.split(",")]
-        specs = list(tail_specs(hidden, top_k, ints(a.threads), ints(a.max_loads), ints(a.branch_free), a.arch))
+        specs = [spec for _, spec in tail_configs(hidden, top_k, a.arch, a)]
     elif a.model:
         tbl = tiers.load()
         specs = model_specs(tbl.model(a.model), tbl, a.arch, tuple(a.ops.split(",")))
