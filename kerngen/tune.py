@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from . import env, tiers
-from .errors import KerngenError
+from .errors import CompileError, KerngenError
 from .plan import spec_for, target_arch
 from .timing import graph_time_us
 
@@ -91,10 +91,10 @@ ROUTING_TILE = 128   # tools/bench's tile: the permutation is part of the time
 
 
 def routing_candidates():
-    for warps, wpt in ((16, 2), (16, 4), (16, 8), (8, 8), (4, 4)):
+    for warps, wpt in ((16, 2), (16, 4), (16, 8), (16, 16), (8, 8), (4, 4)):
         for clusters in (1, 4, 8):
             yield "fused", dict(warps=warps, warps_per_token=wpt, ctas=8, clusters=clusters, max_tokens=16)
-    for warps, wpt in ((4, 1), (4, 4), (8, 2), (8, 8)):
+    for warps, wpt in ((4, 1), (8, 1), (4, 4), (8, 2), (8, 4), (8, 8)):   # every shape the shipped rules use
         yield "topk", dict(warps=warps, warps_per_token=wpt)
 
 
@@ -142,17 +142,28 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=len(cands) * len(tokens), desc=f"tune {model_name} {op}", unit="run", leave=False)
-        winners = []
+        winners, unfit = [], {}
         for T in tokens:
             best = None
             for variant, params in cands:
-                us = timer(model, T, variant, params)
+                try:
+                    us = timer(model, T, variant, params)
+                except CompileError as e:   # e.g. more token groups than the shared memory of E experts holds
+                    unfit[(variant, str(params))] = e
+                    us = float("inf")
                 if best is None or us < best[0]:
                     best = (us, variant, params)
                 bar and bar.update()
+            if best[0] == float("inf"):
+                raise KerngenError(f"tune: no {op} candidate compiles for {model_name}; first error:\n"
+                                   f"{next(iter(unfit.values()))}")
             winners.append((T, *best))
         if bar:
             bar.close()
+        for (variant, params), e in unfit.items():
+            lines = str(e).splitlines()
+            reason = next((line.strip() for line in lines if "error" in line), lines[0] if lines else "")
+            print(f"kerngen tune: {op} {variant} {params} does not compile for {model_name}, skipped ({reason})")
         rules += _merge(op, model, winners)
     return rules
 

@@ -56,3 +56,35 @@ def test_every_op_has_candidates_that_the_tier_schema_accepts(tmp_path, monkeypa
         path = tmp_path / f"{op}.toml"
         tune.write(path, "kimi-k3", rules)   # write() re-parses what it wrote
         assert tiers.load(path).rules[0].op == op
+
+
+def test_a_candidate_that_does_not_compile_for_the_shape_is_skipped_and_named(monkeypatch, capsys):
+    """Candidates are generic; some do not fit a model (e.g. token groups beyond the shared memory of 2048
+    experts). Those are skipped with the compiler's reason; a wrong result still stops the tuner."""
+    from kerngen.errors import CompileError
+
+    def timer(model, T, variant, params):
+        if params["warps"] == 16:
+            raise CompileError("routing-topk-probe", 'probe.cu(358): error: static assertion failed with "shared '
+                               'memory: fewer groups"', None)
+        return 3.0 if params["warps"] == 4 else 2.0
+
+    cands = lambda: iter([("topk", dict(warps=16, warps_per_token=1)), ("topk", dict(warps=4, warps_per_token=1)),
+                          ("topk", dict(warps=8, warps_per_token=1))])
+    monkeypatch.setitem(tune.TUNERS, "routing", (cands, timer))
+    rules = tune.tune("kimi-k3", ["routing"], tokens=[1, 64], progress=False)
+    assert [r.params for r in rules] == [dict(warps=8, warps_per_token=1)]
+    out = capsys.readouterr().out
+    assert "{'warps': 16, 'warps_per_token': 1} does not compile for kimi-k3, skipped" in out
+    assert "static assertion failed" in out
+
+
+def test_no_candidate_compiling_is_an_error_naming_the_first_reason(monkeypatch):
+    from kerngen.errors import CompileError
+
+    def timer(model, T, variant, params):
+        raise CompileError("routing-topk-probe", "probe.cu(1): error: too big", None)
+
+    monkeypatch.setitem(tune.TUNERS, "routing", (lambda: iter([("topk", dict(warps=16, warps_per_token=1))]), timer))
+    with pytest.raises(KerngenError, match="no routing candidate compiles for kimi-k3(.|\n)*too big"):
+        tune.tune("kimi-k3", ["routing"], tokens=[1], progress=False)
