@@ -31,3 +31,11 @@ def gpu_cache(tmp_path_factory):
         os.environ.pop("KERNGEN_CACHE_DIR", None)
     else:
         os.environ["KERNGEN_CACHE_DIR"] = old
+
+
+def assert_no_spills(files: dict) -> None:
+    """Every kernel of a compiled artifact keeps its values in registers (spills are a performance bug that
+    compiles and runs correctly, so only this catches them without a GPU)."""
+    from kerngen import resources
+    for function, use in resources.usage(files):
+        assert use.get("STACK", 0) == 0, f"{function[:80]} spills: {use}"

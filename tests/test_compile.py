@@ -7,6 +7,7 @@ from kerngen.cache import DiskCache
 from kerngen.errors import CompileError
 from kerngen.ops import finalize as fin
 from kerngen.plan import KernelSpec
+from tests.conftest import assert_no_spills
 
 
 def all_finalize_specs():
@@ -28,6 +29,7 @@ def test_every_finalize_tier_compiles_to_sm90a_cubin(spec, tmp_path):
     cubin = built.files["kernel.cubin"]
     assert built.status == "compiled" and cubin[:4] == b"\x7fELF"
     assert f"finalize_{spec.variant}".encode() in cubin  # the entry point launch looks up
+    assert_no_spills(built.files)
 
 
 def test_render_is_strict_about_missing_values():
@@ -57,3 +59,21 @@ def test_compile_error_shows_log_and_source_path(tmp_path, monkeypatch):
     assert open(e.value.source_path).read() == "this is not C++;\n"
     assert DiskCache(tmp_path).keys() == [] or all(DiskCache(tmp_path).get(k) is None
                                                     for k in DiskCache(tmp_path).keys())
+
+
+def test_spill_check_sees_a_stack_frame():
+    """The no-spill assertion of the compile tests reads something that can be nonzero: a local array indexed
+    at run time lives in a stack frame."""
+    from kerngen import resources
+    from kerngen.compile import nvrtc_compile
+    src = ('extern "C" __global__ void spill(int* o, int i) {\n'
+           '    int a[256];\n'
+           '    a[0] = o[0];\n'
+           '    for (int j = 1; j < 256; ++j) a[j] = a[j - 1] * 3 + o[j];\n'
+           '    o[0] = a[i & 255] + a[(i >> 8) & 255];\n'
+           '}\n')
+    cubin, _ = nvrtc_compile(src, "spill", "sm_90a", "spill", None)
+    [(name, use)] = resources.usage({"kernel.cubin": cubin})
+    assert name == "spill" and use["STACK"] >= 1024
+    with pytest.raises(AssertionError, match="spills"):
+        assert_no_spills({"kernel.cubin": cubin})

@@ -7,6 +7,7 @@ from kerngen import jit, tiers
 from kerngen.cache import DiskCache
 from kerngen.errors import InputError, TierError
 from kerngen.ops import routing as rt
+from tests.conftest import assert_no_spills
 
 
 def all_routing_specs():
@@ -46,6 +47,7 @@ def test_every_routing_tier_compiles_to_sm90a_cubin(spec, tmp_path):
     assert built.status == "compiled" and cubin[:4] == b"\x7fELF"
     for name in ENTRY[spec.variant]:
         assert name in cubin
+    assert_no_spills(built.files)
 
 
 def test_every_shipped_model_has_routing_and_permute_tiers():

@@ -1,0 +1,65 @@
+"""What a compiled kernel uses — registers, shared memory, spill stack — read from its cubin; no GPU needed.
+
+A CUDA C++ artifact holds its cubin (`kernel.cubin`); a CuTe DSL artifact holds one inside its object file
+(`kernel.o`). `cuobjdump -res-usage` reads them: the CUDA toolkit's, or the `nvidia-cuda-cuobjdump` wheel's
+(a test dependency). A nonzero STACK means register spills: none of these kernels has another use for a
+stack frame.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import struct
+import subprocess
+import tempfile
+
+from .errors import KerngenError
+
+EM_CUDA = 190   # ELF e_machine of a cubin
+
+
+def cuobjdump() -> str:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia.cu13
+        for root in nvidia.cu13.__path__:
+            wheel = os.path.join(root, "bin", "cuobjdump")
+            if os.path.exists(wheel):
+                return wheel
+    except ImportError:
+        pass
+    raise KerngenError("cuobjdump not found: install the CUDA toolkit or `pip install nvidia-cuda-cuobjdump`")
+
+
+def cubins(files: dict[str, bytes]) -> list[bytes]:
+    """The cubin of a CUDA C++ artifact, or the 64-bit CUDA ELF images embedded in a CuTe DSL object file."""
+    if "kernel.cubin" in files:
+        return [files["kernel.cubin"]]
+    found = []
+    for data in files.values():
+        i = data.find(b"\x7fELF", 1)
+        while i >= 0:
+            if data[i + 4] == 2 and struct.unpack_from("<H", data, i + 18)[0] == EM_CUDA:
+                phoff, shoff = struct.unpack_from("<QQ", data, i + 0x20)
+                phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, i + 0x36)
+                found.append(data[i:i + max(phoff + phentsize * phnum, shoff + shentsize * shnum)])
+            i = data.find(b"\x7fELF", i + 4)
+    return found
+
+
+def usage(files: dict[str, bytes]) -> list[tuple[str, dict[str, int]]]:
+    """(function, {"REG": .., "STACK": .., "SHARED": .., "LOCAL": .., ...}) for every kernel of an artifact."""
+    tool, rows = cuobjdump(), []
+    for image in cubins(files):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(image)
+            f.flush()
+            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        for name, line in re.findall(r"Function (\S+):\s*\n\s*(.+)", out):
+            rows.append((name, {k: int(v) for k, v in re.findall(r"(\w+(?:\[\d+\])?):(\d+)", line)}))
+    if not rows:
+        raise KerngenError(f"no kernel found in the artifact ({', '.join(files)})")
+    return rows
