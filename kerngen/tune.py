@@ -73,9 +73,7 @@ def _time_tail(model: tiers.Model, T: int, variant: str, params: dict) -> float:
     from .ops import tail
     H, K = model.hidden, model.top_k
     rule = tiers.Rule(op="tail", variant=variant, ranges={}, params=params)
-    consts = tail._constants(H, K, model.dtype, model.weights_dtype, model.dtype, (True, True, False))
-    spec = spec_for(rule, tail._tag(H, K, model.dtype, model.weights_dtype, model.dtype, (True, True, False)), consts,
-                    target_arch())
+    spec = tail.rule_spec(rule, H, K, model.dtype, model.weights_dtype, model.dtype, (True, True, False), target_arch())
     g, e2p, w, out = _moe_inputs(model, T)
     dt = out.dtype
     nw, sh, res = torch.rand(H, device="cuda").to(dt), torch.randn(T, H, device="cuda").to(dt), torch.randn(

@@ -117,13 +117,8 @@ def test_import_kerngen_does_not_import_cutlass():
 
 def split_spec(H, K, odtype="bfloat16", **params):
     """A tail spec outside the shipped tiers (as `kerngen tune` builds them): split_k and friends."""
-    from kerngen.plan import spec_for
-    flags = (True, True, True)
-    rule = tiers.Rule(op="tail", variant="tail", ranges={},
-                      params={"backend": "cute", "cluster": 1, "max_loads": 32, "pdl": True, "branch_free": False,
-                              **params})
-    return spec_for(rule, tail._tag(H, K, "bfloat16", "float32", odtype, flags),
-                    tail._constants(H, K, "bfloat16", "float32", odtype, flags), "sm_90a")
+    params = {"backend": "cute", "cluster": 1, "max_loads": 32, "pdl": True, "branch_free": False, **params}
+    return tail.params_spec(params, H, K, "bfloat16", "float32", odtype, (True, True, True), "sm_90a")
 
 
 @pytest.mark.parametrize("H,K,odtype,params", [

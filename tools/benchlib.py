@@ -71,13 +71,8 @@ def tail_configs(hidden: int, top_k: int, arch: str, args, clusters=(1,)):
     residual the shipped models pass. split_k > 1 only with one CTA per token and where it divides K."""
     import itertools
 
-    from kerngen import tiers
     from kerngen.ops import tail
-    from kerngen.plan import spec_for
     ints = lambda s: [int(x) for x in s.split(",")]
-    flags = (True, True, False)
-    tag = tail._tag(hidden, top_k, "bfloat16", "float32", "bfloat16", flags)
-    consts = tail._constants(hidden, top_k, "bfloat16", "float32", "bfloat16", flags)
     for c, nt, ml, bf, sk in itertools.product(clusters, ints(args.threads), ints(args.max_loads),
                                               ints(args.branch_free), ints(args.split_k)):
         if sk > 1 and (c > 1 or top_k % sk):
@@ -86,4 +81,5 @@ def tail_configs(hidden: int, top_k: int, arch: str, args, clusters=(1,)):
         if sk > 1:
             params["split_k"] = sk
         label = f"c{c}/t{nt}/l{ml}/bf{bf}" + (f"/s{sk}" if sk > 1 else "")
-        yield label, spec_for(tiers.Rule(op="tail", variant="tail", ranges={}, params=params), tag, consts, arch)
+        yield label, tail.params_spec(params, hidden, top_k, "bfloat16", "float32", "bfloat16", (True, True, False),
+                                      arch)

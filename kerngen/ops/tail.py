@@ -27,7 +27,7 @@ import torch
 from .. import cute_backend, jit
 from .. import plan as plan_mod
 from ..errors import InputError
-from ..tiers import Model, Table
+from ..tiers import Model, Rule, Table
 from ._common import (DTYPE_NAMES, SHORT, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
                       check_tensor, table)
 
@@ -104,15 +104,25 @@ def spec(hidden: int, top_k: int, dtype: str, weights_dtype: str, out_dtype: str
                          _constants(hidden, top_k, dtype, weights_dtype, out_dtype, flags), arch_)
 
 
+def rule_spec(rule: Rule, hidden: int, top_k: int, dtype: str, weights_dtype: str, out_dtype: str, flags: tuple,
+              arch_: str) -> plan_mod.KernelSpec:
+    """The tail kernel of `rule` (a tier rule, or launch parameters the tuner or a sweep tries) for this shape."""
+    args = (hidden, top_k, dtype, weights_dtype, out_dtype, flags)
+    return plan_mod.spec_for(rule, _tag(*args), _constants(*args), arch_)
+
+
+def params_spec(params: dict, hidden: int, top_k: int, dtype: str, weights_dtype: str, out_dtype: str, flags: tuple,
+                arch_: str) -> plan_mod.KernelSpec:
+    """The tail kernel with explicit launch parameters, outside the tier table."""
+    return rule_spec(Rule(op=OP, variant="tail", ranges={}, params=params), hidden, top_k, dtype, weights_dtype,
+                     out_dtype, flags, arch_)
+
+
 def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpec]:
     """The tail kernels of `model` over its token range, for each flag set of WARMUP_FLAGS."""
     shape = {"hidden": model.hidden, "top_k": model.top_k, "num_experts": model.num_experts}
-    out = []
-    for rule in tbl.rules_for(OP, shape, model.tokens):
-        for flags in WARMUP_FLAGS:
-            args = (model.hidden, model.top_k, model.dtype, model.weights_dtype, model.dtype, flags)
-            out.append(plan_mod.spec_for(rule, _tag(*args), _constants(*args), arch_))
-    return out
+    return [rule_spec(rule, model.hidden, model.top_k, model.dtype, model.weights_dtype, model.dtype, flags, arch_)
+            for rule in tbl.rules_for(OP, shape, model.tokens) for flags in WARMUP_FLAGS]
 
 
 def explain_spec(args, tbl: Table, arch_: str) -> plan_mod.KernelSpec:

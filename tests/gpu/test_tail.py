@@ -327,14 +327,10 @@ SPLIT_CONFIGS = [dict(threads=1024, split_k=2, branch_free=False), dict(threads=
 
 def tail_function(H, K, params, odtype="bfloat16", flags=(True, True, True)):
     """The tail kernel for launch parameters `kerngen tune` may pick, as tune builds it."""
-    from kerngen import tiers
     from kerngen.ops import tail
-    from kerngen.plan import spec_for, target_arch
-    rule = tiers.Rule(op="tail", variant="tail", ranges={},
-                      params={"backend": "cute", "cluster": 1, "max_loads": 32, "pdl": True, **params})
-    spec = spec_for(rule, tail._tag(H, K, "bfloat16", "float32", odtype, flags),
-                    tail._constants(H, K, "bfloat16", "float32", odtype, flags), target_arch())
-    return tail._function(spec)
+    from kerngen.plan import target_arch
+    params = {"backend": "cute", "cluster": 1, "max_loads": 32, "pdl": True, **params}
+    return tail._function(tail.params_spec(params, H, K, "bfloat16", "float32", odtype, flags, target_arch()))
 
 
 @pytest.mark.parametrize("params", SPLIT_CONFIGS,
