@@ -27,15 +27,15 @@ Tiling and thread mapping:
 * Every thread reads the token's K indices and weights (broadcast loads), then issues the K 128-bit loads
   of up to GROUP = max(1, max_loads // K) owned vectors back to back (all in flight at once), then
   accumulates them in ascending k.
+  Shared, residual and norm weight vectors are loaded in the same batch. A slot whose index is outside
+  [0, rows) never leaks a NaN: with `branch_free` it loads row 0 instead (no branch around loads, so none
+  waits for another: best for latency at few tokens; the host never passes rows == 0) and is left out of
+  the sum; without, its load is skipped and it adds 0 * 0 (best for bandwidth at many tokens, measured).
 * `split_k` = S > 1 (one CTA per token, S divides K): the block is S sets of NT threads; set s gathers slots
   [s*K/S, (s+1)*K/S) of the same vectors (GROUP from max_loads // (K/S)), so a thread holds K/S indices,
   weights and loads in flight instead of K. Sets 1.. store their partial sums in shared memory; after one
   barrier set 0 adds them in set order (its own partial already holds shared and residual) and alone writes
   residual_out and out. The sum is then not in ascending k, which the tail's tolerance allows.
-  Shared, residual and norm weight vectors are loaded in the same batch. A slot whose index is outside
-  [0, rows) never leaks a NaN: with `branch_free` it loads row 0 instead (no branch around loads, so none
-  waits for another: best for latency at few tokens; the host never passes rows == 0) and is left out of
-  the sum; without, its load is skipped and it adds 0 * 0 (best for bandwidth at many tokens, measured).
 * RMSNorm: thread sum of y^2 -> warp butterfly -> one fp32 per warp in shared memory -> CTA sum in warp
   order. With C > 1, thread p of each CTA stores the CTA's sum into CTA p's shared memory (distributed
   shared memory, st.shared::cluster), one cluster barrier, and every CTA adds the C partials in rank order
