@@ -63,9 +63,10 @@ def _checked_time(call, correct, what: str, T: int) -> float:
 
 
 def tail_candidates():
-    for cluster, threads, branch_free in itertools.product((1, 2, 4, 8), (128, 256), (True, False)):
-        yield "tail", dict(backend="cute", threads=threads, cluster=cluster, max_loads=32, branch_free=branch_free,
-                           pdl=True)
+    for cluster, threads, branch_free, max_loads in itertools.product((1, 2, 4, 8), (128, 256), (True, False),
+                                                                      (8, 32)):
+        yield "tail", dict(backend="cute", threads=threads, cluster=cluster, max_loads=max_loads,
+                           branch_free=branch_free, pdl=True)
 
 
 def _time_tail(model: tiers.Model, T: int, variant: str, params: dict) -> float:

@@ -39,6 +39,21 @@ __device__ __forceinline__ uint4 kg_pack8(const float f[8], __half) {
     for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
     return v;
 }
+// Two 16-bit values <-> two floats (one 32-bit word).
+__device__ __forceinline__ float2 kg_unpack2(unsigned u, __nv_bfloat16) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+}
+__device__ __forceinline__ float2 kg_unpack2(unsigned u, __half) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&u));
+}
+__device__ __forceinline__ unsigned kg_pack2(float a, float b, __nv_bfloat16) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+__device__ __forceinline__ unsigned kg_pack2(float a, float b, __half) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
 __device__ __forceinline__ float kg_to_float(float x) { return x; }
 __device__ __forceinline__ float kg_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float kg_to_float(__half x) { return __half2float(x); }
