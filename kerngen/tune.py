@@ -90,9 +90,11 @@ ROUTING_TILE = 128   # tools/bench's tile: the permutation is part of the time
 
 
 def routing_candidates():
-    for warps, wpt in ((16, 2), (16, 4), (16, 8), (16, 16), (8, 8), (4, 4)):
+    for warps, wpt in ((16, 2), (16, 4), (16, 8), (16, 16), (8, 8), (8, 4), (4, 4)):
         for clusters in (1, 4, 8):
             yield "fused", dict(warps=warps, warps_per_token=wpt, ctas=8, clusters=clusters, max_tokens=16)
+        for clusters in (2, 8):   # plain CTAs: what one token wants (no cluster barriers)
+            yield "fused", dict(warps=warps, warps_per_token=wpt, ctas=1, clusters=clusters, max_tokens=16)
     for warps, wpt in ((4, 1), (8, 1), (4, 4), (8, 2), (8, 4), (8, 8)):   # every shape the shipped rules use
         yield "topk", dict(warps=warps, warps_per_token=wpt)
 

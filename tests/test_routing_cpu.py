@@ -272,3 +272,26 @@ def test_fused_parameters_out_of_range_fail_to_compile_with_the_reason(bad, mess
     with pytest.raises(kerngen.CompileError, match=message) as e:
         jit.build(s, store=DiskCache(tmp_path))
     assert e.value.source_path and open(e.value.source_path).read().count("routing_fused") == 1
+
+
+@pytest.mark.parametrize("name,T", [("kimi-k3", 1), ("kimi-k3", 8), ("deepseek-v3", 8), ("qwen3-next-80b", 16)])
+def test_phase_probe_instruments_the_fused_kernel(name, T):
+    """tools/routing_phases.py finds every phase boundary in the fused kernel of the shipped tiers and the
+    instrumented source compiles for sm_90a (its anchors are template text: this fails when they drift)."""
+    import importlib.util
+    from pathlib import Path
+
+    from kerngen.compile import nvrtc_compile
+    from kerngen.render import render
+    path = Path(__file__).resolve().parents[1] / "tools" / "routing_phases.py"
+    loader = importlib.util.spec_from_file_location("routing_phases", path)
+    probe = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(probe)
+    m = tiers.load().model(name)
+    s = rt.spec(m.num_experts, m.top_k, m.routing, T, "sm_90a", n_group=m.n_group, topk_group=m.topk_group,
+                     renormalize=m.renormalize, bdtype="float32" if "bias" in m.routing else "none")
+    assert s.variant == "fused"
+    src = probe.instrument(render(s))
+    assert src.count("KG_STAMP(") == probe.SLOTS + 1   # the macro's definition + one per slot
+    cubin, _ = nvrtc_compile(src, "routing_phases", "sm_90a", "routing_phases", None)
+    assert cubin[:4] == b"\x7fELF"
