@@ -1,8 +1,8 @@
 """What a compiled kernel uses — registers, shared memory, spill stack — read from its cubin; no GPU needed.
 
 A CUDA C++ artifact holds its cubin (`kernel.cubin`); a CuTe DSL artifact holds one inside its object file
-(`kernel.o`). `cuobjdump -res-usage` reads them: the CUDA toolkit's, or the `nvidia-cuda-cuobjdump` wheel's
-(a test dependency). A nonzero STACK means register spills: none of these kernels has another use for a
+(`kernel.o`). `cuobjdump -res-usage` reads them, and `cuobjdump -sass` (with nvdisasm) their instructions: the
+CUDA toolkit's tools, or the `nvidia-cuda-cuobjdump` / `nvidia-cuda-nvdisasm` wheels' (test dependencies). A nonzero STACK means register spills: none of these kernels has another use for a
 stack frame.
 """
 from __future__ import annotations
@@ -23,15 +23,41 @@ def cuobjdump() -> str:
     found = shutil.which("cuobjdump")
     if found:
         return found
+    where = _wheel_dir("cuobjdump")
+    if where:
+        return os.path.join(where, "cuobjdump")
+    raise KerngenError("cuobjdump not found: install the CUDA toolkit or `pip install nvidia-cuda-cuobjdump`")
+
+
+def _wheel_dir(tool: str) -> str | None:
     try:
         import nvidia.cu13
         for root in nvidia.cu13.__path__:
-            wheel = os.path.join(root, "bin", "cuobjdump")
-            if os.path.exists(wheel):
-                return wheel
+            if os.path.exists(os.path.join(root, "bin", tool)):
+                return os.path.join(root, "bin")
     except ImportError:
         pass
-    raise KerngenError("cuobjdump not found: install the CUDA toolkit or `pip install nvidia-cuda-cuobjdump`")
+    return None
+
+
+def sass(files: dict[str, bytes]) -> str:
+    """The SASS of every kernel of an artifact (`cuobjdump -sass`, which runs nvidia-cuda-nvdisasm's nvdisasm:
+    the toolkit's, or the wheel's, a test dependency)."""
+    tool, env = cuobjdump(), dict(os.environ)
+    if not shutil.which("nvdisasm"):
+        where = _wheel_dir("nvdisasm")
+        if where is None:
+            raise KerngenError("nvdisasm not found: install the CUDA toolkit or `pip install nvidia-cuda-nvdisasm`")
+        env["NVDISASM_PATH"] = where
+        env["PATH"] = where + os.pathsep + env.get("PATH", "")
+    out = []
+    for image in cubins(files):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(image)
+            f.flush()
+            out.append(subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True,
+                                      env=env).stdout)
+    return "\n".join(out)
 
 
 def cubins(files: dict[str, bytes]) -> list[bytes]:

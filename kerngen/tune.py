@@ -25,6 +25,13 @@ def finalize_candidates():
         yield "small_batch", dict(block_x=bx, loads_per_group=lpg, pdl=True, early_read=False)
     for vpt, unroll in itertools.product((1, 2, 4), (2, 4, 8)):
         yield "large_batch", dict(vectors_per_thread=vpt, unroll=unroll, pdl=True, early_read=False)
+    yield from cute_finalize_candidates()
+
+
+def cute_finalize_candidates():
+    """The CuTe DSL finalize (templates/finalize/cute.py): CTAs per token x threads x loads in flight."""
+    for ctas, threads, max_loads in itertools.product((1, 4, 16), (128, 256), (8, 16)):
+        yield "cute", dict(backend="cute", ctas=ctas, threads=threads, max_loads=max_loads, pdl=True)
 
 
 def _time_finalize(model: tiers.Model, T: int, variant: str, params: dict) -> float:
@@ -37,9 +44,8 @@ def _time_finalize(model: tiers.Model, T: int, variant: str, params: dict) -> fl
     spec = spec_for(rule, f"H{H}-K{K}-bf16-wf32", {"H": H, "K": K, "DTYPE": model.dtype,
                                                   "WDTYPE": model.weights_dtype}, target_arch(dev))
     g, e2p, w, out = _moe_inputs(model, T)
-    launcher = fin._launcher(spec, T, dev)
-    call = lambda: launcher(current_stream(dev), g.data_ptr(), e2p.data_ptr(), w.data_ptr(), out.data_ptr(),
-                            H, T * K, T)
+    run = fin.bound(fin._launcher(spec, T, dev), g, e2p, w, out, H)
+    call = lambda: run(current_stream(dev))
     return _checked_time(call, lambda: torch.equal(out.view(torch.int16), fin.reference(g, e2p, w).view(torch.int16)),
                          f"finalize {variant} {params}", T)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kerngen
-from kerngen import jit, tiers
+from kerngen import jit, resources, tiers
 from kerngen.cache import DiskCache
 from kerngen.errors import CompileError
 from kerngen.ops import tail
@@ -320,22 +320,14 @@ def _nvdisasm():
     return shutil.which("nvdisasm")
 
 
-def _cubins(obj: bytes):
-    """The CUDA ELF images (e_machine 190) embedded in a relocatable host object."""
-    i = obj.find(b"\x7fELF", 1)
-    while i > 0:
-        if struct.unpack_from("<H", obj, i + 18)[0] == 190:
-            yield obj[i:]
-        i = obj.find(b"\x7fELF", i + 4)
-
-
 @pytest.mark.skipif(_nvdisasm() is None, reason="nvdisasm not installed")
 def test_fp8_tail_sass_keeps_128bit_loads_and_stores_e4m3_in_64bit_words(tmp_path):
-    """H=7168, T=8192 (one CTA per token, 4 vectors per thread): saturating RNE e4m3 conversion, NaN-propagating
-    max, a 16-lane butterfly per vector, 64-bit stores of fp8 and one scale store per vector."""
-    s = tail.spec(7168, 8, "bfloat16", "float32", "float8_e4m3fn", (True, True, False), 8192, "sm_90a")
+    """H=7168 on one CTA per token of 224 threads, 4 vectors per thread: saturating RNE e4m3 conversion,
+    NaN-propagating max, a 16-lane butterfly per vector, 64-bit stores of fp8 and one scale store per vector."""
+    params = dict(backend="cute", cluster=1, threads=256, max_loads=32, branch_free=False, pdl=True)
+    s = tail.params_spec(params, 7168, 8, "bfloat16", "float32", "float8_e4m3fn", (True, True, False), "sm_90a")
     built = jit.build(s, store=DiskCache(tmp_path))
-    cubins = list(_cubins(built.files["kernel.o"]))
+    cubins = resources.cubins(built.files)
     assert len(cubins) == 1
     (tmp_path / "k.cubin").write_bytes(cubins[0])
     sass = subprocess.run([_nvdisasm(), "-c", str(tmp_path / "k.cubin")], capture_output=True, text=True,

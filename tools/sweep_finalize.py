@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Time every finalize variant/param candidate per (H, K, T) under CUDA graphs; print the best per case.
+"""Time every finalize variant/param candidate (CUDA C++ small/large batch and the CuTe DSL variant) per (H, K, T)
+under CUDA graphs, each checked bitwise against the reference; print the best per case.
 
     tools/sweep_finalize.py [--cases 3584x16,7168x8,2048x22] [--tokens 1,8,32,64,128,512,4096]
 """
@@ -20,6 +21,7 @@ from kerngen.launch import current_stream  # noqa: E402
 from kerngen.ops import finalize as fin  # noqa: E402
 from kerngen.plan import spec_for, target_arch  # noqa: E402
 from kerngen.tiers import Rule  # noqa: E402
+from kerngen.tune import cute_finalize_candidates  # noqa: E402
 
 
 def candidates():
@@ -29,6 +31,7 @@ def candidates():
         yield "small_batch", dict(block_x=bx, loads_per_group=lpg, pdl=pdl, early_read=early)
     for vpt, unroll, pdl in itertools.product((1, 2, 4), (2, 4, 8), (False, True)):
         yield "large_batch", dict(vectors_per_thread=vpt, unroll=unroll, pdl=pdl, early_read=False)
+    yield from cute_finalize_candidates()
 
 
 def main():
@@ -55,9 +58,8 @@ def main():
                 rule = Rule(op="finalize", variant=variant, ranges={}, params=params)
                 spec = spec_for(rule, f"H{H}-K{K}-bf16-wf32",
                                 {"H": H, "K": K, "DTYPE": "bfloat16", "WDTYPE": "float32"}, arch)
-                launcher = fin._launcher(spec, T, dev)
-                call = lambda: launcher(current_stream(dev), g.data_ptr(), e2p.data_ptr(), w.data_ptr(),
-                                        out.data_ptr(), H, T * K, T)
+                run = fin.bound(fin._launcher(spec, T, dev), g, e2p, w, out, H)
+                call = lambda: run(current_stream(dev))
                 out.fill_(float("nan")); call(); torch.cuda.synchronize()
                 assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), (variant, params)
                 res.append((graph_time_us(call), variant, params))
@@ -66,9 +68,9 @@ def main():
             print(f"H={H} K={K} T={T}: best {best[0]:.2f} µs {best[1]} {best[2]}")
             for r in res[1:4]:
                 print(f"      {r[0]:.2f} µs {r[1]} {r[2]}")
-            for name in ("small_batch", "large_batch"):
+            for name in ("small_batch", "large_batch", "cute"):
                 for pdl in (False, True):
-                    sub = [r for r in res if r[1] == name and r[2]["pdl"] == pdl and not r[2]["early_read"]]
+                    sub = [r for r in res if r[1] == name and r[2]["pdl"] == pdl and not r[2].get("early_read")]
                     if sub:
                         print(f"      best {name} pdl={pdl}: {sub[0][0]:.2f} µs {sub[0][2]}")
 

@@ -15,6 +15,7 @@ from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, che
 
 OP = "finalize"
 MAX_K = 64
+CUTE_MAX_K = 32   # templates/finalize/cute.py keeps a token's indices and weights in registers
 _ACT = (torch.bfloat16, torch.float16)
 _W = (torch.float32, torch.bfloat16)
 FMT = "QQQQiii4x"
@@ -58,7 +59,31 @@ def explain_spec(args, tbl: Table, arch_: str) -> plan_mod.KernelSpec:
     return spec(args.hidden, args.topk, args.dtype, args.weights_dtype, args.tokens, arch_, tbl)
 
 
-def _launcher(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher:
+class _Cute:
+    """A CuTe DSL finalize (templates/finalize/cute.py): a TVM-FFI function of tensors on torch's current stream."""
+    __slots__ = ("fn",)
+
+    def __init__(self, s: plan_mod.KernelSpec):
+        from .. import cute_backend, jit
+        built = jit.build(s)
+        self.fn = cute_backend.load(built.files, built.key)
+
+    def run(self, g, e2p, w, out, H):
+        if not g.shape[0]:   # no rows: every slot is skipped
+            out.zero_()
+        else:
+            self.fn(g if g.shape[1] == H else g[:, :H], e2p, w, out)
+
+
+def _launcher(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | _Cute:
+    """The kernel of spec `s` for `tokens` tokens: a driver Launcher (CUDA C++) or a CuTe DSL function."""
+    if s.backend == "cute":
+        if s.variant != "cute":
+            raise InputError(OP, "tier variant", "cute with backend = \"cute\"", s.variant)
+        if dict(s.constants)["K"] > CUTE_MAX_K:
+            raise InputError(OP, "top_k", f"at most {CUTE_MAX_K} for the CuTe DSL variant (tier {s.params})",
+                             str(dict(s.constants)["K"]))
+        return _Cute(s)
     p = dict(s.params)
     vecs = dict(s.constants)["H"] // 8
     k = dict(s.constants)["K"]
@@ -69,7 +94,7 @@ def _launcher(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher:
         vpt = p["vectors_per_thread"]
         grid, block = (tokens, 1, 1), ((vecs + vpt - 1) // vpt, 1, 1)
     else:
-        raise InputError(OP, "tier variant", "small_batch or large_batch", s.variant)
+        raise InputError(OP, "tier variant", "small_batch, large_batch or cute", s.variant)
     if block[0] * block[1] > 1024:
         raise InputError(OP, "tier params", "a block of at most 1024 threads", f"{block} from {s.params}")
     return Launcher(resolve(s), f"{OP}_{s.variant}", device, grid, block, FMT, pdl=bool(p.get("pdl", False)))
@@ -108,26 +133,38 @@ def finalize(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
           or out.data_ptr() % 16):
         check_buffer(OP, "out", out, g.dtype, (T, H), g.device, align=16)
     if T:
-        launcher(current_stream(dev), g_ptr, e2p.data_ptr(), w.data_ptr(), out.data_ptr(), ld, rows, T)
+        if type(launcher) is Launcher:
+            launcher(current_stream(dev), g_ptr, e2p.data_ptr(), w.data_ptr(), out.data_ptr(), ld, rows, T)
+        else:
+            launcher.run(g, e2p, w, out, H)
     return out
+
+
+def bound(launcher: Launcher | _Cute, g, e2p, w, out, H: int):
+    """A call of `launcher` on these tensors with nothing left to check: `call(stream)` (the stream is
+    torch's current one for a CuTe function, whatever is passed)."""
+    if type(launcher) is Launcher:
+        return launcher.bind(g.data_ptr(), e2p.data_ptr(), w.data_ptr(), out.data_ptr(), g.stride(0), g.shape[0],
+                             e2p.shape[0])
+    return lambda stream: launcher.run(g, e2p, w, out, H)
 
 
 class Prepared:
     """finalize of fixed tensors, validated once: `run()` launches on torch's current stream.
 
     For engines that reuse the same buffers every step (as CUDA graphs require anyway): a call costs the
-    stream lookup and one driver launch, with no per-call argument checks. The tensors are held here and must
+    stream lookup and one driver launch (a CuTe DSL variant: one TVM-FFI call), with no per-call argument checks. The tensors are held here and must
     keep their storage (no resize_, no set_) for as long as this object is used.
     """
     __slots__ = ("out", "_tensors", "_bound", "_device", "_tokens")
 
     def __init__(self, g, e2p, w, hidden, out):
-        launcher, T, H, ld, rows, dev = _prepare(g, e2p, w, hidden)
+        launcher, T, H, _, _, dev = _prepare(g, e2p, w, hidden)
         if out is None:
             out = torch.empty((T, H), dtype=g.dtype, device=g.device)
         check_buffer(OP, "out", out, g.dtype, (T, H), g.device, align=16)
         self.out, self._tensors, self._device, self._tokens = out, (g, e2p, w), dev, T
-        self._bound = launcher.bind(g.data_ptr(), e2p.data_ptr(), w.data_ptr(), out.data_ptr(), ld, rows, T)
+        self._bound = bound(launcher, g, e2p, w, out, H)
 
     def run(self) -> torch.Tensor:
         if self._tokens:

@@ -176,3 +176,99 @@ def test_prepare_rejects_bad_inputs_like_finalize():
         kerngen.finalize_prepare(gemm2, e2p, w[:, :4].contiguous())
     with pytest.raises(kerngen.InputError, match="'out'"):
         kerngen.finalize_prepare(gemm2, e2p, w, out=torch.empty(4, 255, dtype=gemm2.dtype, device="cuda"))
+
+
+# --------------------------------------------------------------------------- the CuTe DSL variant
+CUTE_TIERS = """schema = 1
+
+[[tier]]
+op = "finalize"
+variant = "cute"
+tokens = [1, 16]
+params = { backend = "cute", ctas = 16, threads = 128, max_loads = 16, pdl = true }
+
+[[tier]]
+op = "finalize"
+variant = "cute"
+params = { backend = "cute", ctas = 1, threads = 256, max_loads = 8, pdl = true }
+"""
+
+
+@pytest.fixture
+def cute_tiers(tmp_path, monkeypatch):
+    """Every finalize of the test goes through templates/finalize/cute.py (a user tiers file picks it)."""
+    from kerngen.ops import finalize as fin
+    path = tmp_path / "cute.toml"
+    path.write_text(CUTE_TIERS)
+    monkeypatch.setenv("KERNGEN_TIERS", str(path))
+    fin._launchers.clear()
+    fin._fast.clear()
+    yield fin
+    fin._launchers.clear()
+    fin._fast.clear()
+
+
+def uses_cute(fin):
+    return fin._launchers and all(type(v).__name__ == "_Cute" for v in fin._launchers.values())
+
+
+@pytest.mark.parametrize("K", [1, 4, 8, 16, 22, 32])
+@pytest.mark.parametrize("T", [1, 3, 16, 17, 300])
+def test_cute_variant_is_bitwise_equal_to_the_reference(cute_tiers, T, K):
+    check(*make(T, K, 3584, seed=T * 31 + K))
+    assert uses_cute(cute_tiers)
+
+
+@pytest.mark.parametrize("H", [8, 2048, 2880, 7168])
+@pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16)])
+def test_cute_variant_shapes_and_dtypes(cute_tiers, H, dtype, wdtype):
+    for T in (1, 40):
+        check(*make(T, 8, H, dtype=dtype, wdtype=wdtype, seed=H + T))
+    gemm2, e2p, w = make(5, 8, H, pad=64, seed=3)   # padded row stride, explicit hidden
+    check(gemm2, e2p, w, H=H)
+    assert uses_cute(cute_tiers)
+
+
+def test_cute_variant_matches_the_cuda_kernels_and_skips_bad_rows(cute_tiers, monkeypatch):
+    gemm2, e2p, w = make(64, 16, 3584, seed=9, skip=0.3)
+    e2p[0, 0], e2p[1, 3] = gemm2.shape[0], 1 << 30   # out of range: skipped, never a fault
+    got = kerngen.finalize(gemm2, e2p, w)
+    assert uses_cute(cute_tiers)
+    cute_tiers._launchers.clear()
+    cute_tiers._fast.clear()
+    monkeypatch.delenv("KERNGEN_TIERS")   # the shipped CUDA C++ rules
+    cuda = kerngen.finalize(gemm2, e2p, w)
+    assert not uses_cute(cute_tiers)
+    assert torch.equal(got.view(torch.int16), cuda.view(torch.int16))
+    assert torch.equal(got.view(torch.int16), reference(gemm2, e2p, w).view(torch.int16))
+
+
+def test_cute_variant_no_rows_and_no_tokens(cute_tiers):
+    gemm2 = torch.empty(0, 256, dtype=torch.bfloat16, device="cuda")
+    e2p = torch.full((3, 4), -1, dtype=torch.int32, device="cuda")
+    w = torch.rand(3, 4, device="cuda")
+    assert torch.equal(kerngen.finalize(gemm2, e2p, w), torch.zeros(3, 256, dtype=torch.bfloat16, device="cuda"))
+    empty = kerngen.finalize(*make(1, 4, 256)[:1], torch.empty(0, 4, dtype=torch.int32, device="cuda"),
+                             torch.empty(0, 4, device="cuda"))
+    assert empty.shape == (0, 256)
+
+
+@pytest.mark.parametrize("T", [1, 4096])
+def test_cute_variant_in_a_graph_and_prepared(cute_tiers, T):
+    gemm2, e2p, w = make(T, 16, 3584, seed=13)
+    prepared = kerngen.finalize_prepare(gemm2, e2p, w)
+    out = torch.empty(T, 3584, dtype=torch.bfloat16, device="cuda")
+    kerngen.finalize(gemm2, e2p, w, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kerngen.finalize(gemm2, e2p, w, out=out)
+        prepared.run()
+    g2, e2, w2 = make(T, 16, 3584, seed=14)
+    gemm2.copy_(g2); e2p.copy_(e2); w.copy_(w2)
+    out.fill_(float("nan"))
+    prepared.out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference(gemm2, e2p, w).view(torch.int16)
+    assert torch.equal(out.view(torch.int16), ref) and torch.equal(prepared.out.view(torch.int16), ref)
+    assert uses_cute(cute_tiers)
