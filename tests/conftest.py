@@ -39,3 +39,19 @@ def assert_no_spills(files: dict) -> None:
     from kerngen import resources
     for function, use in resources.usage(files):
         assert use.get("STACK", 0) == 0, f"{function[:80]} spills: {use}"
+
+
+# A user tiers file that sends every finalize to the CuTe DSL variant (few tokens: 16 CTAs per token).
+CUTE_FINALIZE_TIERS = """schema = 1
+
+[[tier]]
+op = "finalize"
+variant = "cute"
+tokens = [1, 16]
+params = { backend = "cute", ctas = 16, threads = 128, max_loads = 16, pdl = true }
+
+[[tier]]
+op = "finalize"
+variant = "cute"
+params = { backend = "cute", ctas = 1, threads = 256, max_loads = 8, pdl = true }
+"""

@@ -8,21 +8,8 @@ import pytest
 from kerngen import jit, resources, tiers
 from kerngen.ops import finalize as fin
 from kerngen.plan import spec_for
-from tests.conftest import assert_no_spills
+from tests.conftest import CUTE_FINALIZE_TIERS, assert_no_spills
 
-CUTE_TIERS = """schema = 1
-
-[[tier]]
-op = "finalize"
-variant = "cute"
-tokens = [1, 16]
-params = { backend = "cute", ctas = 16, threads = 128, max_loads = 16, pdl = true }
-
-[[tier]]
-op = "finalize"
-variant = "cute"
-params = { backend = "cute", ctas = 1, threads = 256, max_loads = 16, pdl = true }
-"""
 
 
 def cute_spec(H, K, dtype="bfloat16", wdtype="float32", **params):
@@ -55,12 +42,13 @@ def test_compiles_with_separately_rounded_products_and_sums(cache_dir, H, K, dty
 
 def test_a_tiers_file_picks_the_cute_variant_by_tokens(cache_dir, tmp_path):
     path = tmp_path / "cute.toml"
-    path.write_text(CUTE_TIERS)
+    path.write_text(CUTE_FINALIZE_TIERS)
     tbl = tiers.load(path)
     small = fin.spec(3584, 16, "bfloat16", "float32", 8, "sm_90a", tbl)
     large = fin.spec(3584, 16, "bfloat16", "float32", 4096, "sm_90a", tbl)
     assert (small.variant, small.backend, dict(small.params)["ctas"]) == ("cute", "cute", 16)
     assert (large.variant, large.backend, dict(large.params)["ctas"]) == ("cute", "cute", 1)
+    assert dict(large.params)["max_loads"] == 8
     assert jit.build(small).status == "compiled" and jit.build(small).status == "cached"
 
 

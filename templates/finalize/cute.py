@@ -69,6 +69,14 @@ class MoeFinalize:
         self.group = max(1, min(self.iters, max_loads // topk))
         self.need_pred = self.threads * self.iters != self.per_cta or self.per_cta * self.ctas != self.num_vec
 
+    def _owned(self, tidx, first, i):
+        """(vector, whether it is this thread's) of the thread's i-th vector; a plain trace-time helper."""
+        lv = tidx + i * self.threads
+        v = first + lv
+        if const_expr(not self.need_pred):
+            return v, True
+        return v, (lv < self.per_cta) & (v < self.num_vec)
+
     @cute.jit
     def __call__(self, mG: cute.Tensor, mE2p: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, stream):
         self.kernel(mG, mE2p, mW, mOut).launch(grid=[mE2p.shape[0] * self.ctas, 1, 1], block=[self.threads, 1, 1],
@@ -76,7 +84,7 @@ class MoeFinalize:
 
     @cute.kernel
     def kernel(self, mG: cute.Tensor, mE2p: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor):
-        VEC, K, NT = self.vec, self.topk, self.threads
+        VEC, K = self.vec, self.topk
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         t = bidx // self.ctas
@@ -105,11 +113,7 @@ class MoeFinalize:
                 # every row load of the group and chunk first ...
                 for j in cutlass.range_constexpr(self.group):
                     if const_expr(g0 + j < self.iters):
-                        lv = tidx + (g0 + j) * NT
-                        v = first + lv
-                        in_range = True
-                        if const_expr(self.need_pred):
-                            in_range = (lv < self.per_cta) & (v < self.num_vec)
+                        v, in_range = self._owned(tidx, first, g0 + j)
                         if in_range:
                             for k in cutlass.range_constexpr(k0, min(K, k0 + KC)):
                                 if rIdx[k] >= 0:
@@ -126,11 +130,7 @@ class MoeFinalize:
                                     acc[e, j] = _axpy_rn(acc[e, j], wk, rXf[e])
             for j in cutlass.range_constexpr(self.group):
                 if const_expr(g0 + j < self.iters):
-                    lv = tidx + (g0 + j) * NT
-                    v = first + lv
-                    in_range = True
-                    if const_expr(self.need_pred):
-                        in_range = (lv < self.per_cta) & (v < self.num_vec)
+                    v, in_range = self._owned(tidx, first, g0 + j)
                     if in_range:
                         rO.store(acc[None, j].load().to(self.dtype))
                         cute.autovec_copy(rO, cute.local_tile(mOut[t, None], (VEC,), (v,)))

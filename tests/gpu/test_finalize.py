@@ -4,6 +4,7 @@ import torch
 
 import kerngen
 from kerngen.ops.finalize import reference
+from tests.conftest import CUTE_FINALIZE_TIERS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
 
@@ -179,27 +180,12 @@ def test_prepare_rejects_bad_inputs_like_finalize():
 
 
 # --------------------------------------------------------------------------- the CuTe DSL variant
-CUTE_TIERS = """schema = 1
-
-[[tier]]
-op = "finalize"
-variant = "cute"
-tokens = [1, 16]
-params = { backend = "cute", ctas = 16, threads = 128, max_loads = 16, pdl = true }
-
-[[tier]]
-op = "finalize"
-variant = "cute"
-params = { backend = "cute", ctas = 1, threads = 256, max_loads = 8, pdl = true }
-"""
-
-
 @pytest.fixture
 def cute_tiers(tmp_path, monkeypatch):
     """Every finalize of the test goes through templates/finalize/cute.py (a user tiers file picks it)."""
     from kerngen.ops import finalize as fin
     path = tmp_path / "cute.toml"
-    path.write_text(CUTE_TIERS)
+    path.write_text(CUTE_FINALIZE_TIERS)
     monkeypatch.setenv("KERNGEN_TIERS", str(path))
     fin._launchers.clear()
     fin._fast.clear()
