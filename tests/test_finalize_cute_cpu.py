@@ -62,3 +62,17 @@ def test_the_cute_variant_needs_the_cute_backend():
 def test_top_k_beyond_32_is_refused_by_name():
     with pytest.raises(fin.InputError, match="argument 'top_k'"):
         fin._launcher(cute_spec(1024, 33), 1, 0)
+
+
+def test_every_shipped_model_builds_the_cute_variant_without_spills(cache_dir, tmp_path):
+    """With the CuTe rules layered over the shipped ones, a warmup of each model's finalize kernels compiles
+    them for sm_90a, with no register spills and no fused multiply-add."""
+    path = tmp_path / "cute.toml"
+    path.write_text(CUTE_FINALIZE_TIERS)
+    tbl = tiers.load(path)
+    specs = {s for m in tbl.models.values() for s in fin.model_specs(m, tbl, "sm_90a")}
+    assert specs and all(s.backend == "cute" for s in specs)
+    for s in sorted(specs, key=lambda s: s.tag):
+        built = jit.build(s)
+        assert instructions(built.files)["FFMA"] == 0, s.tag
+        assert_no_spills(built.files)
