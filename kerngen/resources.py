@@ -1,9 +1,9 @@
 """What a compiled kernel uses — registers, shared memory, spill stack — read from its cubin; no GPU needed.
 
 A CUDA C++ artifact holds its cubin (`kernel.cubin`); a CuTe DSL artifact holds one inside its object file
-(`kernel.o`). `cuobjdump -res-usage` reads them, and `cuobjdump -sass` (with nvdisasm) their instructions: the
-CUDA toolkit's tools, or the `nvidia-cuda-cuobjdump` / `nvidia-cuda-nvdisasm` wheels' (test dependencies). A nonzero STACK means register spills: none of these kernels has another use for a
-stack frame.
+(`kernel.o`). `cuobjdump -res-usage` reads them, and `cuobjdump -sass` (with nvdisasm) their instructions:
+the CUDA toolkit's tools, or the `nvidia-cuda-cuobjdump` / `nvidia-cuda-nvdisasm` wheels' (test dependencies).
+A nonzero STACK means register spills: none of these kernels has another use for a stack frame.
 """
 from __future__ import annotations
 
@@ -58,6 +58,17 @@ def sass(files: dict[str, bytes]) -> str:
             out.append(subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True,
                                       env=env).stdout)
     return "\n".join(out)
+
+
+def opcodes(files: dict[str, bytes]) -> list[str]:
+    """The opcodes of every instruction of an artifact, in order, predicates dropped
+    ("/*0a10*/  @P0 STG.E.64 desc[UR6][R2.64], R4 ;" gives "STG.E.64")."""
+    ops = []
+    for line in sass(files).splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", line)
+        if m:
+            ops.append(m.group(1))
+    return ops
 
 
 def cubins(files: dict[str, bytes]) -> list[bytes]:

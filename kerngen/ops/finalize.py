@@ -77,16 +77,16 @@ class _Cute:
 
 def _launcher(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | _Cute:
     """The kernel of spec `s` for `tokens` tokens: a driver Launcher (CUDA C++) or a CuTe DSL function."""
+    c = dict(s.constants)
     if s.backend == "cute":
         if s.variant != "cute":
             raise InputError(OP, "tier variant", "cute with backend = \"cute\"", s.variant)
-        if dict(s.constants)["K"] > CUTE_MAX_K:
+        if c["K"] > CUTE_MAX_K:
             raise InputError(OP, "top_k", f"at most {CUTE_MAX_K} for the CuTe DSL variant (tier {s.params})",
-                             str(dict(s.constants)["K"]))
+                             str(c["K"]))
         return _Cute(s)
     p = dict(s.params)
-    vecs = dict(s.constants)["H"] // 8
-    k = dict(s.constants)["K"]
+    vecs, k = c["H"] // 8, c["K"]
     if s.variant == "small_batch":
         bx, lpg = p["block_x"], p["loads_per_group"]
         grid, block = ((vecs + bx - 1) // bx, tokens, 1), (bx, (k + lpg - 1) // lpg, 1)
@@ -153,8 +153,9 @@ class Prepared:
     """finalize of fixed tensors, validated once: `run()` launches on torch's current stream.
 
     For engines that reuse the same buffers every step (as CUDA graphs require anyway): a call costs the
-    stream lookup and one driver launch (a CuTe DSL variant: one TVM-FFI call), with no per-call argument checks. The tensors are held here and must
-    keep their storage (no resize_, no set_) for as long as this object is used.
+    stream lookup and one driver launch (a CuTe DSL variant: one TVM-FFI call), with no per-call argument
+    checks. The tensors are held here and must keep their storage (no resize_, no set_) for as long as this
+    object is used.
     """
     __slots__ = ("out", "_tensors", "_bound", "_device", "_tokens")
 
