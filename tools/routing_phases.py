@@ -29,9 +29,10 @@ PHASES = [
     ("gather", "    int sl = 0;", False),
     ("rank", "    if (ids_s && w == 0 && lane < K) ids_s[t * K + lane]", False),
     ("route_loop", "    if constexpr (CTAS > 1) kg_cluster_wait();   // every CTA", False),
+    ("ors", "        if constexpr (CTAS > 1) kg_cluster_arrive();\n    }", False),
+    ("store", "    if (tile <= 0) return;\n    const PermuteOut", False),
     ("one_token_layout", "        if (cl == 0) kg_clear_beyond(o, tiles, old_rows, threadIdx.x, NT);\n        return;", False),
-    ("ors", "        kg_cluster_arrive();\n        route_store(p, t, tsg);", False),
-    ("masks", "    // 2. tokens, tiles and first tile of every expert", False),
+    ("barrier", "    // 2. tokens, tiles and first tile of every expert", False),
     ("scan", "    const int gw = (threadIdx.x >> 5)", False),
     ("layout", "    if (cl != 0) return;", False),
 ]
