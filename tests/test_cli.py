@@ -21,7 +21,7 @@ def test_warmup_compiles_then_rerun_compiles_nothing(tmp_path):
 
 
 def test_explain_names_tier_variant_key_and_cache_state(tmp_path):
-    out = kerngen("explain", "--op", "finalize", "--topk", "16", "--hidden", "3584", "--tokens", "4096",
+    out = kerngen("explain", "--op", "finalize", "--topk", "16", "--hidden", "3584", "--tokens", "1024",
                   cache=tmp_path).stdout
     assert "large_batch" in out and "tiers.toml [[tier]]" in out and "cached    no" in out
     assert "key       finalize-large_batch-H3584-K16-bf16-wf32-sm_90a-" in out
