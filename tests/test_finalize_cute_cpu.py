@@ -70,6 +70,21 @@ def test_every_shipped_model_builds_the_cute_variant_without_spills(cache_dir, t
     tbl = tiers.load(path)
     specs = {s for m in tbl.models.values() for s in fin.model_specs(m, tbl, "sm_90a")}
     assert specs and all(s.backend == "cute" for s in specs)
+    assert_builds_clean(specs)
+
+
+def test_the_shipped_table_sends_thousands_of_tokens_at_k_up_to_16_to_cute(cache_dir):
+    tbl = tiers.load()
+    assert fin.spec(3584, 16, "bfloat16", "float32", 4096, "sm_90a", tbl).backend == "cute"
+    assert fin.spec(3584, 16, "bfloat16", "float32", 4095, "sm_90a", tbl).variant == "large_batch"
+    assert fin.spec(2048, 22, "bfloat16", "float32", 8192, "sm_90a", tbl).variant == "large_batch"
+    specs = {s for m in tbl.models.values() for s in fin.model_specs(m, tbl, "sm_90a") if s.backend == "cute"}
+    assert {dict(s.constants)["K"] for s in specs} and all(dict(s.constants)["K"] <= 16 for s in specs)
+    assert_builds_clean(specs)
+
+
+def assert_builds_clean(specs):
+    """Each spec compiles for sm_90a with no register spills and no fused multiply-add."""
     for s in sorted(specs, key=lambda s: s.tag):
         built = jit.build(s)
         assert instructions(built.files)["FFMA"] == 0, s.tag

@@ -41,7 +41,7 @@ def families():
     t = tiers.load()
     m = t.model("kimi-k3")
     yield "finalize small_batch", fin.spec(3584, 16, "bfloat16", "float32", 1, "sm_90a", tbl=t), fin.FMT
-    yield "finalize large_batch", fin.spec(3584, 16, "bfloat16", "float32", 4096, "sm_90a", tbl=t), fin.FMT
+    yield "finalize large_batch", fin.spec(3584, 16, "bfloat16", "float32", 1024, "sm_90a", tbl=t), fin.FMT
     for T in (1, 4096):   # fused, then topk
         yield f"routing T={T}", rt.spec(m.num_experts, m.top_k, m.routing, T, "sm_90a", tbl=t), rt.ROUTE_FMT
     yield "permute", rt.permute_spec(m.num_experts, m.top_k, 4096, "sm_90a", t), rt.PERMUTE_FMT
