@@ -96,7 +96,8 @@ ROUTING_TILE = 128   # tools/bench's tile: the permutation is part of the time
 
 
 def routing_candidates():
-    for warps, wpt in ((16, 2), (16, 4), (16, 8), (16, 16), (8, 8), (8, 4), (4, 4)):
+    # (32, 4): one CTA holds 8 token groups, so plain CTAs route up to 8 tokens at once with no cluster exchange
+    for warps, wpt in ((16, 2), (16, 4), (16, 8), (16, 16), (8, 8), (8, 4), (4, 4), (32, 4)):
         for clusters in (1, 4, 8):
             yield "fused", dict(warps=warps, warps_per_token=wpt, ctas=8, clusters=clusters, max_tokens=16)
         for clusters in (2, 8):   # plain CTAs: what one token wants (no cluster barriers)
