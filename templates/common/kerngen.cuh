@@ -109,3 +109,14 @@ __device__ __forceinline__ void kg_or_remote(unsigned long long* local, unsigned
     if ((unsigned)v) kg_or_remote(w, cta, (unsigned)v);
     if ((unsigned)(v >> 32)) kg_or_remote(w + 1, cta, (unsigned)(v >> 32));
 }
+
+// Sum of v over lanes 0..lane of the warp (all 32 lanes call it).
+__device__ __forceinline__ int kg_warp_inclusive_sum(int v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(~0u, v, o);
+        if (lane >= o) v += y;
+    }
+    return v;
+}
