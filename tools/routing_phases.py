@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 # (name, anchor in the rendered source, insert the stamp after the anchor?)  Order = kernel order.
 PHASES = [
-    ("wait", "    if (tile > 0 && cl == 0 && threadIdx.x == 0) old_rows", False),
+    ("wait", "    if (tile > 0 && cl == 0 && threadIdx.x == NT - 32) old_rows", False),
     ("loads", "    float sv[J];\n", False),
     ("keys", "    unsigned long long c[J], mx = 0;", False),
     ("estimate", "        tau = s.tau;\n", True),
@@ -31,9 +31,8 @@ PHASES = [
     ("weights", "    if (lane < K && ids_s) ids_s[t * K + lane] = x;\n", True),
     ("route_loop", "    if constexpr (CTAS > 1) kg_cluster_wait();   // every CTA", False),
     ("one_token_layout", "        if (cl == 0) kg_clear_beyond(o, tiles, old_rows, threadIdx.x, NT);\n        return;", False),
-    ("masks", "    // 2. tokens, tiles and first tile of every expert", False),
-    ("scan", "    const int gw = (threadIdx.x >> 5)", False),
-    ("layout", "    if (cl != 0) return;", False),
+    ("masks", "    // 2. at most tile tokens per expert (tile >= T)", False),
+    ("rows", "        // the layout in items (bitmap word wd, part q)", False),
 ]
 # a stamp placed after the wait must not let the compiler start a phase's arithmetic before its loads arrive
 DEPENDS = {"loads": 'asm volatile("" :: "f"(kg_to_float(raw[J - 1])));\n',
