@@ -36,7 +36,7 @@ def all_routing_specs():
     return specs
 
 
-ENTRY = {"fused": [b"routing_fused"], "topk": [b"routing_topk"],
+ENTRY = {"fused": [b"routing_fused"], "topk": [b"routing_topk"], "onepass": [b"permute_onepass"],
          "histogram": [b"permute_block_rank", b"permute_offsets", b"permute_place"]}
 
 
@@ -55,10 +55,34 @@ def test_every_shipped_model_has_routing_and_permute_tiers():
     for m in t.models.values():
         ops = {(s.op, s.variant) for s in rt.model_specs(m, t, "sm_90a")}
         assert ("routing", "fused") in ops and ("permute", "histogram") in ops, m.name
-        for s in rt.model_specs(m, t, "sm_90a"):
-            if s.variant == "fused":  # the fused kernel sizes shared memory for max_tokens
-                rule = t.rule("routing", {"num_experts": m.num_experts, "top_k": m.top_k, "tokens": 1})
-                assert rule.ranges["tokens"][1] <= dict(s.params)["max_tokens"]
+
+
+def test_fused_rules_cover_their_token_range_with_max_tokens():
+    """The fused kernel sizes its shared memory for max_tokens; _Route refuses more tokens at run time."""
+    rules = [r for r in tiers.load().rules if r.op == "routing" and r.variant == "fused"]
+    assert rules
+    for r in rules:
+        assert r.ranges["tokens"][1] <= r.params["max_tokens"] <= 64, r
+
+
+def test_onepass_permute_rules_fit_in_shared_memory():
+    """Each onepass rule's largest shape (most experts, top_k and tokens its ranges allow) fits in a CTA."""
+    rules = [r for r in tiers.load().rules if r.op == "permute" and r.variant == "onepass"]
+    assert rules
+    for r in rules:
+        E = r.ranges.get("num_experts", (1, tiers.MAX_EXPERTS))[1]
+        K = min(r.ranges.get("top_k", (1, tiers.MAX_TOPK))[1], E)
+        T = r.ranges["tokens"][1]
+        assert rt.onepass_smem_bytes(E, K, T) <= rt.MAX_DYNAMIC_SMEM, r
+
+
+def test_a_onepass_rule_too_large_for_shared_memory_is_a_tier_error():
+    import dataclasses
+    t = tiers.load()
+    big = tiers.Rule(op="permute", variant="onepass", ranges={}, params={"ctas": 8, "threads": 256})
+    t = dataclasses.replace(t, rules=(big,) + t.rules)
+    with pytest.raises(TierError, match="shared memory"):
+        rt._Permute(896, 16, 4096, 0, t, "sm_90a")
 
 
 def test_explain_routing_names_the_fused_tier(capsys):

@@ -3,8 +3,8 @@
 
     compute-sanitizer --tool racecheck python3 tools/sanitize_run.py
 
-Covers the fused routing kernel (group barriers, shared-memory counts) at T=1 and 8, the top-k + histogram
-permutation path at T=40, finalize small/large batch chained back to back with programmatic dependent launch
+Covers the fused routing kernel (group barriers, shared-memory counts) at T=1, 8 and 40, the top-k + one-pass
+permutation (T=40 at kimi-k3; ids that repeat an expert) and the top-k + histogram one (T=2000), finalize small/large batch chained back to back with programmatic dependent launch
 (PDL) after the routing that produces their indices, and the fused tail. Exits non-zero on a wrong result.
 """
 import os
@@ -23,7 +23,8 @@ from kerngen.ops import tail  # noqa: E402
 def main() -> int:
     torch.manual_seed(0)
     bad = []
-    for name, T in (("kimi-k3", 1), ("kimi-k3", 8), ("deepseek-v3", 8), ("kimi-k3", 40)):
+    for name, T in (("kimi-k3", 1), ("kimi-k3", 8), ("deepseek-v3", 8), ("llama-4-maverick", 40), ("kimi-k3", 40),
+                    ("deepseek-v3", 2000)):
         m = kerngen.models()[name]
         logits = torch.randn(T, m.num_experts, device="cuda")
         bias = torch.randn(m.num_experts, device="cuda") * 0.05
@@ -32,6 +33,9 @@ def main() -> int:
                               routed_scaling_factor=m.routed_scaling_factor)
         if not torch.equal(r.topk_ids, ids.int()):
             bad.append(f"route {name} T={T}")
+        want = rt.permute_reference(ids.int(), m.num_experts, 16)
+        if not all(torch.equal(getattr(r, f), v) for f, v in want.items()):
+            bad.append(f"permutation {name} T={T}")
         # finalize right after the routing that wrote its indices (PDL: finalize waits on the grid before it)
         rows = int(r.num_permuted_rows)
         g = torch.randn(max(rows, 1), m.hidden, device="cuda").to(torch.bfloat16)
@@ -46,6 +50,10 @@ def main() -> int:
         yr, _ = tail.reference(g, r.expanded_to_permuted, r.topk_weights, nw, residual=res)
         if not torch.allclose(y.float(), yr.float(), rtol=2e-2, atol=2e-2):
             bad.append(f"moe_tail {name} T={T}")
+    ids = torch.randint(0, 64, (300, 8), device="cuda", dtype=torch.int32)   # repeats: one-pass fallback
+    r = kerngen.permute(ids, num_experts=64, tile=8)
+    if not all(torch.equal(getattr(r, f), v) for f, v in rt.permute_reference(ids, 64, 8).items()):
+        bad.append("permute with repeated ids")
     g = torch.randn(512 * 8, 7168, device="cuda").to(torch.bfloat16)   # large-batch finalize
     e2p = torch.randperm(512 * 8, device="cuda").view(512, 8).int()
     w = torch.rand(512, 8, device="cuda")

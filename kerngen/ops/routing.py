@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import plan as plan_mod
-from ..errors import InputError
+from ..errors import InputError, TierError
 from ..launch import Launcher, current_stream
 from ..tiers import MAX_EXPERTS, MAX_TOPK, METHODS, Model, Table
 from ._common import SHORT, DTYPE_NAMES, arch, check_tensor, resolve, table
@@ -47,6 +47,7 @@ _SHORT_METHOD = {"softmax_topk": "smk", "topk_softmax": "tks", "sigmoid_bias": "
 MIN_TOKENS_PER_BLOCK = 16          # permute tiers: the histogram scratch is sized for this
 ROUTE_FMT = "10Qf6i4x"
 PERMUTE_FMT = "9Q5i4x"
+MAX_DYNAMIC_SMEM = 226 * 1024        # onepass permute: sm_90 gives a CTA 227 KiB, less its static arrays
 
 
 # ----------------------------------------------------------------------------------------------- results
@@ -309,30 +310,51 @@ class _Route:
 
 
 class _Permute:
+    """The permutation launches for T tokens: one kernel (onepass) or three (histogram), as the tier says."""
+
     def __init__(self, E: int, K: int, T: int, dev: int, tbl: Table, arch_: str):
         s = permute_spec(E, K, max(T, 1), arch_, tbl)
+        p = dict(s.params)
+        if s.variant == "onepass":
+            threads, ctas = int(p.get("threads", 1024)), int(p.get("ctas", 1))
+            if threads % 32 or not 32 <= threads <= 1024 or not 1 <= ctas <= 132:
+                raise InputError(PERMUTE_OP, "tier params", "threads a multiple of 32 in [32, 1024], ctas in [1, 132]",
+                                 str(s.params))
+            smem = onepass_smem_bytes(E, K, T)
+            if smem > MAX_DYNAMIC_SMEM:
+                raise TierError(f"permute rule {s.variant} {s.params} at E={E}, K={K}, T={T} needs {smem} bytes of "
+                                f"shared memory, more than {MAX_DYNAMIC_SMEM}: give these tokens a histogram rule")
+            self.launches = [Launcher(resolve(s), "permute_onepass", dev, (ctas, 1, 1), (threads, 1, 1), PERMUTE_FMT,
+                                      smem=smem, pdl=True)]
+            self.first_needs_tokens = False
+            return
         if s.variant != "histogram":
-            raise InputError(PERMUTE_OP, "tier variant", "histogram", s.variant)
-        c = int(dict(s.params)["tokens_per_block"])
+            raise InputError(PERMUTE_OP, "tier variant", "onepass or histogram", s.variant)
+        c = int(p["tokens_per_block"])
         if c < MIN_TOKENS_PER_BLOCK:
             raise InputError(PERMUTE_OP, "tier params", f"tokens_per_block >= {MIN_TOKENS_PER_BLOCK}", str(s.params))
         mod = resolve(s)
         nb = -(-T // c)
-        self.rank = Launcher(mod, "permute_block_rank", dev, (nb, 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True)
-        self.offsets = Launcher(mod, "permute_offsets", dev, (-(-E // 32), 1, 1), (1024, 1, 1), PERMUTE_FMT,
-                                pdl=True)
         place = -(-E // 8) + -(-T * K // 256)   # layout CTAs (a warp per expert), then a thread per entry
-        self.place = Launcher(mod, "permute_place", dev, (place, 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True)
-        self.blocks = nb
+        self.launches = [
+            Launcher(mod, "permute_block_rank", dev, (nb, 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True),
+            Launcher(mod, "permute_offsets", dev, (-(-E // 32), 1, 1), (1024, 1, 1), PERMUTE_FMT, pdl=True),
+            Launcher(mod, "permute_place", dev, (place, 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True)]
+        self.first_needs_tokens = True   # permute_block_rank has no CTA at T = 0
 
     def __call__(self, stream, ids_ptr, ws: RoutingWorkspace, T: int, tile: int, ls: int, nl: int):
         args = (ids_ptr, ws.counts.data_ptr(), ws.offsets.data_ptr(), ws.e2p.data_ptr(), ws.p2t.data_ptr(),
                 ws.t2e.data_ptr(), ws.num_rows.data_ptr(), ws.hist.data_ptr(), ws.ticket.data_ptr(), T, tile, ls, nl,
                 ws.max_rows)
-        if T:
-            self.rank(stream, *args)
-        self.offsets(stream, *args)
-        self.place(stream, *args)
+        for i, launch in enumerate(self.launches):
+            if T or i or not self.first_needs_tokens:
+                launch(stream, *args)
+
+
+def onepass_smem_bytes(E: int, K: int, T: int) -> int:
+    """Dynamic shared memory of permute_onepass (templates/permute/onepass.cu.j2): counts and first tiles of
+    every expert, ids and tile padding rows of every entry, a token bitmask per expert."""
+    return 4 * (2 * (-(-E // 4) * 4) + 2 * T * K + -(-T // 32) * E)
 
 
 _routes: dict[tuple, _Route] = {}

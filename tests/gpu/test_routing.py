@@ -185,6 +185,42 @@ def test_permute_from_external_ids(T, local):
     check_permutation(r, ids, E, tile, local)
 
 
+ONEPASS_CONFIGS = [dict(ctas=1, threads=32), dict(ctas=3, threads=96), dict(ctas=32, threads=512),
+                   dict(ctas=7, threads=1024)]
+
+
+@pytest.mark.parametrize("params", ONEPASS_CONFIGS, ids=lambda p: "c{ctas}t{threads}".format(**p))
+@pytest.mark.parametrize("E,K", [(128, 8), (896, 16), (5, 5), (1000, 3)])
+def test_onepass_permute_any_grid_distinct_and_repeated_ids(params, E, K):
+    """The one-pass permutation for every grid shape a tier may pick: top-k ids (distinct in a token) and ids
+    that repeat an expert within a token (the counting fallback), tiles and expert-parallel ranges; one workspace
+    through calls of falling and rising T, so the rows a longer call used beyond a shorter one go back to -1."""
+    import dataclasses
+    from kerngen.launch import current_stream
+    from kerngen.plan import target_arch
+    tbl = tiers.load()
+    tbl = dataclasses.replace(tbl, rules=(tiers.Rule(op="permute", variant="onepass", ranges={}, params=params),)
+                              + tbl.rules)
+    dev = torch.cuda.current_device()
+    g = torch.Generator(device="cuda").manual_seed(E + K)
+    for tile, local in ((1, None), (8, (E // 3, E - E // 3)), (128, None)):
+        ls, nl = local or (0, E)
+        ws = rt.RoutingWorkspace(333, E, K, tile, local_experts=(ls, nl))
+        for T in (333, 0, 1, 31, 32, 33, 200, 5):
+            p = rt._Permute(E, K, T, dev, tbl, target_arch(dev))
+            for repeated in (False, True):
+                if repeated:   # random ids in [-2, E + 2): repeats within a token, and ids outside the range
+                    ids = torch.randint(-2, E + 2, (T, K), device="cuda", generator=g, dtype=torch.int32)
+                else:
+                    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)]).int() \
+                        if T else torch.empty(0, K, dtype=torch.int32, device="cuda")
+                p(current_stream(dev), ids.data_ptr(), ws, T, tile, ls, nl)
+                r = ws.result(T, nl)
+                check_permutation(r, ids, E, tile, local)
+                rows = int(r.num_permuted_rows)
+                assert (ws.p2t[rows:] == -1).all() and (ws.t2e[rows // tile:] == -1).all(), (T, tile, repeated)
+
+
 @pytest.mark.parametrize("T", [3, 16, 700])
 @pytest.mark.parametrize("local", [None, (32, 64)])
 def test_permutation_feeds_finalize(T, local):
