@@ -27,7 +27,7 @@ def main() -> int:
                     ("deepseek-v3", 2000)):
         m = kerngen.models()[name]
         logits = torch.randn(T, m.num_experts, device="cuda")
-        bias = torch.randn(m.num_experts, device="cuda") * 0.05
+        bias = torch.randn(m.num_experts, device="cuda") * 0.05 if "sigmoid_bias" in m.routing else None
         r = kerngen.route(logits, bias=bias, model=name, tile=16)
         ids, _ = rt.reference(logits, m.top_k, m.routing, bias=bias, n_group=m.n_group, topk_group=m.topk_group,
                               routed_scaling_factor=m.routed_scaling_factor)
