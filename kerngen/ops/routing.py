@@ -433,7 +433,10 @@ def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_expert
             workspace: RoutingWorkspace | None = None) -> Routing:
     """The permutation of top-k ids computed elsewhere ([T, K] int32, contiguous); same outputs as route.
 
-    The returned Routing's topk_ids is `topk_ids` itself and topk_weights is empty ([T, 0]).
+    Ids outside the local range are skipped (-1 in expanded_to_permuted). A token may name an expert more than
+    once; its entries then take consecutive rows in ascending k (exact, but the one-pass kernel takes a slower
+    path for the whole call). The returned Routing's topk_ids is `topk_ids` itself and topk_weights is empty
+    ([T, 0]).
     """
     check_tensor(PERMUTE_OP, "topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, contiguous=True,
                  device=getattr(topk_ids, "device", None))
