@@ -13,7 +13,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = Path(__file__).resolve().parent
+CHECKOUT = PACKAGE.parent   # a source checkout keeps tiers.toml, templates/ and cache/ beside the package
+
+
+def _in_checkout() -> bool:
+    return all((CHECKOUT / name).exists() for name in ("pyproject.toml", "tiers.toml", "templates"))
+
+
+def data_root() -> Path:
+    """Where the shipped tiers.toml and templates/ are: the checkout's own, else the installed copy in the
+    package (kerngen/data/, put there by the wheel)."""
+    return CHECKOUT if _in_checkout() else PACKAGE / "data"
 
 
 def _flag(name: str) -> bool:
@@ -24,8 +35,8 @@ def cache_dir() -> Path:
     explicit = os.environ.get("KERNGEN_CACHE_DIR")
     if explicit:
         return Path(explicit).expanduser()
-    if (ROOT / "tiers.toml").is_file() and (ROOT / "cache").is_dir():
-        return ROOT / "cache"
+    if _in_checkout() and (CHECKOUT / "cache").is_dir():
+        return CHECKOUT / "cache"
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg) / "kerngen"
 
@@ -48,8 +59,8 @@ def lock_timeout() -> float:
 
 
 def shipped_tiers() -> Path:
-    return ROOT / "tiers.toml"
+    return data_root() / "tiers.toml"
 
 
 def templates_dir() -> Path:
-    return ROOT / "templates"
+    return data_root() / "templates"

@@ -19,6 +19,7 @@ SCHEMA = 1
 OPS = ("routing", "finalize", "tail", "permute", "tail_tp")
 METHODS = ("softmax_topk", "topk_softmax", "sigmoid_bias", "grouped_sigmoid_bias", "top1_sigmoid")
 DTYPES = ("bfloat16", "float16")
+ROUTER_WEIGHT = ("output", "input")
 RANGE_KEYS = ("num_experts", "top_k", "hidden", "tokens", "world_size")
 MAX_EXPERTS, MAX_TOPK = 2048, 32
 
@@ -38,7 +39,12 @@ class Model:
     dtype: str = "bfloat16"
     weights_dtype: str = "float32"
     tile: int = 128
+    router_weight: str = "output"   # "input": the expert's input is scaled by w (Llama-4), outputs summed as is
     source: str = ""
+
+    @property
+    def weight_on_input(self) -> bool:
+        return self.router_weight == "input"
 
 
 @dataclass(frozen=True)
@@ -157,10 +163,15 @@ def _parse_model(where: str, name: str, d: dict) -> Model:
     if tokens[0] < 1:
         _fail(where, "field 'tokens' must start at 1 or more")
     tile = _int(where, d, "tile", 1, 1024, default=128)
+    if d.get("router_weight", "output") not in ROUTER_WEIGHT:
+        _fail(where, f"field 'router_weight' must be one of {', '.join(ROUTER_WEIGHT)} (where the router weight "
+              f"multiplies: the expert's output, or its input as Llama-4 does), got {d['router_weight']!r}")
+    if d.get("router_weight") == "input" and K != 1:
+        _fail(where, f"router_weight = \"input\" needs top_k = 1 (the outputs are summed unweighted), got {K}")
     return Model(name=name, num_experts=E, top_k=K, hidden=H, routing=method, tokens=tokens, n_group=G,
                  topk_group=TG, routed_scaling_factor=float(rsf), renormalize=d.get("renormalize", True),
                  dtype=d.get("dtype", "bfloat16"), weights_dtype=d.get("weights_dtype", "float32"), tile=tile,
-                 source=where)
+                 router_weight=d.get("router_weight", "output"), source=where)
 
 
 def _parse_rule(where: str, d: dict) -> Rule:
