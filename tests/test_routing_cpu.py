@@ -319,3 +319,32 @@ def test_phase_probe_instruments_the_fused_kernel(name, T):
     assert src.count("KG_STAMP(") == probe.SLOTS + 1   # the macro's definition + one per slot
     cubin, _ = nvrtc_compile(src, "routing_phases", "sm_90a", "routing_phases", None)
     assert cubin[:4] == b"\x7fELF"
+
+
+def test_reference_grouped_keeps_a_group_whose_second_key_is_minus_inf():
+    # E=8, four groups of two: group 0 holds one finite key (3), group 2 holds one (1), the rest none.
+    s = torch.tensor([[3.0, float("-inf"), float("-inf"), float("-inf"), 1.0, float("-inf"), float("-inf"),
+                       float("-inf")]])
+    ids, w = rt.reference(s, 2, "grouped_sigmoid_bias", torch.zeros(8), n_group=4, topk_group=2,
+                          routed_scaling_factor=2.5)
+    assert ids[0].tolist() == [0, 4]
+    g = torch.sigmoid(torch.tensor([3.0, 1.0]))
+    torch.testing.assert_close(w[0], g * 2.5 / (g.sum() + 1e-20), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_reference_grouped_never_picks_minus_inf_while_kept_groups_hold_finite_keys(seed):
+    gen = torch.Generator().manual_seed(seed)
+    T, E, G, TG, K = 64, 64, 8, 4, 6
+    s = torch.randn(T, E, generator=gen)
+    s[torch.rand(T, E, generator=gen) < 0.8] = float("-inf")     # most groups keep one finite key or none
+    ids, w = rt.reference(s, K, "grouped_sigmoid_bias", torch.randn(E, generator=gen) * 0.1, n_group=G,
+                          topk_group=TG)
+    finite = torch.isfinite(s).view(T, G, E // G)
+    groups_with_finite = finite.any(-1).sum(-1)
+    for t in range(T):
+        picked = s[t, ids[t].long()]
+        # every group with a finite key is kept while at most topk_group groups have one
+        if groups_with_finite[t] <= TG:
+            assert torch.isfinite(picked).sum() == min(K, int(finite[t].sum()))
+        assert (w[t][~torch.isfinite(picked)] == 0).all()

@@ -15,8 +15,11 @@ Semantics every kernel matches (and `reference` computes in plain torch):
     sigmoid(_grouped)_bias: g = sigmoid(s); renormalize: g * rsf / (sum g + 1e-20), else g * rsf
     top1_sigmoid:  sigmoid(s)
   every method multiplies by routed_scaling_factor (rsf) last (1.0 by default).
-- grouped_sigmoid_bias: group score = sum of the top-2 keys of each of n_group groups (top-1 if a group has
-  one expert); the topk_group best groups (lower group index on ties) keep their keys, the others get -inf.
+- grouped_sigmoid_bias: group score = sum of the finite keys among the top-2 of each of n_group groups (the
+  best key alone when the second is -inf or the group has one expert; -inf only for a group without a finite
+  key), so a group that holds a finite expert always outranks one that holds none. The topk_group best groups
+  (lower group index on ties) keep their keys, the others get -inf; a -inf expert is picked only when the kept
+  groups hold fewer than K finite keys (transformers and vLLM score such a group -inf and drop it).
 
 Permutation (tile given) over the local experts [local_start, local_start + num_local): MISSION §2, with
 rows of one expert in ascending expanded index e = t*K + k (deterministic, compared exactly).
@@ -161,7 +164,8 @@ def reference(logits: torch.Tensor, top_k: int, method: str, bias: torch.Tensor 
     s, g, key = _key_and_values(logits, method, bias)
     if method == "grouped_sigmoid_bias":
         gs = E // n_group
-        score = key.view(T, n_group, gs).topk(min(2, gs), dim=-1).values.sum(-1)
+        top = key.view(T, n_group, gs).topk(min(2, gs), dim=-1).values
+        score = top[..., 0] if gs == 1 else torch.where(top[..., 1] == ninf, top[..., 0], top[..., 0] + top[..., 1])
         keep = torch.zeros(T, n_group, dtype=torch.bool, device=s.device)
         keep.scatter_(1, _topk_stable(score, topk_group), True)
         key = key.masked_fill(~keep.repeat_interleave(gs, dim=1), ninf)

@@ -95,6 +95,21 @@ def test_minus_inf_and_nan(name, T):
     check(logits, kw, bias=make_bias(m.num_experts, m.routing, T), tile=8)
 
 
+@pytest.mark.parametrize("T", [1, 8, 16, 300])
+@pytest.mark.parametrize("seed", range(4))
+def test_grouped_groups_with_one_finite_key_are_kept(seed, T):
+    """deepseek-v3 (8 groups of 32, 4 kept): rows where most groups hold a single finite key."""
+    m, kw = model_args("deepseek-v3")
+    logits = make(T, m.num_experts, seed=seed + 100)
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep[:, ::32] = True                                        # one finite key per group ...
+    keep[:, 1::64] = seed % 2 == 1                              # ... and two in every other group on odd seeds
+    logits[~keep] = float("-inf")
+    r = check(logits, kw, bias=make_bias(m.num_experts, m.routing, seed), tile=8)
+    # every group holds a finite key, so each of the 4 kept groups gives at least one finite pick
+    assert torch.isfinite(logits.gather(1, r.topk_ids.long())).sum(-1).min() >= 4
+
+
 @pytest.mark.parametrize("tile", [1, 8, 16, 64, 128])
 @pytest.mark.parametrize("local", [None, (0, 64), (100, 28), (255, 1)])
 @pytest.mark.parametrize("T", [1, 4, 16, 17, 1000])
