@@ -45,6 +45,8 @@ def route(logits: Tensor, top_k: int, method: str, bias: Tensor | None = None, n
 @route.register_kernel("cpu")
 def _route_cpu(logits, top_k, method, bias=None, n_group=1, topk_group=1, routed_scaling_factor=1.0,
                renormalize=True):
+    _rt.check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, rsf=routed_scaling_factor,
+                   cuda=False)
     ids, w = _rt.reference(logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor, renormalize)
     return ids, w
 

@@ -63,3 +63,15 @@ def test_finalize_prepare_checks_inputs_on_the_cpu_too():
     g, e2p, w = finalize_args()
     with pytest.raises(kerngen.InputError, match="gemm2_out"):
         kerngen.finalize_prepare(g, e2p, w)   # CPU tensors: the kernels need CUDA
+
+
+@pytest.mark.parametrize("args, arg", [
+    ((0, "softmax_topk"), "top_k"), ((65, "softmax_topk"), "top_k"), ((4, "nope"), "method"),
+    ((4, "grouped_sigmoid_bias", None, 8, 9), "topk_group"), ((4, "grouped_sigmoid_bias", None, 7, 1), "n_group"),
+    ((4, "softmax_topk", None, 1, 1, 0.0), "routed_scaling_factor"),
+    ((4, "softmax_topk", None, 1, 1, float("nan")), "routed_scaling_factor"),
+    ((4, "sigmoid_bias", torch.zeros(5)), "bias"),
+])
+def test_route_on_cpu_checks_its_arguments_as_the_kernels_do(args, arg):
+    with pytest.raises(kerngen.InputError, match=arg):
+        torch.ops.kerngen.route(torch.randn(3, 64), *args)

@@ -381,8 +381,8 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
         top_k, method, n_group, topk_group, routed_scaling_factor, renormalize = _from_model(
             model, top_k, method, n_group, topk_group, routed_scaling_factor, renormalize)
     if type(logits) is not torch.Tensor or logits.dim() != 2:
-        _check_route(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local_experts,
-                     routed_scaling_factor)
+        check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local_experts,
+                   routed_scaling_factor)
     T, E = logits.shape
     dev = logits.get_device()
     bdt = None if bias is None else bias.dtype
@@ -391,8 +391,8 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
     r = _routes.get(key)
     if r is None or logits.stride(1) != 1 or (bias is not None and (bias.get_device() != dev or bias.shape != (E,)
                                                                      or not bias.is_contiguous())):
-        _check_route(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local_experts,
-                     routed_scaling_factor)
+        check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local_experts,
+                   routed_scaling_factor)
         if r is None:
             tbl = table()
             a = arch(dev)
@@ -494,8 +494,10 @@ def _check_workspace(op, ws, T, E, K, tile, nl, device):
                          f"max_tokens={ws.max_tokens}, num_local={ws.local_experts[1]}")
 
 
-def _check_route(logits, K, method, bias, n_group, topk_group, renormalize, tile, local_experts, rsf):
-    """Full validation naming the argument; shape and scalar checks come before the device check."""
+def check_args(logits, K, method, bias=None, n_group=1, topk_group=1, renormalize=True, tile=None,
+               local_experts=None, rsf=1.0, *, cuda: bool = True) -> None:
+    """Every check of `route`'s arguments, naming the argument; shape and scalar checks come before the device
+    check (skipped with cuda=False: the CPU entry points that run the reference validate the same way)."""
     check_tensor(OP, "logits", logits, dtypes=_LOGITS, ndim=2, device=getattr(logits, "device", None))
     if logits.stride(1) != 1:
         raise InputError(OP, "logits", "row-major with a contiguous last dim", f"strides {logits.stride()}")
@@ -532,7 +534,8 @@ def _check_route(logits, K, method, bias, n_group, topk_group, renormalize, tile
         raise InputError(OP, "routed_scaling_factor", "a positive finite number", repr(rsf))
     if T * K >= 2**31 - 1:
         raise InputError(OP, "logits", "fewer than 2**31 / K tokens", f"T = {T}")
-    check_tensor(OP, "logits", logits)
+    if cuda:
+        check_tensor(OP, "logits", logits)
 
 
 def _from_model(name, top_k, method, n_group, topk_group, rsf, renormalize):
