@@ -23,7 +23,9 @@ def models() -> dict:
 
 def preload(model: str, **kw) -> dict:
     """Load every kernel `model` needs on the current GPU at start-up; returns count, compiled, seconds."""
+    from .ops._common import require_gpu
     from .warmup import preload as _preload
+    require_gpu(f"kerngen.preload({model!r})")
     return _preload(model, **kw)
 
 

@@ -348,3 +348,23 @@ def test_reference_grouped_never_picks_minus_inf_while_kept_groups_hold_finite_k
         if groups_with_finite[t] <= TG:
             assert torch.isfinite(picked).sum() == min(K, int(finite[t].sum()))
         assert (w[t][~torch.isfinite(picked)] == 0).all()
+
+
+@pytest.mark.parametrize("device", ["x", "meta", 3.5])
+def test_workspace_device_must_be_cuda_or_cpu(device):
+    with pytest.raises(InputError, match="device"):
+        kerngen.RoutingWorkspace(4, 64, 2, device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without a GPU")
+def test_gpu_calls_without_a_gpu_are_kerngen_errors():
+    with pytest.raises(kerngen.DeviceError, match="needs a CUDA GPU"):
+        kerngen.RoutingWorkspace(4, 64, 2)
+    with pytest.raises(kerngen.DeviceError, match="needs a CUDA GPU"):
+        kerngen.preload("kimi-k3")
+    kerngen.strict(True)
+    try:
+        with pytest.raises(kerngen.DeviceError, match="needs a CUDA GPU"):
+            kerngen.preload("kimi-k3")
+    finally:
+        kerngen.strict(None)

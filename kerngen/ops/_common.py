@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import jit, launch, tiers
-from ..errors import InputError
+from ..errors import DeviceError, InputError
 from ..plan import KernelSpec, target_arch
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -24,6 +24,16 @@ def check_tensor(op: str, name: str, t, *, dtypes=None, ndim=None, device=None, 
         raise InputError(op, name, "a CUDA tensor", f"a tensor on {t.device}")
     if contiguous and not t.is_contiguous():
         raise InputError(op, name, "contiguous", f"strides {t.stride()}")
+
+
+def require_gpu(what: str) -> None:
+    """A kerngen error, not torch's, when `what` needs a CUDA GPU and torch sees none."""
+    if torch.cuda.is_available():
+        return
+    why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
+    raise DeviceError(f"{what} needs a CUDA GPU, and {why}. Kernels can still be built without one "
+                      "(kerngen warmup --model NAME --arch sm_90a); the CPU entry points (torch.ops.kerngen.*, "
+                      "select_experts, the references) run on CPU tensors.")
 
 
 def check_aligned(op: str, name: str, t: torch.Tensor, nbytes: int = 16):

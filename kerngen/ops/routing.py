@@ -37,7 +37,7 @@ from .. import plan as plan_mod
 from ..errors import InputError, TierError
 from ..launch import Launcher, current_stream
 from ..tiers import MAX_EXPERTS, MAX_TOPK, METHODS, Model, Table
-from ._common import SHORT, DTYPE_NAMES, arch, check_tensor, resolve, table
+from ._common import SHORT, DTYPE_NAMES, arch, check_tensor, require_gpu, resolve, table
 
 OP = "routing"
 PERMUTE_OP = "permute"
@@ -90,7 +90,18 @@ class RoutingWorkspace:
         if weights_dtype not in _WEIGHTS:
             raise InputError("RoutingWorkspace", "weights_dtype", "torch.float32 or torch.bfloat16", str(weights_dtype))
         ls, nl = _check_local("RoutingWorkspace", local_experts, num_experts)
-        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        try:
+            dev = torch.device("cuda") if device is None else torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise InputError("RoutingWorkspace", "device", "a CUDA device (e.g. 'cuda', 'cuda:1' or an index)",
+                             repr(device)) from e
+        if dev.type not in ("cuda", "cpu"):   # a CPU workspace holds reference results
+            raise InputError("RoutingWorkspace", "device", "a CUDA device (or 'cpu')", repr(device))
+        if dev.type == "cuda":
+            require_gpu("kerngen.RoutingWorkspace")
+        if dev.type == "cuda" and dev.index is not None and not 0 <= dev.index < torch.cuda.device_count():
+            raise InputError("RoutingWorkspace", "device", f"one of the {torch.cuda.device_count()} visible GPUs",
+                             repr(device))
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         T, K = max_tokens, top_k
