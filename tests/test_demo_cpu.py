@@ -25,6 +25,7 @@ TINY = {
     "grouped_sigmoid_bias": Model("tiny-grouped", 8, 2, 64, "grouped_sigmoid_bias", (1, 64), n_group=4,
                                   topk_group=2, routed_scaling_factor=2.5),
     "softmax_topk": Model("tiny-softmax", 8, 2, 64, "softmax_topk", (1, 64)),
+    "top1_sigmoid": Model("tiny-llama4", 8, 1, 64, "top1_sigmoid", (1, 64), router_weight="input"),
 }
 INTER = 16
 # The loop and the demo round the same values to bf16 and sum short dot products in fp32, so on one CPU they
@@ -49,7 +50,10 @@ def loop_layer(m, w, x, residual):
         y = residual[t].float() + expert(x[t], w.shared1, w.shared2)
         for k in range(m.top_k):
             e = int(ids[t, k])
-            y = y + weights[t, k] * expert(x[t], w.w1[e], w.w2[e])
+            if m.weight_on_input:   # Llama4TextMoe: the bf16 input row times its router score
+                y = y + expert(x[t] * weights[t, k].to(x.dtype), w.w1[e], w.w2[e])
+            else:
+                y = y + weights[t, k] * expert(x[t], w.w1[e], w.w2[e])
         out[t] = (y * torch.rsqrt(y.pow(2).mean() + demo.EPS) * w.norm.float()).to(x.dtype)
     return out, ids
 
@@ -94,8 +98,10 @@ def test_permuted_experts_and_tail_match_torch_layer(method, T, tile):
     p = routing.permute_reference(ids, E, tile)
     rows = demo.permuted_rows_bound(T, K, E, tile)
     assert int(p["num_permuted_rows"]) <= rows
-    g = demo.permuted_experts(x, p["permuted_to_token"], p["tile_to_expert"], w, tile, rows)
-    out, _ = tail.reference(g, p["expanded_to_permuted"], weights, w.norm, eps=demo.EPS,
+    on_input = weights[:, 0] if m.weight_on_input else None
+    g = demo.permuted_experts(x, p["permuted_to_token"], p["tile_to_expert"], w, tile, rows, on_input)
+    tail_weights = torch.ones_like(weights) if m.weight_on_input else weights
+    out, _ = tail.reference(g, p["expanded_to_permuted"], tail_weights, w.norm, eps=demo.EPS,
                             shared=demo.mlp(x, w.shared1, w.shared2), residual=residual)
     ref, _ = demo.torch_layer(m, w)(x, residual)
     _, rel = demo.output_error(out, ref)
@@ -115,3 +121,12 @@ def test_permuted_rows_bound_holds_and_is_reached(E, K, tile):
         if T * K <= E:   # one row for each of T*K experts: every one pads to a full tile
             ids = torch.arange(T * K, dtype=torch.int32).view(T, K)
             assert int(routing.permute_reference(ids, E, tile)["num_permuted_rows"]) == bound
+
+
+def test_weight_on_output_would_be_wrong_for_a_weight_on_input_model():
+    """Llama-4 wired as route -> experts -> weighted finalize differs from its own layer beyond the tolerance."""
+    m, w, x, residual = case("top1_sigmoid", 8)
+    wrong = Model("tiny-llama4", 8, 1, 64, "top1_sigmoid", (1, 64))          # router_weight = "output"
+    ref, _ = loop_layer(m, w, x, residual)
+    out, _ = demo.torch_layer(wrong, w)(x, residual)
+    assert demo.output_error(out, ref)[1] > CPU_TOL

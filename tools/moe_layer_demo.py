@@ -107,8 +107,11 @@ def torch_layer(m, w: Weights):
         ids, weights = route(x.float() @ w.router.T, bias)
         e = ids.flatten().long()
         xk = x.unsqueeze(1).expand(T, m.top_k, H).reshape(T * m.top_k, 1, H)   # one row per (token, slot)
+        if m.weight_on_input:   # Llama-4: the router weight scales the expert's input, outputs add up as they are
+            xk = xk * weights.reshape(T * m.top_k, 1, 1).to(x.dtype)
         ye = mlp(xk, w.w1[e], w.w2[e]).view(T, m.top_k, H)
-        y = (ye.float() * weights.unsqueeze(-1)).sum(1) + mlp(x, w.shared1, w.shared2).float() + residual.float()
+        yw = ye.float() if m.weight_on_input else ye.float() * weights.unsqueeze(-1)
+        y = yw.sum(1) + mlp(x, w.shared1, w.shared2).float() + residual.float()
         return rmsnorm(y, w.norm), ids
 
     return fn
@@ -126,14 +129,17 @@ def permuted_rows_bound(tokens: int, top_k: int, num_experts: int, tile: int) ->
     return (n + min(num_experts, n) * (tile - 1)) // tile * tile
 
 
-def permuted_experts(x, permuted_to_token, tile_to_expert, w: Weights, tile: int, rows: int):
+def permuted_experts(x, permuted_to_token, tile_to_expert, w: Weights, tile: int, rows: int, input_weights=None):
     """gemm2_out [rows, H]: the experts over the first `rows` permuted rows, one batched matmul per tile.
 
     rows = permuted_rows_bound(...). Padding rows (token -1) compute token 0 and tiles past num_permuted_rows
-    (expert -1) use expert 0; finalize never reads those rows.
+    (expert -1) use expert 0; finalize never reads those rows. input_weights [T] (top_k = 1 models whose router
+    weight scales the input, Llama-4) multiplies each gathered row by its token's weight.
     """
     n = rows // tile
-    a = x[permuted_to_token[:rows].clamp(min=0).long()].view(n, tile, -1)
+    tok = permuted_to_token[:rows].clamp(min=0).long()
+    a = x[tok] if input_weights is None else x[tok] * input_weights[tok, None].to(x.dtype)
+    a = a.view(n, tile, -1)
     e = tile_to_expert[:n].clamp(min=0).long()
     return mlp(a, w.w1[e], w.w2[e]).view(rows, -1)
 
@@ -142,11 +148,14 @@ def kerngen_layer(m, w: Weights, tokens: int, tile: int):
     """The layer on kerngen's routing and tail: fn(x, residual) -> (out [T, H] bf16, topk_ids [T, K] int32)."""
     ws = kerngen.RoutingWorkspace(tokens, m.num_experts, m.top_k, tile)
     rows = permuted_rows_bound(tokens, m.top_k, m.num_experts, tile)
+    ones = torch.ones(tokens, m.top_k, device=w.router.device)   # weights already applied to the input
 
     def fn(x, residual):
         r = kerngen.route(x.float() @ w.router.T, bias=w.bias, model=m.name, tile=tile, workspace=ws)
-        g = permuted_experts(x, r.permuted_to_token, r.tile_to_expert, w, tile, rows)
-        out = kerngen.moe_tail(g, r.expanded_to_permuted, r.topk_weights, w.norm,
+        on_input = r.topk_weights[:, 0] if m.weight_on_input else None
+        g = permuted_experts(x, r.permuted_to_token, r.tile_to_expert, w, tile, rows, on_input)
+        out = kerngen.moe_tail(g, r.expanded_to_permuted, ones[:x.shape[0]] if m.weight_on_input else r.topk_weights,
+                               w.norm,
                                shared=mlp(x, w.shared1, w.shared2), residual=residual, eps=EPS)
         return out, r.topk_ids
 
