@@ -117,15 +117,16 @@ def finalize(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
         sig = (g.dtype, g.shape, g.stride(), e2p.dtype, e2p.shape, e2p.stride(), w.dtype, w.shape, w.stride(),
                g.get_device(), e2p.get_device(), w.get_device(), hidden)
         hit = _fast.get(sig)
-    except AttributeError:
-        hit = None
+    except (AttributeError, TypeError):   # not tensors, or an unhashable hidden: _prepare names the argument
+        sig, hit = None, None
     g_ptr = g.data_ptr() if hit is not None else 1
     if g_ptr % 16:
         hit = _prepare(g, e2p, w, hidden)
         g_ptr = g.data_ptr()
         if len(_fast) > 4096:
             _fast.clear()
-        _fast[sig] = hit
+        if sig is not None:
+            _fast[sig] = hit
     launcher, T, H, ld, rows, dev = hit
     if out is None:
         out = torch.empty((T, H), dtype=g.dtype, device=g.device)

@@ -375,6 +375,7 @@ def onepass_smem_bytes(E: int, K: int, T: int) -> int:
 _routes: dict[tuple, _Route] = {}
 _permutes: dict[tuple, _Permute] = {}
 _models: dict[tuple, tuple] = {}
+_models_E: dict[str, int] = {}   # model name -> its expert count, which the logits must match
 
 
 def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None = None,
@@ -396,14 +397,25 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
                    routed_scaling_factor)
     T, E = logits.shape
     dev = logits.get_device()
-    bdt = None if bias is None else bias.dtype
-    wdt = workspace.weights_dtype if workspace is not None else torch.float32
-    key = (logits.dtype, bdt, wdt, T, E, top_k, method, n_group, topk_group, bool(renormalize), tile is not None, dev)
-    r = _routes.get(key)
-    if r is None or logits.stride(1) != 1 or (bias is not None and (bias.get_device() != dev or bias.shape != (E,)
-                                                                     or not bias.is_contiguous())):
+    try:
+        key = _route_key(logits, bias, workspace, T, E, top_k, method, n_group, topk_group, renormalize, tile, dev)
+        r = _routes.get(key)
+    except (TypeError, AttributeError):   # an argument of the wrong type: the checks below name it
+        r = None
+    if (r is None or logits.stride(1) != 1 or type(top_k) is not int or type(n_group) is not int
+            or type(topk_group) is not int or type(renormalize) is not bool
+            or (model is not None and E != _models_E[model])
+            or (bias is not None and (bias.get_device() != dev or bias.shape != (E,) or not bias.is_contiguous()))):
+        if model is not None and E != _models_E[model]:
+            raise InputError(OP, "logits", f"[T, {_models_E[model]}] (model '{model}' has {_models_E[model]} "
+                             "experts)", f"shape {tuple(logits.shape)}")
         check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local_experts,
                    routed_scaling_factor)
+        if workspace is not None and not isinstance(workspace, RoutingWorkspace):
+            raise InputError(OP, "workspace", "a kerngen.RoutingWorkspace", type(workspace).__name__)
+        wdt = workspace.weights_dtype if workspace is not None else torch.float32
+        key = _route_key(logits, bias, workspace, T, E, top_k, method, n_group, topk_group, renormalize, tile, dev)
+        r = _routes.get(key)
         if r is None:
             tbl = table()
             a = arch(dev)
@@ -424,6 +436,12 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
     ws = workspace
     _launch(r, logits, bias, ws, T, tile, ls, nl, float(routed_scaling_factor), current_stream(dev))
     return ws.result(T, nl)
+
+
+def _route_key(logits, bias, workspace, T, E, top_k, method, n_group, topk_group, renormalize, tile, dev) -> tuple:
+    return (logits.dtype, None if bias is None else bias.dtype,
+            workspace.weights_dtype if workspace is not None else torch.float32, T, E, top_k, method, n_group,
+            topk_group, renormalize, tile is not None, dev)
 
 
 def _launch(r: _Route, logits, bias, ws: RoutingWorkspace, T: int, tile: int | None, ls: int, nl: int,
@@ -551,9 +569,14 @@ def check_args(logits, K, method, bias=None, n_group=1, topk_group=1, renormaliz
 
 def _from_model(name, top_k, method, n_group, topk_group, rsf, renormalize):
     key = (name, top_k, method, n_group, topk_group, rsf, renormalize)
-    hit = _models.get(key)
+    try:
+        hit = _models.get(key)
+    except TypeError:
+        hit = None
     if hit is not None:
         return hit
+    if not isinstance(name, str):
+        raise InputError(OP, "model", "a model name of the tier table (a str)", repr(name))
     m = table().model(name)
     given = {"top_k": (top_k, m.top_k, None), "method": (method, m.routing, None),
              "n_group": (n_group, m.n_group, 1), "topk_group": (topk_group, m.topk_group, 1),
@@ -564,4 +587,5 @@ def _from_model(name, top_k, method, n_group, topk_group, rsf, renormalize):
             raise InputError(OP, arg, f"{want!r} as model '{name}' says (or left out)", repr(v))
     out = (m.top_k, m.routing, m.n_group, m.topk_group, m.routed_scaling_factor, m.renormalize)
     _models[key] = out
+    _models_E[name] = m.num_experts
     return out

@@ -180,13 +180,14 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
                w.dtype, w.shape, w.stride(), w.device, nw.dtype, nw.shape, nw.stride(), nw.device,
                _sig(shared), _sig(residual), _sig(residual_out), out_dtype)
         hit = _fast.get(sig)
-    except AttributeError:
-        hit = None
+    except (AttributeError, TypeError):   # not tensors, or an unhashable out_dtype: _prepare names the argument
+        sig, hit = None, None
     if hit is None:
         hit = _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype)
         if len(_fast) > 4096:
             _fast.clear()
-        _fast[sig] = hit
+        if sig is not None:
+            _fast[sig] = hit
     fn, T, H, odt, g_arg, dev, blocks = hit
     if out is None:
         out = torch.empty((T, H), dtype=odt, device=g.device)
