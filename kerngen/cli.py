@@ -112,12 +112,16 @@ def cmd_cache(args) -> int:
         print(f"{len(keys)} entries in {store.root}")
     elif args.action == "verify":
         bad = [k for k in keys if store.get(k) is None]
-        print(f"{len(keys) - len(bad)} ok, {len(bad)} bad (removed) in {store.root}")
+        fate = "removed" if store.is_marked() else f"left in place: no {cache_mod.MARKER} marker"
+        print(f"{len(keys) - len(bad)} ok, {len(bad)} bad ({fate}) in {store.root}")
         return 1 if bad else 0
     elif args.action == "clear":
-        for k in keys:
-            store.remove(k)
-        print(f"removed {len(keys)} entries from {store.root}")
+        if keys and not store.is_marked():
+            raise KerngenError(f"cache clear: {store.root} has no {cache_mod.MARKER} marker, so it is not provably a "
+                               "kerngen cache; nothing was removed. Check KERNGEN_CACHE_DIR, or delete the entries "
+                               "by hand")
+        removed = sum(store.remove(k) for k in keys)
+        print(f"removed {removed} entries from {store.root}")
     return 0
 
 

@@ -17,6 +17,10 @@ class TierError(KerngenError):
     """tiers.toml is malformed, or no tier rule matches a shape."""
 
 
+class CacheError(KerngenError):
+    """The kernel cache cannot do what was asked (a foreign directory, a lock that never came free)."""
+
+
 class CompileError(KerngenError):
     """NVRTC or CuTe DSL rejected a rendered kernel; carries the log and the source path."""
 

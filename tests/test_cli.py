@@ -18,6 +18,7 @@ def test_warmup_compiles_then_rerun_compiles_nothing(tmp_path):
     ls = kerngen("cache", "ls", cache=tmp_path).stdout
     assert "finalize-small_batch-H3584-K16-bf16-wf32-sm_90a-" in ls
     assert "0 bad" in kerngen("cache", "verify", cache=tmp_path).stdout
+    assert (tmp_path / "CACHEDIR.TAG").is_file()   # the first lock marked the directory as kerngen's
 
 
 def test_explain_names_tier_variant_key_and_cache_state(tmp_path):
@@ -35,3 +36,24 @@ def test_unknown_model_is_a_clean_error(tmp_path):
 def test_tiers_lists_models(tmp_path):
     out = kerngen("tiers", cache=tmp_path).stdout
     assert "deepseek-v3" in out and "grouped_sigmoid_bias" in out
+
+
+def test_verify_and_clear_touch_only_kerngen_entries(tmp_path):
+    from kerngen.cache import DiskCache
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "a.jpg").write_bytes(b"\xff\xd8")
+    (tmp_path / "notes.txt").write_text("mine")
+    bad = tmp_path / "finalize-small_batch-H64-K2-bf16-wf32-sm_90a-000000000000"
+    bad.mkdir()   # key-shaped and incomplete, but nothing says the directory is kerngen's
+    r = kerngen("cache", "verify", cache=tmp_path, check=False)
+    assert r.returncode == 1 and "0 ok, 1 bad (left in place: no CACHEDIR.TAG marker)" in r.stdout
+    r = kerngen("cache", "clear", cache=tmp_path, check=False)
+    assert r.returncode == 2 and "no CACHEDIR.TAG marker" in r.stderr and "Traceback" not in r.stderr
+    assert bad.is_dir()
+    DiskCache(tmp_path)._prepare_root()   # as the first lock or entry marks it
+    assert "0 ok, 1 bad (removed)" in kerngen("cache", "verify", cache=tmp_path, check=False).stdout
+    assert not bad.exists()
+    bad.mkdir()
+    assert "removed 1 entries" in kerngen("cache", "clear", cache=tmp_path).stdout
+    assert (tmp_path / "photos" / "a.jpg").read_bytes() == b"\xff\xd8" and (tmp_path / "notes.txt").is_file()
+    assert not bad.exists() and (tmp_path / "CACHEDIR.TAG").is_file()
