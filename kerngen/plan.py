@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 from . import env
-from .tiers import SCHEMA, Rule, Table
+from .errors import InputError, TierError
+from .tiers import NAME, SCHEMA, TEMPLATE_EXT, Rule, Table, check_rule
+
+TAG = re.compile(r"[A-Za-z0-9_.-]+")
+ARCH = re.compile(r"sm_[0-9]+[a-z]?")
 
 VERSION = "0.1.0"
 
@@ -26,9 +31,19 @@ class KernelSpec:
     params: tuple[tuple[str, Any], ...]       # launch parameters from the tier rule
     arch: str                                 # exact target, e.g. "sm_90a"
 
+    def __post_init__(self):
+        # the key built from these names a directory and the template a file: names only, never paths
+        for field_, pattern, what in (("op", NAME, "a name"), ("variant", NAME, "a name"),
+                                      ("tag", TAG, "letters, digits, '_', '.', '-'"), ("arch", ARCH, "like sm_90a")):
+            value = getattr(self, field_)
+            if not isinstance(value, str) or not pattern.fullmatch(value):
+                raise InputError("kernel spec", field_, what, repr(value))
+        if self.backend not in TEMPLATE_EXT:
+            raise InputError("kernel spec", "backend", " or ".join(TEMPLATE_EXT), repr(self.backend))
+
     @property
     def template(self) -> str:
-        return f"{self.op}/{self.variant}.{'cu.j2' if self.backend == 'nvrtc' else 'py'}"
+        return f"{self.op}/{self.variant}{TEMPLATE_EXT[self.backend]}"
 
     def values(self) -> dict[str, Any]:
         return {**dict(self.constants), **dict(self.params), "ARCH": self.arch}
@@ -50,10 +65,20 @@ class KernelSpec:
 
     @staticmethod
     def from_json(text: str) -> "KernelSpec":
-        d = json.loads(text)
-        return KernelSpec(op=d["op"], variant=d["variant"], backend=d["backend"], tag=d["tag"],
-                          constants=tuple(sorted(d["constants"].items())),
-                          params=tuple(sorted(d["params"].items())), arch=d["arch"])
+        """The spec `to_json` wrote (e.g. in a strict-mode miss); its variant must be one that exists."""
+        try:
+            d = json.loads(text)
+            spec = KernelSpec(op=d["op"], variant=d["variant"], backend=d["backend"], tag=d["tag"],
+                              constants=tuple(sorted(d["constants"].items())),
+                              params=tuple(sorted(d["params"].items())), arch=d["arch"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InputError("kernel spec", "JSON", "the object a strict-mode miss prints (op, variant, backend, "
+                             "tag, constants, params, arch)", f"{text[:200]!r} ({type(e).__name__}: {e})") from None
+        try:
+            check_rule("kernel spec", spec.op, spec.variant, {**dict(spec.params), "backend": spec.backend})
+        except TierError as e:
+            raise InputError("kernel spec", "variant and params", "those of a variant that exists", str(e)) from None
+        return spec
 
 
 def spec_for(rule: Rule, tag: str, constants: dict[str, Any], arch: str) -> KernelSpec:

@@ -6,6 +6,7 @@ from functools import lru_cache
 import jinja2
 
 from . import env
+from .errors import TierError
 from .plan import KernelSpec
 
 
@@ -17,6 +18,13 @@ def _jinja() -> jinja2.Environment:
 
 
 def render(spec: KernelSpec) -> str:
-    if spec.backend == "cute":  # CuTe DSL templates are Python modules, specialized at compile time
-        return (env.templates_dir() / spec.template).read_text()
-    return _jinja().get_template(spec.template).render(**spec.values())
+    try:
+        if spec.backend == "cute":  # CuTe DSL templates are Python modules, specialized at compile time
+            return (env.templates_dir() / spec.template).read_text()
+        return _jinja().get_template(spec.template).render(**spec.values())
+    except (OSError, jinja2.TemplateNotFound) as e:
+        raise TierError(f"{spec.op} variant '{spec.variant}' ({spec.backend}): template {spec.template} cannot be "
+                        f"read under {env.templates_dir()} ({getattr(e, 'strerror', None) or e})") from None
+    except jinja2.UndefinedError as e:
+        raise TierError(f"{spec.op} variant '{spec.variant}': template {spec.template} needs a value the rule does "
+                        f"not give ({e.message}); params were {dict(spec.params)}") from None

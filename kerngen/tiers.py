@@ -6,6 +6,8 @@ tried before the shipped rules.
 """
 from __future__ import annotations
 
+import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -22,6 +24,76 @@ DTYPES = ("bfloat16", "float16")
 ROUTER_WEIGHT = ("output", "input")
 RANGE_KEYS = ("num_experts", "top_k", "hidden", "tokens", "world_size")
 MAX_EXPERTS, MAX_TOPK = 2048, 32
+NAME = re.compile(r"[a-z][a-z0-9_]*")                 # an op or variant: a file name, never a path
+TEMPLATE_EXT = {"nvrtc": ".cu.j2", "cute": ".py"}     # backend -> template suffix under templates/<op>/
+UNTEMPLATED = {"tail_tp": ("allreduce",)}            # ops whose variants are host code, not templates
+INT32_MAX = 2**31 - 1                                 # every shape and param is a 32-bit int in the kernels
+SMS = 132                                             # the grid bound the routing/permute launchers check
+
+
+@dataclass(frozen=True)
+class Param:
+    """One launch parameter of a variant: its type, its bounds, and whether a rule must give it."""
+    kind: type                       # int | bool | str
+    required: bool = False
+    lo: int = 1
+    hi: int = INT32_MAX
+    step: int = 1
+    choices: tuple[str, ...] = ()
+
+    def problem(self, v) -> str | None:
+        """What `v` should have been, or None if it fits."""
+        if self.kind is bool:
+            return None if isinstance(v, bool) else "true or false"
+        if self.kind is str:
+            return None if isinstance(v, str) and v in self.choices else "one of " + ", ".join(map(repr, self.choices))
+        if isinstance(v, int) and not isinstance(v, bool) and self.lo <= v <= self.hi and v % self.step == 0:
+            return None
+        return f"an integer in [{self.lo}, {self.hi}]" + (f", a multiple of {self.step}" if self.step > 1 else "")
+
+
+def _n(lo: int = 1, hi: int = INT32_MAX, *, required: bool = False, step: int = 1) -> Param:
+    return Param(int, required, lo, hi, step)
+
+
+FLAG, NEEDED_FLAG = Param(bool), Param(bool, required=True)
+NVRTC, CUTE = Param(str, choices=("nvrtc",)), Param(str, required=True, choices=("cute",))
+
+# Every variant's launch params, read from its template (Jinja values; a CuTe module's compile_kernel keywords)
+# and its op's launcher. A value the template reads without a default is required. `backend` picks the template
+# kind. tests/test_tiers.py checks this table against the templates.
+PARAMS: dict[tuple[str, str], dict[str, Param]] = {
+    ("routing", "fused"): {"backend": NVRTC, "warps": _n(1, 32, required=True),
+                           "warps_per_token": _n(1, 32, required=True), "ctas": _n(1, 8, required=True),
+                           "clusters": _n(1, SMS, required=True),
+                           "max_tokens": _n(1, 64, required=True)},   # a 64-bit token mask per expert
+    ("routing", "topk"): {"backend": NVRTC, "warps": _n(1, 32, required=True),
+                          "warps_per_token": _n(1, 32, required=True), "early_trigger": FLAG},
+    ("permute", "onepass"): {"backend": NVRTC, "threads": _n(32, 1024, step=32), "ctas": _n(1, SMS)},
+    ("permute", "histogram"): {"backend": NVRTC, "tokens_per_block": _n(16, required=True)},
+    ("finalize", "small_batch"): {"backend": NVRTC, "block_x": _n(1, 1024, required=True),
+                                  "loads_per_group": _n(1, 64, required=True), "early_read": NEEDED_FLAG,
+                                  "pdl": FLAG},
+    ("finalize", "large_batch"): {"backend": NVRTC, "vectors_per_thread": _n(1, 1024, required=True),
+                                  "unroll": _n(1, 64, required=True), "early_read": NEEDED_FLAG, "pdl": FLAG},
+    ("finalize", "cute"): {"backend": CUTE, "ctas": _n(1, 1024), "threads": _n(32, 1024), "max_loads": _n(1, 64),
+                           "pdl": FLAG},
+    ("tail", "tail"): {"backend": CUTE, "threads": _n(32, 1024, required=True), "cluster": _n(1, 16),
+                       "max_loads": _n(1, 64), "branch_free": FLAG, "pdl": FLAG, "split_k": _n(1, MAX_TOPK)},
+    ("tail_tp", "allreduce"): {"allreduce": Param(str, required=True, choices=("nccl", "symm_mem")),
+                               "max_tokens": _n()},
+}
+
+
+def _between(op: str, variant: str, p: dict) -> str | None:
+    """Constraints between params that the launchers check."""
+    if op == "routing" and p["warps"] % p["warps_per_token"]:
+        return f"param 'warps' ({p['warps']}) must be a multiple of 'warps_per_token' ({p['warps_per_token']})"
+    if (op, variant) == ("routing", "fused") and p["ctas"] * p["clusters"] > SMS:
+        return f"params 'ctas' * 'clusters' must be at most {SMS}, got {p['ctas']} * {p['clusters']}"
+    if op == "tail_tp" and p["allreduce"] == "symm_mem" and "max_tokens" not in p:
+        return "allreduce = \"symm_mem\" needs param 'max_tokens' (the rows of its symmetric buffer)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -111,21 +183,33 @@ def _fail(where: str, msg: str):
     raise TierError(f"{where}: {msg}")
 
 
-def _int(where, d, key, lo=1, hi=None, default=None):
+def _int(where, d, key, lo=1, hi=INT32_MAX, default=None):
     v = d.get(key, default)
     if v is None:
         _fail(where, f"missing required field '{key}'")
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        _fail(where, f"field '{key}' must be an integer in [{lo}, {hi if hi is not None else 'inf'}], got {v!r}")
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo or v > hi:
+        _fail(where, f"field '{key}' must be an integer in [{lo}, {hi}], got {v!r}")
     return v
 
 
 def _range(where, d, key):
     v = d[key]
     if (not isinstance(v, list) or len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-            or v[0] > v[1] or v[0] < 0):
-        _fail(where, f"field '{key}' must be an inclusive range [lo, hi] of integers with 0 <= lo <= hi, got {v!r}")
+            or not 0 <= v[0] <= v[1] <= INT32_MAX):
+        _fail(where, f"field '{key}' must be an inclusive range [lo, hi] of integers with 0 <= lo <= hi <= "
+                     f"{INT32_MAX}, got {v!r}")
     return (v[0], v[1])
+
+
+def _positive_number(where, d, key, default):
+    v = d.get(key, default)
+    try:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < float(v) < math.inf
+    except OverflowError:   # an integer too large for a float
+        ok = False
+    if not ok:
+        _fail(where, f"field '{key}' must be a positive finite number, got {v!r}")
+    return float(v)
 
 
 def _parse_model(where: str, name: str, d: dict) -> Model:
@@ -149,9 +233,7 @@ def _parse_model(where: str, name: str, d: dict) -> Model:
         _fail(where, f"top_k ({K}) exceeds the experts of topk_group groups ({TG * (E // G)})")
     if method == "top1_sigmoid" and K != 1:
         _fail(where, f"routing 'top1_sigmoid' needs top_k = 1, got {K}")
-    rsf = d.get("routed_scaling_factor", 1.0)
-    if not isinstance(rsf, (int, float)) or isinstance(rsf, bool) or not rsf > 0:
-        _fail(where, f"field 'routed_scaling_factor' must be a positive number, got {rsf!r}")
+    rsf = _positive_number(where, d, "routed_scaling_factor", 1.0)
     for key, allowed in (("dtype", DTYPES), ("weights_dtype", ("float32", "bfloat16"))):
         if d.get(key, allowed[0]) not in allowed:
             _fail(where, f"field '{key}' must be one of {', '.join(allowed)}, got {d[key]!r}")
@@ -169,9 +251,70 @@ def _parse_model(where: str, name: str, d: dict) -> Model:
     if d.get("router_weight") == "input" and K != 1:
         _fail(where, f"router_weight = \"input\" needs top_k = 1 (the outputs are summed unweighted), got {K}")
     return Model(name=name, num_experts=E, top_k=K, hidden=H, routing=method, tokens=tokens, n_group=G,
-                 topk_group=TG, routed_scaling_factor=float(rsf), renormalize=d.get("renormalize", True),
+                 topk_group=TG, routed_scaling_factor=rsf, renormalize=d.get("renormalize", True),
                  dtype=d.get("dtype", "bfloat16"), weights_dtype=d.get("weights_dtype", "float32"), tile=tile,
                  router_weight=d.get("router_weight", "output"), source=where)
+
+
+def template_path(op: str, variant: str, backend: str) -> Path:
+    return env.templates_dir() / op / f"{variant}{TEMPLATE_EXT[backend]}"
+
+
+def variants(op: str) -> list[str]:
+    """The variants of `op` that exist: its templates (files starting with '_' are shared parts), or host code."""
+    if op in UNTEMPLATED:
+        return list(UNTEMPLATED[op])
+    try:
+        names = [p.name for p in (env.templates_dir() / op).iterdir() if not p.name.startswith("_")]
+    except OSError:
+        return []
+    return sorted({n[: -len(ext)] for n in names for ext in TEMPLATE_EXT.values() if n.endswith(ext)})
+
+
+def check_variant(where: str, op: str, variant, backend) -> None:
+    """`variant` names a kernel of `op` that exists for `backend`: a name, never a path."""
+    known = ", ".join(variants(op)) or "none"
+    if not isinstance(variant, str) or not NAME.fullmatch(variant):
+        _fail(where, f"field 'variant' must be the name of a variant of {op} (known: {known}), got {variant!r}")
+    if op in UNTEMPLATED:
+        if variant not in UNTEMPLATED[op]:
+            _fail(where, f"unknown variant '{variant}' of {op} (known: {known})")
+        return
+    if backend not in TEMPLATE_EXT:
+        _fail(where, f"param 'backend' must be one of {', '.join(TEMPLATE_EXT)}, got {backend!r}")
+    if not template_path(op, variant, backend).is_file():
+        other = [b for b in TEMPLATE_EXT if b != backend and template_path(op, variant, b).is_file()]
+        if other:
+            _fail(where, f"variant '{variant}' of {op} is built by backend '{other[0]}' "
+                         f"({op}/{variant}{TEMPLATE_EXT[other[0]]}), not '{backend}': set params.backend = "
+                         f"\"{other[0]}\"")
+        _fail(where, f"unknown variant '{variant}' of {op} for backend '{backend}': no template "
+                     f"{op}/{variant}{TEMPLATE_EXT[backend]} under {env.templates_dir()} (known: {known})")
+
+
+def check_params(where: str, op: str, variant: str, params: dict) -> None:
+    """`params` (backend included) are the launch params of `op` `variant`: known names, types and bounds."""
+    schema = PARAMS.get((op, variant))
+    if schema is None:
+        _fail(where, f"variant '{variant}' of {op} has a template but no list of params: add it to PARAMS in "
+                     "kerngen/tiers.py")
+    for k in params:
+        if k not in schema:
+            _fail(where, f"unknown param '{k}' of {op} variant '{variant}' (known: {', '.join(schema)})")
+    for k, p in schema.items():
+        if k not in params:
+            if p.required:
+                needed = ", ".join(n for n, q in schema.items() if q.required)
+                _fail(where, f"missing param '{k}' ({op} variant '{variant}' needs {needed})")
+        elif (why := p.problem(params[k])) is not None:
+            _fail(where, f"param '{k}' of {op} variant '{variant}' must be {why}, got {params[k]!r}")
+    if (why := _between(op, variant, params)) is not None:
+        _fail(where, why)
+
+
+def check_rule(where: str, op: str, variant, params: dict) -> None:
+    check_variant(where, op, variant, params.get("backend", "nvrtc"))
+    check_params(where, op, variant, params)
 
 
 def _parse_rule(where: str, d: dict) -> Rule:
@@ -186,25 +329,43 @@ def _parse_rule(where: str, d: dict) -> Rule:
     if not isinstance(params, dict) or not all(isinstance(v, (bool, int, float, str)) for v in params.values()):
         _fail(where, "field 'params' must be a table of scalars")
     ranges = {k: _range(where, d, k) for k in RANGE_KEYS if k in d}
+    check_rule(where, d["op"], d["variant"], params)
     return Rule(op=d["op"], variant=d["variant"], ranges=ranges, params=dict(params), source=where)
+
+
+def _read(path: Path) -> dict:
+    """The TOML document at `path`; any way it cannot be read is a TierError naming it."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise TierError(f"tier file {path} does not exist") from None
+    except IsADirectoryError:
+        raise TierError(f"tier file {path} is a directory; give the path of a .toml file") from None
+    except OSError as e:
+        raise TierError(f"tier file {path} cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise TierError(f"{path}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
+    except tomllib.TOMLDecodeError as e:
+        raise TierError(f"{path}: not valid TOML: {e}") from None
+    except RecursionError:
+        raise TierError(f"{path}: not valid TOML: arrays or tables nested too deeply") from None
 
 
 def parse(path: Path) -> tuple[dict[str, Model], list[Rule]]:
     """Read and validate one tier file; every error names the file, the table and the field."""
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except FileNotFoundError:
-        raise TierError(f"tier file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise TierError(f"{path}: not valid TOML: {e}") from None
+    doc = _read(path)
     for k in doc:
         if k not in ("schema", "models", "tier", "provenance"):
             _fail(str(path), f"unknown top-level key '{k}' (known: schema, models, tier, provenance)")
-    if doc.get("schema") != SCHEMA:
-        _fail(str(path), f"field 'schema' must be {SCHEMA}, got {doc.get('schema')!r}")
+    schema = doc.get("schema")
+    if not isinstance(schema, int) or isinstance(schema, bool) or schema != SCHEMA:
+        _fail(str(path), f"field 'schema' must be {SCHEMA}, got {schema!r}")
+    entries = doc.get("models", {})
+    if not isinstance(entries, dict):
+        _fail(str(path), "'models' must be a table of models: write [models.NAME]")
     models = {}
-    for name, d in doc.get("models", {}).items():
+    for name, d in entries.items():
         where = f"{path} [models.{name}]"
         if not isinstance(d, dict):
             _fail(where, "must be a table")
@@ -212,7 +373,14 @@ def parse(path: Path) -> tuple[dict[str, Model], list[Rule]]:
     tiers = doc.get("tier", [])
     if not isinstance(tiers, list):
         _fail(str(path), "'tier' must be an array of tables: write [[tier]]")
-    rules = [_parse_rule(f"{path} [[tier]] #{i + 1}", d) for i, d in enumerate(tiers)]
+    rules = []
+    for i, d in enumerate(tiers):
+        where = f"{path} [[tier]] #{i + 1}"
+        if not isinstance(d, dict):
+            _fail(where, f"must be a table (write [[tier]] and its fields), got {d!r}")
+        rules.append(_parse_rule(where, d))
+    if "provenance" in doc and not isinstance(doc["provenance"], dict):
+        _fail(str(path), "'provenance' must be a table")
     _check_provenance(path, doc.get("provenance"))
     return models, rules
 

@@ -57,3 +57,24 @@ def test_verify_and_clear_touch_only_kerngen_entries(tmp_path):
     assert "removed 1 entries" in kerngen("cache", "clear", cache=tmp_path).stdout
     assert (tmp_path / "photos" / "a.jpg").read_bytes() == b"\xff\xd8" and (tmp_path / "notes.txt").is_file()
     assert not bad.exists() and (tmp_path / "CACHEDIR.TAG").is_file()
+
+
+def test_a_variant_that_is_a_path_is_refused_before_anything_runs(tmp_path):
+    (tmp_path / "somewhere").mkdir()
+    ran = tmp_path / "ran"
+    (tmp_path / "somewhere" / "evil.py").write_text(f"open({str(ran)!r}, 'w').write('x')\n")
+    rel = "../" * 12 + str(tmp_path / "somewhere" / "evil").lstrip("/")
+    user = tmp_path / "evil.toml"
+    user.write_text(f'schema = 1\n[[tier]]\nop = "finalize"\nvariant = "{rel}"\nparams = {{ backend = "cute" }}\n')
+    cache = tmp_path / "cache"
+    for args in (("tiers", "--tiers", str(user)), ("warmup", "--model", "kimi-k3", "--ops", "finalize", "--tiers",
+                                                    str(user))):
+        r = kerngen(*args, cache=cache, check=False)
+        assert r.returncode == 2 and "field 'variant' must be the name of a variant of finalize" in r.stderr
+        assert str(user) in r.stderr and "[[tier]] #1" in r.stderr and "Traceback" not in r.stderr
+    assert not ran.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["evil.toml", "somewhere"]
+
+
+def test_a_directory_as_tiers_file_is_a_clean_error(tmp_path):
+    r = kerngen("tiers", "--tiers", str(tmp_path), cache=tmp_path / "cache", check=False)
+    assert r.returncode == 2 and "is a directory" in r.stderr and "Traceback" not in r.stderr
