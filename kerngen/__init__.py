@@ -7,11 +7,12 @@ from .adapters import select_experts
 from .ops.finalize import finalize
 from .ops.finalize import prepare as finalize_prepare
 from .ops.routing import Routing, RoutingWorkspace, permute, route
+from .ops.prerouting import PreRouting
 from .ops.tail import moe_tail
 from .plan import VERSION as __version__
 from . import torch_ops  # noqa: F401,E402  (registers torch.ops.kerngen.*)
 
-__all__ = ["route", "permute", "Routing", "RoutingWorkspace", "finalize", "finalize_prepare", "moe_tail", "select_experts", "models", "preload", "strict",
+__all__ = ["route", "permute", "Routing", "RoutingWorkspace", "PreRouting", "finalize", "finalize_prepare", "moe_tail", "select_experts", "models", "preload", "strict",
            "KerngenError", "InputError", "TierError", "CompileError", "CacheMissError", "DeviceError", "__version__"]
 
 

@@ -130,3 +130,21 @@ def test_weight_on_output_would_be_wrong_for_a_weight_on_input_model():
     ref, _ = loop_layer(m, w, x, residual)
     out, _ = demo.torch_layer(wrong, w)(x, residual)
     assert demo.output_error(out, ref)[1] > CPU_TOL
+
+
+def test_schedule_option_and_its_table_columns():
+    assert demo.parse_schedules("one") == ("one",) and demo.parse_schedules("three,one") == ("three", "one")
+    for bad in ("two", "one,one", "one,", ""):
+        with pytest.raises(ValueError, match="schedule"):
+            demo.parse_schedules(bad)
+    with pytest.raises(SystemExit):
+        demo.main(["--schedule", "one,two"])   # refused before anything touches a GPU
+    assert demo.header() == demo.HEADER and "3-stream" not in demo.HEADER
+    both = demo.header(("one", "three"))
+    row = dict(model="m", E=8, K=2, H=64, I=16, T=4, schedules=("one", "three"), kerngen_us=50.0, three_us=42.5,
+               torch_us=100.0, compile_us=None, max_abs=1e-3, max_rel=1e-2, ids_equal=1.0, same_bits=True)
+    cells = demo.markdown_row(row).split(" | ")
+    names = both.split("\n")[0].split(" | ")
+    assert len(cells) == len(names) == both.split("\n")[1].count("---")
+    assert cells[names.index("3-stream saves µs")] == "7.5" and cells[names.index("vs torch")] == "2.00x"
+    assert cells[-1] == "yes |"

@@ -2,7 +2,7 @@
 """One decode step of a real-shaped MoE layer, kerngen against plain torch (random weights, CUDA graphs).
 
     python3 tools/moe_layer_demo.py [--models kimi-k3,deepseek-v3] [--tokens 1,8,64] [--inter 256] [--tile 16]
-                                    [--compile]
+                                    [--compile] [--schedule one,three] [--pre-tokens 8]
 
 The layer, for hidden states x [T, H] bf16 and a residual [T, H] bf16 (E, K, H and routing from tiers.toml):
     logits   = x.float() @ router.T                               fp32 [T, E]; router [E, H] fp32
@@ -15,6 +15,15 @@ batched matmul per tile -> kerngen.moe_tail (finalize + shared + residual + RMSN
 math of tools/bench_routing.py, each (token, slot) gathers its expert's weights, fp32 weighted sum, RMSNorm.
 Neither path reads a device value on the host, so both run inside CUDA graphs. The expert GEMMs are torch
 matmuls over gathered weights in both paths (a stand-in for a grouped GEMM); at large T or I they dominate.
+
+Schedules of the kerngen path (--schedule): `one`, everything on one stream in the order above; `three`, the
+pre-routing pattern of TensorRT-LLM's Kimi K3 decode: the router GEMM and kerngen.PreRouting's launch on a
+router stream, the shared expert on a shared stream, the routed experts (after PreRouting.take, which joins the
+router stream) and moe_tail (after joining the shared stream) on the main stream. Both streams fork from the
+main stream at the start of each layer, as capture requires. Token counts above --pre-tokens (PreRouting's
+max_tokens, default 8) route on the main stream; the router GEMM and the shared expert still overlap. With both
+schedules the table adds the three-stream µs, what it saves per layer, and whether its outputs and ids are
+bitwise those of the one-stream schedule.
 
 Prints one Markdown row per (model, T) for docs/benchmarks.md: µs per layer of each path (CUDA graph of 10
 layers, median of 20 replays), kerngen's speedup, the output error of kerngen against torch, and the fraction
@@ -162,6 +171,40 @@ def kerngen_layer(m, w: Weights, tokens: int, tile: int):
     return fn
 
 
+def three_stream_layer(m, w: Weights, tokens: int, tile: int, max_tokens: int = 8):
+    """The kerngen layer on three streams (router, shared, main; see the module doc): fn(x, residual) ->
+    (out [T, H] bf16, topk_ids [T, K] int32). The first call of a token count routes on the main stream (take);
+    later ones are pre-routed on the router stream when T <= max_tokens."""
+    pre = kerngen.PreRouting(model=m.name, tile=tile, max_tokens=max_tokens)
+    router, side = torch.cuda.Stream(), torch.cuda.Stream()
+    rows = permuted_rows_bound(tokens, m.top_k, m.num_experts, tile)
+    ones = torch.ones(tokens, m.top_k, device=w.router.device)
+
+    def fn(x, residual):
+        main = torch.cuda.current_stream()
+        router.wait_stream(main)   # fork: x is ready and the last layer's reads of pre.workspace come first
+        side.wait_stream(main)
+        with torch.cuda.stream(router):
+            logits = x.float() @ w.router.T
+            pre.launch(logits, w.bias)
+        with torch.cuda.stream(side):
+            shared = mlp(x, w.shared1, w.shared2)
+        r = pre.take(logits, w.bias)   # joins the router stream
+        on_input = r.topk_weights[:, 0] if m.weight_on_input else None
+        g = permuted_experts(x, r.permuted_to_token, r.tile_to_expert, w, tile, rows, on_input)
+        main.wait_stream(side)         # joins the shared stream
+        out = kerngen.moe_tail(g, r.expanded_to_permuted, ones[:x.shape[0]] if m.weight_on_input else r.topk_weights,
+                               w.norm, shared=shared, residual=residual, eps=EPS)
+        return out, r.topk_ids
+
+    return fn
+
+
+SCHEDULES = ("one", "three")
+US = {"one": "kerngen_us", "three": "three_us"}          # run_case's key of each schedule's µs
+COLUMN = {"one": "kerngen µs", "three": "kerngen 3-stream µs"}
+
+
 def output_error(out, ref) -> tuple[float, float]:
     """(max |out - ref|, max |out - ref| / (|ref| + RMS of ref's row)), the second the one TOL bounds."""
     o, r = out.float(), ref.float()
@@ -189,35 +232,71 @@ def graphed(fn, *args):
     return graph, outs
 
 
-def run_case(m, w: Weights, tokens: int, tile: int = 16, compiled=None, timed: bool = True) -> dict:
-    """One (model, T): errors and id agreement of kerngen against torch, and µs per layer when timed."""
+def run_case(m, w: Weights, tokens: int, tile: int = 16, compiled=None, timed: bool = True,
+             schedules=("one",), pre_tokens: int = 8) -> dict:
+    """One (model, T): errors and id agreement of each kerngen schedule against torch (the worst of them), and
+    µs per layer when timed; with both schedules, `same_bits`: three-stream outputs and ids equal one-stream's."""
     x, residual = make_inputs(tokens, m.hidden)
-    ours, ref = kerngen_layer(m, w, tokens, tile), torch_layer(m, w)
-    g_ours, (out, ids) = graphed(ours, x, residual)
+    ref = torch_layer(m, w)
     g_ref, (ref_out, ref_ids) = graphed(ref, x, residual)
-    max_abs, max_rel = output_error(out, ref_out)
     row = {"model": m.name, "E": m.num_experts, "K": m.top_k, "H": m.hidden, "I": w.w2.shape[-1], "T": tokens,
-           "tile": tile, "max_abs": max_abs, "max_rel": max_rel, "ids_equal": ids_agreement(ids, ref_ids)}
-    del g_ours, g_ref, out, ids, ref_out, ref_ids
+           "tile": tile, "schedules": tuple(schedules), "max_abs": 0.0, "max_rel": 0.0, "ids_equal": 1.0}
+    layers, outs = {}, {}
+    for s in schedules:
+        fn = kerngen_layer(m, w, tokens, tile) if s == "one" else three_stream_layer(m, w, tokens, tile, pre_tokens)
+        g, (out, ids) = graphed(fn, x, residual)
+        max_abs, max_rel = output_error(out, ref_out)
+        row["max_abs"], row["max_rel"] = max(row["max_abs"], max_abs), max(row["max_rel"], max_rel)
+        row["ids_equal"] = min(row["ids_equal"], ids_agreement(ids, ref_ids))
+        layers[s], outs[s] = fn, (out.clone(), ids.clone())
+        del g, out, ids
+    if len(outs) == 2:
+        row["same_bits"] = all(torch.equal(a, b) for a, b in zip(outs["one"], outs["three"]))
+    del g_ref, ref_out, ref_ids, outs
     if timed:
         def us(fn):
             return graph_time_us(lambda: fn(x, residual), calls=10, replays=20)
-        row["kerngen_us"], row["torch_us"] = us(ours), us(ref)
+        for s in schedules:
+            row[US[s]] = us(layers[s])
+        row["torch_us"] = us(ref)
         row["compile_us"] = us(compiled) if compiled is not None else None
     return row
 
 
-HEADER = ("| model | E/K | H | I | T | kerngen µs | torch µs | torch.compile µs | vs torch | vs compile "
-          "| max abs err | max rel err | equal ids |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+def header(schedules=("one",)) -> str:
+    """The table's header for these schedules (with one alone, the table docs/benchmarks.md has)."""
+    both = len(schedules) == 2
+    cols = ["model", "E/K", "H", "I", "T", *[COLUMN[s] for s in schedules], *(["3-stream saves µs"] if both else []),
+            "torch µs", "torch.compile µs", "vs torch", "vs compile", "max abs err", "max rel err", "equal ids",
+            *(["3-stream bits = 1-stream"] if both else [])]
+    return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+
+
+HEADER = header()
 
 
 def markdown_row(r: dict) -> str:
-    comp = r["compile_us"]
-    cells = [r["model"], f"{r['E']}/{r['K']}", r["H"], r["I"], r["T"], f"**{r['kerngen_us']:.1f}**",
-             f"{r['torch_us']:.1f}", "" if comp is None else f"{comp:.1f}", f"{r['torch_us'] / r['kerngen_us']:.2f}x",
-             "" if comp is None else f"{comp / r['kerngen_us']:.2f}x", f"{r['max_abs']:.2e}", f"{r['max_rel']:.2e}",
-             f"{r['ids_equal']:.4f}"]
+    """One row of header(r["schedules"]); the speedups are those of the first schedule."""
+    schedules = r.get("schedules", ("one",))
+    both = len(schedules) == 2
+    ours, comp = r[US[schedules[0]]], r["compile_us"]
+    cells = [r["model"], f"{r['E']}/{r['K']}", r["H"], r["I"], r["T"], *[f"**{r[US[s]]:.1f}**" for s in schedules],
+             *([f"{r['kerngen_us'] - r['three_us']:.1f}"] if both else []), f"{r['torch_us']:.1f}",
+             "" if comp is None else f"{comp:.1f}", f"{r['torch_us'] / ours:.2f}x",
+             "" if comp is None else f"{comp / ours:.2f}x", f"{r['max_abs']:.2e}", f"{r['max_rel']:.2e}",
+             f"{r['ids_equal']:.4f}", *(["yes" if r["same_bits"] else "no"] if both else [])]
     return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def parse_schedules(text: str) -> tuple[str, ...]:
+    """--schedule: a comma list of one and three, each once (ValueError naming the bad one)."""
+    names = tuple(text.split(","))
+    for s in names:
+        if s not in SCHEDULES:
+            raise ValueError(f"unknown schedule {s!r}; known: {', '.join(SCHEDULES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"schedule given twice in {text!r}")
+    return names
 
 
 def main(argv=None) -> int:
@@ -227,21 +306,29 @@ def main(argv=None) -> int:
     ap.add_argument("--inter", type=int, default=256, help="intermediate size I of each expert")
     ap.add_argument("--tile", type=int, default=16, help="rows per tile of the permutation")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile of the torch layer")
+    ap.add_argument("--schedule", default="one", help="comma-separated kerngen schedules: one (one stream), "
+                    "three (router and shared streams, kerngen.PreRouting)")
+    ap.add_argument("--pre-tokens", type=int, default=8, help="PreRouting's max_tokens in the three-stream schedule")
     a = ap.parse_args(argv)
+    try:
+        schedules = parse_schedules(a.schedule)
+    except ValueError as e:
+        ap.error(str(e))
     known = kerngen.models()
     names = a.models.split(",")
     for name in names:
         if name not in known:
             ap.error(f"unknown model {name!r}; known: {', '.join(sorted(known))}")
     tokens = [int(t) for t in a.tokens.split(",")]
-    print(f"inter={a.inter} tile={a.tile} tolerance: max rel err <= {TOL}\n\n{HEADER}", flush=True)
+    pre = f" pre-tokens={a.pre_tokens}" if "three" in schedules else ""
+    print(f"inter={a.inter} tile={a.tile}{pre} tolerance: max rel err <= {TOL}\n\n{header(schedules)}", flush=True)
     worst = 0.0
     for name in names:
         m = known[name]
         w = make_weights(m, a.inter)
         compiled = torch.compile(torch_layer(m, w), dynamic=False) if a.compile else None
         for T in tokens:
-            r = run_case(m, w, T, a.tile, compiled)
+            r = run_case(m, w, T, a.tile, compiled, schedules=schedules, pre_tokens=a.pre_tokens)
             worst = max(worst, r["max_rel"])
             print(markdown_row(r), flush=True)
         del w, compiled
