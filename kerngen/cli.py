@@ -103,18 +103,18 @@ def cmd_tiers(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    store = cache_mod.default()
+    store = cache_mod.DiskCache(env.cache_dir(), quiet=True)   # what is wrong is printed here
     keys = store.keys()
+    if store.distrust():
+        print(f"kerngen cache: {store.root} is not used (its entries could be another user's code): "
+              f"{store.distrust()}", file=sys.stderr)
     if args.action == "ls":
         for k in keys:
             meta = store.meta(k) or {}
             print(f"{k}  {'ok' if meta else 'incomplete'}  {meta.get('compile_seconds', '?')}s")
         print(f"{len(keys)} entries in {store.root}")
     elif args.action == "verify":
-        bad = [k for k in keys if store.get(k) is None]
-        fate = "removed" if store.is_marked() else f"left in place: no {cache_mod.MARKER} marker"
-        print(f"{len(keys) - len(bad)} ok, {len(bad)} bad ({fate}) in {store.root}")
-        return 1 if bad else 0
+        return _verify(store, keys)
     elif args.action == "clear":
         if keys and not store.is_marked():
             raise KerngenError(f"cache clear: {store.root} has no {cache_mod.MARKER} marker, so it is not provably a "
@@ -123,6 +123,21 @@ def cmd_cache(args) -> int:
         removed = sum(store.remove(k) for k in keys)
         print(f"removed {removed} entries from {store.root}")
     return 0
+
+
+def _verify(store: cache_mod.DiskCache, keys: list[str]) -> int:
+    """Check every entry's checksums (and that it holds its backend's artifact); bad ones are removed where the
+    cache may remove them."""
+    bad = removed = 0
+    for k in keys:
+        backend = jit.BACKENDS.get((store.meta(k) or {}).get("backend"))
+        if store.get(k, (backend.artifact,) if backend else ()) is None and store.miss_reason.get(k) != "building":
+            gone = not os.path.lexists(store.root / k)
+            bad, removed = bad + 1, removed + gone
+            print(f"  {k}  {store.miss_reason.get(k)}{'  (removed)' if gone else ''}")
+    why = "" if store.is_marked() or not bad else f"; {store.root} has no {cache_mod.MARKER} marker, so none is removed"
+    print(f"{len(keys) - bad} ok, {bad} bad, {removed} removed in {store.root}{why}")
+    return 1 if bad else 0
 
 
 def _shape_args(p: argparse.ArgumentParser, required: bool) -> None:

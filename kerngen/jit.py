@@ -4,6 +4,7 @@ Strict mode (KERNGEN_STRICT=1 or kerngen.strict()) turns a disk miss into CacheM
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -29,6 +30,15 @@ def is_strict() -> bool:
     return env.strict() if _strict_override is None else _strict_override
 
 
+@dataclass(frozen=True)
+class Backend:
+    artifact: str   # the file its loader needs
+    source: str     # the rendered source, written beside the entry
+
+
+BACKENDS = {"nvrtc": Backend("kernel.cubin", "source.cu"), "cute": Backend("kernel.o", "source.py")}
+
+
 @dataclass
 class Built:
     spec: KernelSpec
@@ -36,6 +46,7 @@ class Built:
     files: dict[str, bytes]       # artifact name -> bytes
     status: str                   # "cached" | "compiled"
     seconds: float = 0.0
+    stored: bool = True           # on disk (False: compiled in memory only, see the store's write_error)
 
 
 def toolchain(backend: str) -> dict[str, str]:
@@ -65,14 +76,23 @@ def warmup_command(spec: KernelSpec) -> str:
 
 
 def _compile(spec: KernelSpec, source: str, key: str, store: cache_mod.DiskCache) -> dict[str, bytes]:
+    src_path = store.source_path(key, BACKENDS[spec.backend].source, source)
     if spec.backend == "cute":
         from . import cute_backend
-        src_path = store.source_path(key, "source.py", source)
         return cute_backend.compile_spec(spec, source, key, src_path)
     from .compile import nvrtc_compile
-    src_path = store.source_path(key, "source.cu", source)
     cubin, _ = nvrtc_compile(source, f"{spec.op}_{spec.variant}", spec.arch, key, src_path)
-    return {"kernel.cubin": cubin}
+    return {BACKENDS["nvrtc"].artifact: cubin}
+
+
+def _miss_reason(store: cache_mod.DiskCache, spec: KernelSpec, key: str) -> str:
+    """Why `key` missed; 'stale' when an entry of this very spec exists under another hash (an older template,
+    toolchain or kerngen built it), which entries of the same shape with other params are not."""
+    reason = store.miss_reason.pop(key, "absent")
+    this = json.loads(spec.to_json())
+    if reason == "absent" and any(all(m.get(k) == v for k, v in this.items()) for m in store.siblings(key)):
+        return "stale"
+    return reason
 
 
 def build(spec: KernelSpec, store: cache_mod.DiskCache | None = None, strict: bool | None = None,
@@ -80,31 +100,33 @@ def build(spec: KernelSpec, store: cache_mod.DiskCache | None = None, strict: bo
     """Return the artifact of `spec`, from disk or freshly compiled (and stored)."""
     store = store or cache_mod.default()
     source, key = _prepared(spec)
-    files = store.get(key)
+    need = (BACKENDS[spec.backend].artifact,)
+    files = store.get(key, need)
     if files is not None:
         last_status[spec] = "cached"
         return Built(spec, key, files, "cached")
-    reason = store.miss_reason.pop(key, "absent")
+    reason = _miss_reason(store, spec, key)
     if is_strict() if strict is None else strict:
         log.warning("kerngen: strict mode, kernel %s is not cached (%s)", key, reason)
         raise CacheMissError(key, command or warmup_command(spec))
     t0 = time.perf_counter()
     with store.lock(key):
         waited = time.perf_counter() - t0
-        files = store.get(key)  # another process may have built it while we waited
+        files = store.get(key, need)  # another process may have built it while we waited
         if files is not None:
             log.info("kerngen: %s built by another process (waited %.2fs)", key, waited)
             return Built(spec, key, files, "cached", waited)
         t1 = time.perf_counter()
         files = _compile(spec, source, key, store)
         secs = time.perf_counter() - t1
-        store.put(key, files, {"op": spec.op, "variant": spec.variant, "tag": spec.tag, "arch": spec.arch,
-                               "backend": spec.backend, "params": dict(spec.params),
-                               "constants": dict(spec.constants), "compile_seconds": round(secs, 3),
-                               "toolchain": toolchain(spec.backend)})
-        log.info("kerngen: compiled %s (%s) in %.2fs, lock wait %.2fs", key, reason, secs, waited)
+        stored = store.put(key, files, {"op": spec.op, "variant": spec.variant, "tag": spec.tag, "arch": spec.arch,
+                                        "backend": spec.backend, "params": dict(spec.params),
+                                        "constants": dict(spec.constants), "compile_seconds": round(secs, 3),
+                                        "toolchain": toolchain(spec.backend)})
+        log.info("kerngen: compiled %s (%s) in %.2fs, lock wait %.2fs%s", key, reason, secs, waited,
+                 "" if stored else f", in memory only ({store.write_error or 'not stored'})")
         last_status[spec] = "compiled"
-        return Built(spec, key, files, "compiled", secs)
+        return Built(spec, key, files, "compiled", secs, stored)
 
 
 def key_of(spec: KernelSpec) -> str:

@@ -137,3 +137,134 @@ def test_miss_reasons_are_logged(tmp_path, caplog):
     old.rename(tmp_path / (key.rsplit("-", 1)[0] + "-000000000000"))  # as if an older version built it
     jit.build(SPEC, store=DiskCache(tmp_path))
     assert f"compiled {key} (stale)" in caplog.text
+
+
+def test_waiting_for_another_build_is_not_called_incomplete(tmp_path, caplog):
+    import logging
+    caplog.set_level(logging.DEBUG, logger="kerngen")
+    p = _warm_in_subprocess(str(tmp_path), delay=3)
+    key = jit.key_of(SPEC)
+    deadline = time.time() + 30   # it holds the lock and has written the source, not yet meta.json
+    while not (tmp_path / key / "source.cu").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    store = DiskCache(tmp_path)
+    assert store.get(key) is None and store.miss_reason[key] == "building"
+    b = jit.build(SPEC, store=store)
+    assert p.wait(60) == 0 and b.status == "cached"
+    assert "incomplete" not in caplog.text and "rebuilding" not in caplog.text
+
+
+@pytest.mark.parametrize("what", ["file", "symlink to another entry", "symlinked artifact"])
+def test_a_file_or_symlink_where_an_entry_belongs_is_replaced(tmp_path, what):
+    other = jit.build(fin.spec(2048, 8, "bfloat16", "float32", 1, "sm_90a"), store=DiskCache(tmp_path))
+    other_files = {p.name: p.read_bytes() for p in (tmp_path / other.key).iterdir()}
+    key = jit.key_of(SPEC)
+    if what == "file":
+        (tmp_path / key).write_text("not an entry")
+    elif what == "symlink to another entry":
+        (tmp_path / key).symlink_to(tmp_path / other.key)
+    else:
+        jit.build(SPEC, store=DiskCache(tmp_path))
+        (tmp_path / "a.cubin").write_bytes((tmp_path / key / "kernel.cubin").read_bytes())
+        (tmp_path / key / "kernel.cubin").unlink()
+        (tmp_path / key / "kernel.cubin").symlink_to(tmp_path / "a.cubin")   # same bytes, read through a link
+    assert jit.build(SPEC, store=DiskCache(tmp_path)).status == "compiled"
+    assert (tmp_path / key).is_dir() and not (tmp_path / key).is_symlink()
+    assert not (tmp_path / key / "kernel.cubin").is_symlink()
+    assert jit.build(SPEC, store=DiskCache(tmp_path)).status == "cached"
+    assert {p.name: p.read_bytes() for p in (tmp_path / other.key).iterdir()} == other_files
+
+
+@pytest.mark.parametrize("sha256", [{}, "x", {"kernel.cubin": "0" * 63}, {"../x": "0" * 64}, None])
+def test_meta_with_malformed_checksums_is_rebuilt_and_verify_says_so(tmp_path, sha256, monkeypatch, capsys):
+    from kerngen import cli
+    key = jit.build(SPEC, store=DiskCache(tmp_path)).key
+    meta = tmp_path / key / "meta.json"
+    m = json.loads(meta.read_text())
+    m["sha256"] = sha256
+    meta.write_text(json.dumps(m))
+    monkeypatch.setenv("KERNGEN_CACHE_DIR", str(tmp_path))
+    assert cli.main(["cache", "verify"]) == 1
+    assert "0 ok, 1 bad, 1 removed" in capsys.readouterr().out
+    meta.parent.mkdir()
+    meta.write_text(json.dumps(m))
+    assert jit.build(SPEC, store=DiskCache(tmp_path)).status == "compiled"
+    assert jit.build(SPEC, store=DiskCache(tmp_path)).files["kernel.cubin"][:4] == b"\x7fELF"
+
+
+def test_an_entry_without_its_backend_artifact_is_rebuilt(tmp_path):
+    key = jit.build(SPEC, store=DiskCache(tmp_path)).key
+    meta = tmp_path / key / "meta.json"
+    m = json.loads(meta.read_text())
+    (tmp_path / key / "source.cu").rename(tmp_path / key / "other")
+    m["sha256"] = {"other": __import__("hashlib").sha256((tmp_path / key / "other").read_bytes()).hexdigest()}
+    meta.write_text(json.dumps(m))
+    assert jit.build(SPEC, store=DiskCache(tmp_path)).status == "compiled"   # not served without kernel.cubin
+
+
+def test_a_deleted_entry_is_absent_not_stale_beside_same_shape_entries(tmp_path, caplog):
+    import logging
+
+    from kerngen import plan, tiers
+    caplog.set_level(logging.INFO, logger="kerngen")
+    rule = tiers.Rule(op="finalize", variant="small_batch", ranges={},
+                      params={"block_x": 32, "loads_per_group": 4, "early_read": False})
+    twin = plan.spec_for(rule, SPEC.tag, dict(SPEC.constants), "sm_90a")   # same readable key, other params
+    store = DiskCache(tmp_path)
+    a, b = jit.build(SPEC, store=store), jit.build(twin, store=store)
+    assert a.key.rsplit("-", 1)[0] == b.key.rsplit("-", 1)[0] and a.key != b.key
+    import shutil
+    shutil.rmtree(tmp_path / a.key)
+    jit.build(SPEC, store=DiskCache(tmp_path))
+    assert f"compiled {a.key} (absent)" in caplog.text
+
+
+def test_the_not_writable_warning_comes_once_per_directory(tmp_path):
+    root = tmp_path / "f"
+    root.write_text("a file, not a directory")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for h in (1024, 2048, 4096):   # a store per kernel, as warmup makes them
+            jit.build(fin.spec(h, 8, "bfloat16", "float32", 1, "sm_90a"), store=DiskCache(root))
+    assert len([x for x in w if "not writable" in str(x.message)]) == 1
+
+
+def test_rendered_sources_of_an_unwritable_cache_go_to_a_private_temp_dir(tmp_path, monkeypatch):
+    import stat
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    key = jit.key_of(SPEC)
+    (tmp_path / "f-is-a-file").write_text("no cache can live here")
+    path = DiskCache(tmp_path / "f-is-a-file").source_path(key, "source.cu", "// x")
+    mine = tmp_path / f"kerngen-src-{os.geteuid()}"
+    assert path == str(mine / key / "source.cu") and stat.S_IMODE(mine.stat().st_mode) == 0o700
+    assert not (tmp_path / "kerngen").exists()   # would shadow the package for anyone working in $TMPDIR
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    mine.rename(tmp_path / "old")
+    mine.symlink_to(elsewhere)                  # planted: never followed
+    path = DiskCache(tmp_path / "f-is-a-file").source_path(key, "source.cu", "// y")
+    assert not path.startswith(str(mine) + "/") and open(path).read() == "// y" and not os.listdir(elsewhere)
+
+
+def test_a_lock_wait_that_times_out_names_the_key_and_the_variable(tmp_path, monkeypatch):
+    p = _warm_in_subprocess(str(tmp_path), delay=20)
+    key = jit.key_of(SPEC)
+    deadline = time.time() + 30
+    while not (tmp_path / key / "source.cu").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    monkeypatch.setenv("KERNGEN_LOCK_TIMEOUT", "0.5")
+    try:
+        with pytest.raises(kerngen.errors.CacheError) as e:
+            jit.build(SPEC, store=DiskCache(tmp_path))
+        assert key in str(e.value) and "KERNGEN_LOCK_TIMEOUT (now 0.5 seconds)" in str(e.value)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_keys_are_names_never_paths(tmp_path):
+    store = DiskCache(tmp_path)
+    for bad in ("../x", "finalize-small_batch-H8-sm_90a-0123456789ab/../../x", "", "."):
+        with pytest.raises(kerngen.errors.CacheError):
+            store.get(bad)

@@ -46,12 +46,12 @@ def test_verify_and_clear_touch_only_kerngen_entries(tmp_path):
     bad = tmp_path / "finalize-small_batch-H64-K2-bf16-wf32-sm_90a-000000000000"
     bad.mkdir()   # key-shaped and incomplete, but nothing says the directory is kerngen's
     r = kerngen("cache", "verify", cache=tmp_path, check=False)
-    assert r.returncode == 1 and "0 ok, 1 bad (left in place: no CACHEDIR.TAG marker)" in r.stdout
+    assert r.returncode == 1 and "0 ok, 1 bad, 0 removed" in r.stdout and "has no CACHEDIR.TAG marker" in r.stdout
     r = kerngen("cache", "clear", cache=tmp_path, check=False)
     assert r.returncode == 2 and "no CACHEDIR.TAG marker" in r.stderr and "Traceback" not in r.stderr
     assert bad.is_dir()
     DiskCache(tmp_path)._prepare_root()   # as the first lock or entry marks it
-    assert "0 ok, 1 bad (removed)" in kerngen("cache", "verify", cache=tmp_path, check=False).stdout
+    assert "0 ok, 1 bad, 1 removed" in kerngen("cache", "verify", cache=tmp_path, check=False).stdout
     assert not bad.exists()
     bad.mkdir()
     assert "removed 1 entries" in kerngen("cache", "clear", cache=tmp_path).stdout
