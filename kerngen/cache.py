@@ -434,12 +434,13 @@ class DiskCache:
 
     def _try_lock(self, key: str):
         """The key's lock if it is free now; None if another process holds it; False if it cannot be taken here
-        (nothing is created for the attempt)."""
+        (the root is not marked as kerngen's, or not writable)."""
         path = self.root / LOCKS / f"{key}.lock"
-        if not self.writable or not self.is_marked() or not path.parent.is_dir():
+        if not self.writable or not self.is_marked():
             return False
         lk = filelock.FileLock(str(path), timeout=0, mode=FILE_MODE)
         try:
+            _mkdirs(path.parent)   # a marked root is kerngen's to write in
             lk.acquire()
         except filelock.Timeout:
             return None
