@@ -7,7 +7,7 @@ import sys
 
 from . import cache as cache_mod
 from . import env, jit, tiers, warmup
-from .errors import KerngenError
+from .errors import CacheError, KerngenError
 
 
 def _table(args) -> tiers.Table:
@@ -27,23 +27,40 @@ def cmd_warmup(args) -> int:
     ops = tuple(args.ops.split(",")) if args.ops else warmup.OPS
     from .plan import KernelSpec
     specs = [KernelSpec.from_json(text) for text in args.spec or []]
-    for arch in _arches(args.arch) if not args.spec else []:
+    arches = _arches(args.arch) if not args.spec else []
+    for arch in arches:
         if args.op:  # one shape's kernel, e.g. the one a strict-mode miss names
             specs.append(_shape_spec(args, tbl, arch))
             continue
         for name in names:
-            specs += [s for s in warmup.model_specs(tbl.model(name), tbl, arch, ops) if s not in specs]
+            specs += warmup.model_specs(tbl.model(name), tbl, arch, ops)
+    specs = list(dict.fromkeys(specs))
     names = names or [f"{len(specs)} kernel(s)"]
     store = cache_mod.default()
+    if problem := cache_mod.path_problem(store.root):
+        raise CacheError(f"warmup: cache directory {store.root} is not used: {problem}, so nothing could "
+                         "be stored there. Use a directory owned by you (or root) that only its owner can write, "
+                         "or set KERNGEN_CACHE_DIR to one")
     jobs = args.jobs or min(len(specs), os.cpu_count() or 1)
     results, secs = warmup.timed(warmup.run, specs, str(store.root), jobs, progress=not args.quiet)
     for r in results:
         print(f"  {r.status:9s} {r.key or r.spec.op + '-' + r.spec.variant}"
-              + (f"  ({r.seconds:.2f}s)" if r.status == "compiled" else "") + (f"\n    {r.error}" if r.error else ""))
+              + (f"  ({r.seconds:.2f}s{'' if r.stored else ', not stored'})" if r.status == "compiled" else "")
+              + (f"\n    {r.error}" if r.error else ""))
+    return _report(results, names, arches or sorted({s.arch for s in specs}), secs, store.root)
+
+
+def _report(results, names, arches, secs, root) -> int:
+    """The summary line; the exit status is 1 when a kernel failed or the cache did not get one compiled."""
     n = {s: sum(r.status == s for r in results) for s in ("compiled", "cached", "failed")}
-    print(f"kerngen warmup {', '.join(names)} [{', '.join(_arches(args.arch))}]: {len(results)} kernels, "
-          f"{n['compiled']} compiled, {n['cached']} cached, {n['failed']} failed in {secs:.1f}s -> {store.root}")
-    return 1 if n["failed"] else 0
+    lost = [r for r in results if r.status == "compiled" and not r.stored]
+    print(f"kerngen warmup {', '.join(names)} [{', '.join(arches)}]: {len(results)} kernels, {n['compiled']} compiled "
+          f"({n['compiled'] - len(lost)} stored), {n['cached']} cached, {n['failed']} failed in {secs:.1f}s -> {root}")
+    if lost:
+        print(f"kerngen warmup: {len(lost)} of {n['compiled']} compiled kernels could not be stored in {root} "
+              f"({lost[0].note}); the cache lacks them. Free space or make it writable and run this again, or set "
+              "KERNGEN_CACHE_DIR to a writable directory", file=sys.stderr)
+    return 1 if n["failed"] or lost else 0
 
 
 def _shape_spec(args, tbl: tiers.Table, arch: str):

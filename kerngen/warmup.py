@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -20,12 +23,14 @@ def _op_module(op: str):
 
 
 def model_specs(model: Model, tbl: Table, arch: str, ops=OPS) -> list[KernelSpec]:
-    specs: list[KernelSpec] = []
+    """The distinct kernels `model` can dispatch to, in order (rules that differ only in token range, and
+    op modules that list a kernel twice, give one spec)."""
+    specs: dict[KernelSpec, None] = {}
     for op in ops:
         mod = _op_module(op)
         if hasattr(mod, "model_specs"):
-            specs += [s for s in mod.model_specs(model, tbl, arch) if s not in specs]
-    return specs
+            specs.update(dict.fromkeys(mod.model_specs(model, tbl, arch)))
+    return list(specs)
 
 
 @dataclass
@@ -35,14 +40,40 @@ class Result:
     status: str      # compiled | cached | failed
     seconds: float
     error: str = ""
+    stored: bool = False   # the kernel is in the cache after this run
+    note: str = ""         # why a compiled kernel was not stored
 
 
-def _build_one(spec: KernelSpec, root: str) -> tuple[str, str, float, str]:
+def _build_one(spec: KernelSpec, root: str) -> tuple[str, str, float, str, bool, str]:
+    store = cache_mod.DiskCache(root, quiet=True)   # the report says what was not stored, once
     try:
-        b = jit.build(spec, store=cache_mod.DiskCache(root), strict=False)
-        return b.key, b.status, b.seconds, ""
+        b = jit.build(spec, store=store, strict=False)
+        return b.key, b.status, b.seconds, "", b.stored, "" if b.stored else store.write_error or "not stored"
     except Exception as e:  # reported per kernel; the run goes on with the others
-        return "", "failed", 0.0, f"{type(e).__name__}: {e}"
+        return "", "failed", 0.0, f"{type(e).__name__}: {e}", False, ""
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """Pool initializer: a worker whose parent dies (even by SIGKILL) dies too, instead of waiting forever on
+    the task pipe. Linux: the kernel signals it (prctl); elsewhere a thread watches the parent's pid."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl")
+    except (OSError, AttributeError):
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:   # it died before the signal was armed
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def run(specs: list[KernelSpec], root: str, jobs: int, progress: bool = True) -> list[Result]:
@@ -57,7 +88,8 @@ def run(specs: list[KernelSpec], root: str, jobs: int, progress: bool = True) ->
             bar and bar.update()
     else:
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() and not _cuda_initialized() else "spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_die_with_parent,
+                                 initargs=(os.getpid(),)) as pool:
             futures = {pool.submit(_build_one, s, root): s for s in specs}
             for f in as_completed(futures):
                 results.append(Result(futures[f], *f.result()))

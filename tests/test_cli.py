@@ -78,3 +78,11 @@ def test_a_variant_that_is_a_path_is_refused_before_anything_runs(tmp_path):
 def test_a_directory_as_tiers_file_is_a_clean_error(tmp_path):
     r = kerngen("tiers", "--tiers", str(tmp_path), cache=tmp_path / "cache", check=False)
     assert r.returncode == 2 and "is a directory" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_warmup_that_stores_nothing_says_so_and_fails(tmp_path):
+    (tmp_path / "f").write_text("a file where the cache directory should be")
+    r = kerngen("warmup", "--op", "finalize", "--topk", "8", "--hidden", "1024", "--arch", "sm_90a,sm_100a",
+                "--quiet", cache=tmp_path / "f", check=False)
+    assert r.returncode == 1 and "2 compiled (0 stored)" in r.stdout
+    assert "2 of 2 compiled kernels could not be stored" in r.stderr and "Traceback" not in r.stderr
