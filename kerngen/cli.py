@@ -7,7 +7,7 @@ import sys
 
 from . import cache as cache_mod
 from . import env, jit, tiers, warmup
-from .errors import CacheError, KerngenError
+from .errors import CacheError, InputError, KerngenError
 
 
 def _table(args) -> tiers.Table:
@@ -15,7 +15,12 @@ def _table(args) -> tiers.Table:
 
 
 def _arches(text: str | None) -> list[str]:
-    return [a.strip() for a in (text or env.default_arch()).split(",") if a.strip()]
+    if text is None:
+        return [env.default_arch()]
+    arches = [env.check_arch(a.strip(), "--arch") for a in text.split(",") if a.strip()]
+    if not arches:
+        raise InputError("command line", "--arch", "one or more targets, comma separated, e.g. sm_90a", repr(text))
+    return arches
 
 
 def cmd_warmup(args) -> int:
@@ -206,6 +211,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
+        env.lock_timeout(), env.strict(), env.default_arch()   # one clear error here, not one per kernel later
         return args.fn(args)
     except KerngenError as e:
         print(f"kerngen: {e}", file=sys.stderr)

@@ -2,16 +2,26 @@
 
 | variable              | meaning                                                         | default |
 |-----------------------|-----------------------------------------------------------------|---------|
-| KERNGEN_CACHE_DIR     | kernel cache directory                                          | `<checkout>/cache` in a source checkout, else `$XDG_CACHE_HOME/kerngen` (`~/.cache/kerngen`) |
+| KERNGEN_CACHE_DIR     | kernel cache directory (owned by you or root, writable by its owner only: see cache.py) | `<checkout>/cache` in a source checkout, else `$XDG_CACHE_HOME/kerngen` (`~/.cache/kerngen`) |
 | KERNGEN_TIERS         | user tiers file layered over the shipped `tiers.toml`           | unset |
-| KERNGEN_STRICT        | `1`: a cache miss raises instead of compiling (serving)         | `0` |
-| KERNGEN_ARCH          | compile target when no GPU is visible, e.g. `sm_90a`            | `sm_90a` |
-| KERNGEN_LOCK_TIMEOUT  | seconds to wait for another process compiling the same kernel   | `900` |
+| KERNGEN_STRICT        | `1`/`true`/`yes`/`on`: a cache miss raises instead of compiling (serving); `0`/`false`/`no`/`off` | `0` |
+| KERNGEN_ARCH          | compile target when no GPU is visible: `sm_<major><minor>`, `a` or `f` optional, e.g. `sm_90a` | `sm_90a` |
+| KERNGEN_LOCK_TIMEOUT  | seconds (a number >= 0) to wait for another process compiling the same kernel | `900` |
+| CUDA_HOME, CUDA_PATH  | a CUDA toolkit whose headers NVRTC uses when no nvidia-cuda-runtime wheel is installed | `/usr/local/cuda` |
+
+A value that cannot be used raises EnvError naming the variable.
 """
 from __future__ import annotations
 
+import math
 import os
+import re
 from pathlib import Path
+
+from .errors import EnvError, InputError
+
+ARCH = re.compile(r"sm_[0-9]{2,3}[af]?")   # an exact target: sm_90a, sm_100a, sm_120
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 PACKAGE = Path(__file__).resolve().parent
 CHECKOUT = PACKAGE.parent   # a source checkout keeps tiers.toml, templates/ and cache/ beside the package
@@ -28,7 +38,21 @@ def data_root() -> Path:
 
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise EnvError(name, f"one of {', '.join(_TRUE)} (on) or {', '.join(_FALSE[1:])} (off)", raw)
+    return value in _TRUE
+
+
+def check_arch(text: str, where: str) -> str:
+    """`text` as a compile target (e.g. sm_90a); `where` names its source in the error (a variable, a flag)."""
+    if not ARCH.fullmatch(text):
+        expected = "an exact GPU target like sm_90a (H100/H200), sm_100a (B200) or sm_120a"
+        if where.startswith("KERNGEN_"):
+            raise EnvError(where, expected, text)
+        raise InputError("command line", where, expected, repr(text))
+    return text
 
 
 def cache_dir() -> Path:
@@ -51,11 +75,23 @@ def strict() -> bool:
 
 
 def default_arch() -> str:
-    return os.environ.get("KERNGEN_ARCH", "sm_90a")
+    return check_arch(os.environ.get("KERNGEN_ARCH", "sm_90a").strip(), "KERNGEN_ARCH")
 
 
 def lock_timeout() -> float:
-    return float(os.environ.get("KERNGEN_LOCK_TIMEOUT", "900"))
+    raw = os.environ.get("KERNGEN_LOCK_TIMEOUT", "900")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not 0 <= seconds < math.inf:
+        raise EnvError("KERNGEN_LOCK_TIMEOUT", "a number of seconds >= 0, e.g. 900", raw)
+    return seconds
+
+
+def cuda_homes() -> list[str]:
+    """CUDA toolkits to take headers from, in order of preference (after the nvidia-* wheels)."""
+    return [h for h in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if h]
 
 
 def shipped_tiers() -> Path:

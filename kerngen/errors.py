@@ -17,6 +17,14 @@ class TierError(KerngenError):
     """tiers.toml is malformed, or no tier rule matches a shape."""
 
 
+class EnvError(KerngenError, ValueError):
+    """An environment variable kerngen reads has a value it cannot use."""
+
+    def __init__(self, var: str, expected: str, got: str):
+        self.var, self.expected, self.got = var, expected, got
+        super().__init__(f"environment variable {var}={got!r}: expected {expected}; fix it or unset it")
+
+
 class CacheError(KerngenError):
     """The kernel cache cannot do what was asked (a foreign directory, a lock that never came free)."""
 

@@ -1,0 +1,64 @@
+"""kerngen.env: every variable's bad values are EnvErrors naming it, and the README's table lists them all."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from kerngen import env
+from kerngen.errors import EnvError
+
+
+@pytest.mark.parametrize("var, value, read", [
+    ("KERNGEN_LOCK_TIMEOUT", "abc", env.lock_timeout),
+    ("KERNGEN_LOCK_TIMEOUT", "-1", env.lock_timeout),
+    ("KERNGEN_LOCK_TIMEOUT", "nan", env.lock_timeout),
+    ("KERNGEN_ARCH", "banana", env.default_arch),
+    ("KERNGEN_ARCH", "sm_90a/../x", env.default_arch),
+    ("KERNGEN_STRICT", "maybe", env.strict),
+])
+def test_a_bad_value_names_the_variable(monkeypatch, var, value, read):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(EnvError) as e:
+        read()
+    assert e.value.var == var and f"{var}={value!r}" in str(e.value) and "unset it" in str(e.value)
+
+
+@pytest.mark.parametrize("var, value, read, expected", [
+    ("KERNGEN_LOCK_TIMEOUT", "2.5", env.lock_timeout, 2.5),
+    ("KERNGEN_LOCK_TIMEOUT", "0", env.lock_timeout, 0.0),
+    ("KERNGEN_ARCH", "sm_100a", env.default_arch, "sm_100a"),
+    ("KERNGEN_STRICT", " Yes ", env.strict, True),
+    ("KERNGEN_STRICT", "off", env.strict, False),
+    ("KERNGEN_STRICT", "", env.strict, False),
+])
+def test_good_values_are_read(monkeypatch, var, value, read, expected):
+    monkeypatch.setenv(var, value)
+    assert read() == expected
+
+
+@pytest.mark.parametrize("var, value", [("KERNGEN_ARCH", "banana"), ("KERNGEN_LOCK_TIMEOUT", "abc"),
+                                        ("KERNGEN_STRICT", "2")])
+def test_the_command_line_reports_a_bad_variable_in_one_line(tmp_path, var, value):
+    r = subprocess.run([sys.executable, "-m", "kerngen", "warmup", "--op", "finalize", "--topk", "8", "--hidden",
+                        "1024"], capture_output=True, text=True,
+                       env={**os.environ, "KERNGEN_CACHE_DIR": str(tmp_path), var: value})
+    assert r.returncode == 2 and r.stderr.startswith(f"kerngen: environment variable {var}=")
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1 and not os.listdir(tmp_path)
+
+
+def _variables(table: str) -> list[str]:
+    return [v for row in re.findall(r"^\|\s*`?([A-Z][A-Z_, `]+?)`?\s*\|", table, re.M)
+            for v in re.split(r"[`, ]+", row) if v and v != "variable"]
+
+
+def test_the_readme_table_matches_env_py():
+    readme = (env.CHECKOUT / "README.md").read_text()
+    if "## Environment" not in readme:
+        pytest.skip("no README beside the package (an installed copy)")
+    section = readme.split("## Environment", 1)[1].split("\n## ", 1)[0]
+    assert _variables(section) == _variables(env.__doc__)
+    source = (env.PACKAGE / "env.py").read_text()
+    read = set(re.findall(r"(?:environ\.get|_flag)\(\"([A-Z_]+)\"", source)) - {"XDG_CACHE_HOME"}
+    assert read == set(_variables(env.__doc__))
