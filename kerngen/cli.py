@@ -23,19 +23,28 @@ def _arches(text: str | None) -> list[str]:
     return arches
 
 
+def _ops(text: str | None) -> tuple[str, ...]:
+    ops = tuple(o.strip() for o in text.split(",")) if text else warmup.OPS
+    for op in ops:
+        if op not in warmup.OPS:
+            raise InputError("warmup", "--ops", f"a comma separated subset of {','.join(warmup.OPS)}",
+                             repr(text))
+    return ops
+
+
 def cmd_warmup(args) -> int:
     tbl = _table(args)
     names = sorted(tbl.models) if args.all else (args.model or [])
     if not names and not args.op and not args.spec:
         print("kerngen warmup: give --model NAME (repeatable), --all, --op with a shape, or --spec", file=sys.stderr)
         return 2
-    ops = tuple(args.ops.split(",")) if args.ops else warmup.OPS
+    ops = _ops(args.ops)
     from .plan import KernelSpec
     specs = [KernelSpec.from_json(text) for text in args.spec or []]
     arches = _arches(args.arch) if not args.spec else []
     for arch in arches:
         if args.op:  # one shape's kernel, e.g. the one a strict-mode miss names
-            specs.append(_shape_spec(args, tbl, arch))
+            specs.append(_shape_spec("warmup", args, tbl, arch))
             continue
         for name in names:
             specs += warmup.model_specs(tbl.model(name), tbl, arch, ops)
@@ -68,27 +77,45 @@ def _report(results, names, arches, secs, root) -> int:
     return 1 if n["failed"] or lost else 0
 
 
-def _shape_spec(args, tbl: tiers.Table, arch: str):
+def _shape_spec(cmd: str, args, tbl: tiers.Table, arch: str):
     """The one kernel a shape given on the command line (or a model's shape at --tokens) dispatches to."""
     if args.model:
         if isinstance(args.model, list):
             args.model = args.model[0]
         m = tbl.model(args.model)
         args.experts, args.topk, args.hidden = m.num_experts, m.top_k, m.hidden
-    if args.topk is None:
-        raise KerngenError(f"{args.op}: give --model NAME or --topk (with --experts / --hidden as the op needs)")
+    _check_shape(cmd, args)
     return warmup._op_module(args.op).explain_spec(args, tbl, arch)
+
+
+def _check_shape(cmd: str, args) -> None:
+    """The shape flags, checked as the op checks its tensors: a shape the op would reject is not compiled."""
+    op, where = args.op, f"{cmd} --op {args.op}"
+    if args.topk is None:
+        raise InputError(where, "--topk", "given (or --model NAME), with --experts / --hidden as the op needs", "none")
+    max_k = getattr(warmup._op_module(op), "MAX_K", tiers.MAX_TOPK)
+    if not 1 <= args.topk <= max_k:
+        raise InputError(where, "--topk", f"an integer in [1, {max_k}]", str(args.topk))
+    if op == "routing":
+        if not args.topk <= args.experts <= tiers.MAX_EXPERTS:
+            raise InputError(where, "--experts", f"an integer in [--topk = {args.topk}, {tiers.MAX_EXPERTS}]",
+                             str(args.experts))
+    elif args.hidden < 8 or args.hidden % 8 or args.hidden > tiers.INT32_MAX:
+        raise InputError(where, "--hidden", "a multiple of 8, at least 8 (rows are read in 16-byte vectors)",
+                         str(args.hidden))
+    if not 1 <= args.tokens <= tiers.INT32_MAX:
+        raise InputError(where, "--tokens", f"an integer in [1, {tiers.INT32_MAX}]", str(args.tokens))
 
 
 def cmd_explain(args) -> int:
     tbl = _table(args)
     arch = _arches(args.arch)[0]
-    spec = _shape_spec(args, tbl, arch)
+    spec = _shape_spec("explain", args, tbl, arch)
     rule = tbl.rule(args.op, {"num_experts": args.experts or 0, "top_k": args.topk, "hidden": args.hidden,
                               "tokens": args.tokens})
     key = jit.key_of(spec)
     store = cache_mod.default()
-    cached = store.get(key) is not None
+    cached = store.get(key, (jit.BACKENDS[spec.backend].artifact,)) is not None
     print(f"op        {args.op}\ntier      {rule.source}\nvariant   {spec.variant} ({spec.backend})\n"
           f"params    {dict(spec.params)}\nconstants {dict(spec.constants)}\narch      {arch}\nkey       {key}\n"
           f"cached    {'yes' if cached else 'no'} ({store.root / key})")
@@ -98,7 +125,7 @@ def cmd_explain(args) -> int:
 def cmd_tune(args) -> int:
     from . import tune
     ops = args.ops.split(",")
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else tune.DEFAULT_TOKENS
+    tokens = args.tokens or tune.DEFAULT_TOKENS
     out = args.out or (str(env.user_tiers()) if env.user_tiers() else f"kerngen-tuned-{args.model}.toml")
     rules = tune.tune(args.model, ops, tokens, progress=not args.quiet)
     tune.write(out, args.model, rules)
@@ -162,12 +189,28 @@ def _verify(store: cache_mod.DiskCache, keys: list[str]) -> int:
     return 1 if bad else 0
 
 
+def _at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = lo - 1
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}")
+        return v
+    return parse
+
+
+def _token_list(text: str) -> list[int]:
+    return [_at_least(1)(t.strip()) for t in text.split(",")]
+
+
 def _shape_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--op", required=required, choices=("routing", "finalize", "tail"), help="op of one shape")
     p.add_argument("--experts", type=int, default=0)
     p.add_argument("--topk", type=int)
     p.add_argument("--hidden", type=int, default=0)
-    p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--tokens", type=_at_least(1), default=1)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--weights-dtype", default="float32", choices=("float32", "bfloat16"))
 
@@ -180,7 +223,7 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--all", action="store_true", help="every model of the tier table")
     w.add_argument("--arch", help="target(s), comma separated, e.g. sm_90a (default: KERNGEN_ARCH or sm_90a)")
     w.add_argument("--ops", help="comma separated subset of routing,finalize,tail")
-    w.add_argument("--jobs", type=int, default=0, help="parallel compile processes (default: CPU count)")
+    w.add_argument("--jobs", type=_at_least(0), default=0, help="parallel compile processes (default: CPU count)")
     w.add_argument("--tiers", help="user tiers file layered over the shipped one")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
     w.add_argument("--spec", action="append", help="one kernel spec as JSON (strict-mode misses print it)")
@@ -195,7 +238,7 @@ def parser() -> argparse.ArgumentParser:
     u = sub.add_parser("tune", help="time candidate kernels on this GPU and write the winners to a tiers file")
     u.add_argument("--model", required=True)
     u.add_argument("--ops", default="routing,finalize,tail", help="comma separated subset of routing,finalize,tail")
-    u.add_argument("--tokens", help="comma separated token buckets")
+    u.add_argument("--tokens", type=_token_list, help="comma separated token buckets")
     u.add_argument("--out", help="tiers file to write (default: KERNGEN_TIERS or kerngen-tuned-MODEL.toml)")
     u.add_argument("--quiet", action="store_true")
     u.set_defaults(fn=cmd_tune)

@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def kerngen(*args, cache, check=True):
     import os
@@ -78,6 +80,27 @@ def test_a_variant_that_is_a_path_is_refused_before_anything_runs(tmp_path):
 def test_a_directory_as_tiers_file_is_a_clean_error(tmp_path):
     r = kerngen("tiers", "--tiers", str(tmp_path), cache=tmp_path / "cache", check=False)
     assert r.returncode == 2 and "is a directory" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("warmup", "--op", "finalize", "--topk", "8", "--hidden", "3583"), "argument '--hidden' must be a multiple of 8"),
+    (("warmup", "--op", "finalize", "--topk", "8", "--hidden", "0"), "argument '--hidden' must be a multiple of 8"),
+    (("warmup", "--op", "tail", "--topk", "40", "--hidden", "1024"), "argument '--topk' must be an integer in [1, 32]"),
+    (("explain", "--op", "finalize", "--topk", "0", "--hidden", "1024"),
+     "argument '--topk' must be an integer in [1, 64], got 0"),
+    (("explain", "--op", "routing", "--topk", "8", "--experts", "4"), "argument '--experts' must be an integer in"),
+    (("warmup", "--op", "finalize", "--topk", "8", "--hidden", "1024", "--arch", "banana"),
+     "argument '--arch' must be an exact GPU target"),
+    (("warmup", "--model", "kimi-k3", "--ops", "routing,foo"), "argument '--ops' must be a comma separated subset"),
+    (("warmup", "--spec", "{not json"), "argument 'JSON' must be the object a strict-mode miss prints"),
+    (("warmup", "--model", "kimi-k3", "--jobs", "-1"), "argument --jobs: must be an integer >= 0"),
+    (("explain", "--op", "finalize", "--topk", "8", "--hidden", "1024", "--tokens", "0"),
+     "argument --tokens: must be an integer >= 1"),
+])
+def test_bad_flags_are_clean_errors_that_name_them(tmp_path, args, needle):
+    r = kerngen(*args, cache=tmp_path / "c", check=False)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "key " not in r.stdout and not (tmp_path / "c").exists()
 
 
 def test_warmup_that_stores_nothing_says_so_and_fails(tmp_path):
