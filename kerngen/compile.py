@@ -5,11 +5,17 @@ Compiling needs no GPU, so a cache can be built on a CPU machine and shipped.
 """
 from __future__ import annotations
 
-import os
+import re
 from functools import lru_cache
+from importlib import metadata
 from pathlib import Path
 
+from . import env
 from .errors import CompileError
+
+OPTIONS = ("-std=c++17", "-default-device", "-lineinfo", "-DKERNGEN_NVRTC=1")
+# the wheels whose headers NVRTC reads (CUDA 13 names, then CUDA 12's)
+HEADER_WHEELS = ("nvidia-cuda-runtime", "nvidia-cuda-cccl", "nvidia-cuda-runtime-cu12", "nvidia-cuda-cccl-cu12")
 
 
 @lru_cache(maxsize=1)
@@ -32,10 +38,37 @@ def include_dirs() -> tuple[str, ...]:
                     dirs.append(str(d))
     except ImportError:
         pass
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home and (Path(home) / "include" / "cuda_bf16.h").is_file():
+    for home in env.cuda_homes():
+        if (Path(home) / "include" / "cuda_bf16.h").is_file():
             dirs.append(str(Path(home) / "include"))
     return tuple(dirs[:1])  # one header set: mixing toolkit versions breaks builds
+
+
+@lru_cache(maxsize=1)
+def headers() -> str:
+    """What identifies the CUDA headers a build reads: the versions of the wheels that ship them, or the
+    toolkit's CUDA_VERSION (never a path: a cache built elsewhere must keep its keys)."""
+    dirs = include_dirs()
+    if not dirs:
+        return "none"
+    if "nvidia" in Path(dirs[0]).parts:
+        found = []
+        for dist in HEADER_WHEELS:
+            try:
+                found.append(f"{dist}=={metadata.version(dist)}")
+            except metadata.PackageNotFoundError:
+                pass
+        return f"{Path(dirs[0]).parent.name}: " + ", ".join(found)
+    try:
+        m = re.search(r"#define\s+CUDA_VERSION\s+(\d+)", (Path(dirs[0]) / "cuda.h").read_text(errors="replace"))
+    except OSError:
+        m = None
+    return f"toolkit CUDA_VERSION {m.group(1) if m else 'unknown'}"
+
+
+def toolchain() -> dict[str, str]:
+    """Everything besides the source that an NVRTC build depends on: NVRTC, the headers and the options."""
+    return {"nvrtc": nvrtc_version(), "headers": headers(), "options": " ".join(OPTIONS)}
 
 
 def _check(result, what: str):
@@ -51,8 +84,7 @@ def nvrtc_compile(source: str, name: str, arch: str, key: str, source_path: str 
     from cuda.bindings import nvrtc
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []), "nvrtcCreateProgram")
     try:
-        opts = [f"--gpu-architecture={arch}", "-std=c++17", "-default-device", "-lineinfo",
-                "-DKERNGEN_NVRTC=1", *[f"-I{d}" for d in include_dirs()]]
+        opts = [f"--gpu-architecture={arch}", *OPTIONS, *[f"-I{d}" for d in include_dirs()]]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
         buf = b" " * size

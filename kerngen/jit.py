@@ -53,8 +53,8 @@ def toolchain(backend: str) -> dict[str, str]:
     if backend == "cute":
         from . import cute_backend
         return cute_backend.toolchain()
-    from .compile import nvrtc_version
-    return {"nvrtc": nvrtc_version()}
+    from . import compile as nvrtc
+    return nvrtc.toolchain()
 
 
 def _prepared(spec: KernelSpec) -> tuple[str, str]:

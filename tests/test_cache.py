@@ -268,3 +268,17 @@ def test_keys_are_names_never_paths(tmp_path):
     for bad in ("../x", "finalize-small_batch-H8-sm_90a-0123456789ab/../../x", "", "."):
         with pytest.raises(kerngen.errors.CacheError):
             store.get(bad)
+
+
+def test_the_cuda_header_versions_are_in_the_key(monkeypatch):
+    from kerngen import compile as nvrtc
+    before = jit.key_of(SPEC)
+    real = nvrtc.metadata.version
+    monkeypatch.setattr(nvrtc.metadata, "version",
+                        lambda d: "99.0" if d == "nvidia-cuda-cccl" else real(d))
+    nvrtc.headers.cache_clear()
+    try:
+        assert "nvidia-cuda-cccl==99.0" in nvrtc.toolchain()["headers"]
+        assert jit.key_of(SPEC) != before
+    finally:
+        nvrtc.headers.cache_clear()
