@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import time
 from dataclasses import dataclass
 
@@ -63,16 +64,18 @@ def _prepared(spec: KernelSpec) -> tuple[str, str]:
 
 
 def warmup_command(spec: KernelSpec) -> str:
-    """The exact command that builds `spec`: a model's warmup when a shipped/user model needs it."""
+    """The exact command that builds `spec`: a model's warmup when a shipped/user model needs it (with the
+    user tiers file the model or its rules come from)."""
     from . import tiers, warmup
     try:
         tbl = tiers.load()
+        user = "".join(f" --tiers {shlex.quote(f)}" for f in tbl.files[1:])
         for name, model in sorted(tbl.models.items()):
             if spec in warmup.model_specs(model, tbl, spec.arch):
-                return f"kerngen warmup --model {name} --arch {spec.arch}"
+                return f"kerngen warmup --model {shlex.quote(name)} --arch {spec.arch}{user}"
     except Exception:  # a broken tiers file must not hide the miss itself
         pass
-    return f"kerngen warmup --spec '{spec.to_json()}'"
+    return f"kerngen warmup --spec {shlex.quote(spec.to_json())}"
 
 
 def _compile(spec: KernelSpec, source: str, key: str, store: cache_mod.DiskCache) -> dict[str, bytes]:

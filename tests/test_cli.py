@@ -109,3 +109,14 @@ def test_warmup_that_stores_nothing_says_so_and_fails(tmp_path):
                 "--quiet", cache=tmp_path / "f", check=False)
     assert r.returncode == 1 and "2 compiled (0 stored)" in r.stdout
     assert "2 of 2 compiled kernels could not be stored" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_strict_mode_command_for_a_user_model_names_its_tiers_file(tmp_path, monkeypatch):
+    from kerngen import jit, tiers, warmup
+    user = tmp_path / "mine.toml"
+    user.write_text('schema = 1\n[models.tiny]\nnum_experts = 16\ntop_k = 2\nhidden = 256\n'
+                    'routing = "softmax_topk"\ntokens = [1, 64]\n')
+    monkeypatch.setenv("KERNGEN_TIERS", str(user))
+    tbl = tiers.load()
+    spec = warmup.model_specs(tbl.model("tiny"), tbl, "sm_90a")[0]
+    assert jit.warmup_command(spec) == f"kerngen warmup --model tiny --arch sm_90a --tiers {user}"
