@@ -271,14 +271,17 @@ def variants(op: str) -> list[str]:
     return sorted({n[: -len(ext)] for n in names for ext in TEMPLATE_EXT.values() if n.endswith(ext)})
 
 
+def _known(op: str) -> str:
+    return ", ".join(variants(op)) or "none"
+
+
 def check_variant(where: str, op: str, variant, backend) -> None:
     """`variant` names a kernel of `op` that exists for `backend`: a name, never a path."""
-    known = ", ".join(variants(op)) or "none"
     if not isinstance(variant, str) or not NAME.fullmatch(variant):
-        _fail(where, f"field 'variant' must be the name of a variant of {op} (known: {known}), got {variant!r}")
+        _fail(where, f"field 'variant' must be the name of a variant of {op} (known: {_known(op)}), got {variant!r}")
     if op in UNTEMPLATED:
         if variant not in UNTEMPLATED[op]:
-            _fail(where, f"unknown variant '{variant}' of {op} (known: {known})")
+            _fail(where, f"unknown variant '{variant}' of {op} (known: {_known(op)})")
         return
     if backend not in TEMPLATE_EXT:
         _fail(where, f"param 'backend' must be one of {', '.join(TEMPLATE_EXT)}, got {backend!r}")
@@ -289,7 +292,7 @@ def check_variant(where: str, op: str, variant, backend) -> None:
                          f"({op}/{variant}{TEMPLATE_EXT[other[0]]}), not '{backend}': set params.backend = "
                          f"\"{other[0]}\"")
         _fail(where, f"unknown variant '{variant}' of {op} for backend '{backend}': no template "
-                     f"{op}/{variant}{TEMPLATE_EXT[backend]} under {env.templates_dir()} (known: {known})")
+                     f"{op}/{variant}{TEMPLATE_EXT[backend]} under {env.templates_dir()} (known: {_known(op)})")
 
 
 def check_params(where: str, op: str, variant: str, params: dict) -> None:
