@@ -388,7 +388,7 @@ def compare_kernels(before: list[Kernel], after: list[Kernel], root: Path, jobs:
 
 
 def compare_trees(tree_b: Path, tree_a: Path, *, models: str = "all", ops: str = "all", arch: str = "sm_90a",
-                  jobs: int = 2, root: Path | None = None, labels=("before", "after"), repeat: int = 2) -> list[Row]:
+                  jobs: int = 2, root: Path | None = None, labels=("before", "after"), repeat: int = 4) -> list[Row]:
     """Build both trees' kernels and compare them; a kernel that differs is built `repeat` more times on each
     side (NVRTC does not always give the same SASS for the same source: the large routing kernels vary)."""
     root = Path(root or default_cache_root())
@@ -447,9 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allow", action="append", default=[], metavar="SUBSTRING",
                     help="a kernel whose readable key or spec JSON holds this may differ (repeatable)")
     ap.add_argument("--jobs", type=int, default=2, help="compile / disassembly processes per side (default 2)")
-    ap.add_argument("--repeat", type=int, default=2,
+    ap.add_argument("--repeat", type=int, default=4,
                     help="builds more of each kernel that differs, per side, to tell the compiler's own variation "
-                         "from a change (default 2; 0: none)")
+                         "from a change (default 4; 0: none)")
     ap.add_argument("--cache-root", type=Path, default=None,
                     help=f"trees, kernel caches and SASS kept between runs (default {default_cache_root()})")
     ap.add_argument("--side", help=argparse.SUPPRESS)
