@@ -1,4 +1,5 @@
-"""Render a KernelSpec's template to source text (Jinja2, StrictUndefined: a missing value is an error)."""
+"""Render a KernelSpec's template to source text (Jinja2, StrictUndefined: a missing value is an error; tier
+rules and --spec are checked against the variant's params before they get here)."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -25,6 +26,3 @@ def render(spec: KernelSpec) -> str:
     except (OSError, jinja2.TemplateNotFound) as e:
         raise TierError(f"{spec.op} variant '{spec.variant}' ({spec.backend}): template {spec.template} cannot be "
                         f"read under {env.templates_dir()} ({getattr(e, 'strerror', None) or e})") from None
-    except jinja2.UndefinedError as e:
-        raise TierError(f"{spec.op} variant '{spec.variant}': template {spec.template} needs a value the rule does "
-                        f"not give ({e.message}); params were {dict(spec.params)}") from None
