@@ -9,8 +9,8 @@ Layout: <root>/CACHEDIR.TAG, <root>/<key>/<artifact files>, <root>/<key>/meta.js
   fcntl locks (filelock): the kernel releases them when the holder dies, so a kill -9 never hangs anyone.
 - Trust: an entry is code this process runs (a CuTe object is host code linked into the process, a cubin runs
   on the GPU). It is read only if the root and the directories above it, the entry and its files are owned by
-  this user or root and writable by no one else (a sticky parent such as /tmp excepted), as ssh treats
-  ~/.ssh. Anything else is refused with one warning, left in place, and its kernel is compiled in memory.
+  this user or root and writable by no one else (a sticky parent such as /tmp, and the owner's private group,
+  excepted), as ssh treats ~/.ssh. Anything else is refused with one warning, left in place, and its kernel is compiled in memory.
 - Files are created 0644 and directories 0755 (less the umask), so a cache warmed by root can be read by
   every user, and works mounted read-only. A directory that cannot be written (read-only, full, another
   user's) still serves what it holds; the kernels it lacks are compiled in memory, with one warning.
@@ -18,10 +18,12 @@ Layout: <root>/CACHEDIR.TAG, <root>/<key>/<artifact files>, <root>/<key>/meta.js
 from __future__ import annotations
 
 import errno
+import grp
 import hashlib
 import json
 import logging
 import os
+import pwd
 import re
 import secrets
 import shutil
@@ -29,6 +31,7 @@ import stat
 import tempfile
 import warnings
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
 import filelock
@@ -61,14 +64,26 @@ def check_key(key: str) -> str:
     return key
 
 
+@lru_cache(maxsize=64)
+def _private_group(gid: int, uid: int) -> bool:
+    """Whether `gid` is the user private group of `uid` (its own name, no other members), as a umask of 002
+    leaves behind: its write bit lets no one else in (the exception Debian's OpenSSH makes too)."""
+    try:
+        group, user = grp.getgrgid(gid), pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return user.pw_gid == gid and group.gr_name == user.pw_name and set(group.gr_mem) <= {user.pw_name}
+
+
 def owner_problem(st: os.stat_result) -> str | None:
     """Why a file or directory with this status could hold another user's code, or None."""
-    if st.st_uid not in (os.geteuid(), 0):
+    uid = os.geteuid()
+    if st.st_uid not in (uid, 0):
         return f"is owned by uid {st.st_uid}, not by you or root"
     if st.st_mode & stat.S_IWOTH:
         return "is writable by everyone"
-    if st.st_mode & stat.S_IWGRP:
-        return "is writable by its group"
+    if st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid, st.st_uid):
+        return f"is writable by its group (gid {st.st_gid})"
     return None
 
 

@@ -90,11 +90,14 @@ def test_files_are_readable_by_everyone_and_writable_by_their_owner_only(tmp_pat
     assert (root / "CACHEDIR.TAG").is_file()
 
 
-@pytest.mark.parametrize("mode, who", [(0o777, "everyone"), (0o775, "its group")])
-def test_a_cache_others_can_write_is_not_used(tmp_path, mode, who):
+@pytest.mark.parametrize("mode, group, who", [(0o777, None, "everyone"), (0o775, NOBODY, "its group (gid 65534)")])
+def test_a_cache_others_can_write_is_not_used(tmp_path, mode, group, who):
     root = tmp_path / "c"
     key = jit.build(SPEC, store=DiskCache(root)).key
     before = {p: p.read_bytes() for p in (root / key).iterdir()}
+    if group is not None:
+        needs_root()
+        os.chown(root, -1, group)   # a group others are in
     root.chmod(mode)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -105,6 +108,17 @@ def test_a_cache_others_can_write_is_not_used(tmp_path, mode, who):
     assert len(msgs) == 1 and f"{root} is writable by {who}" in msgs[0] and "not used" in msgs[0]
     assert {p: p.read_bytes() for p in (root / key).iterdir()} == before
     assert sorted(os.listdir(root)) == sorted([".locks", "CACHEDIR.TAG", key])   # nothing written, nothing removed
+
+
+def test_a_group_of_the_owner_alone_may_write(tmp_path):
+    from kerngen.cache import _private_group
+    if not _private_group(os.getegid(), os.geteuid()):
+        pytest.skip("this user's group is not a private group")
+    root = tmp_path / "c"
+    jit.build(SPEC, store=DiskCache(root))
+    for p in (root, *root.rglob("*")):   # as a checkout or cache made with umask 002 is
+        p.chmod(p.stat().st_mode | stat.S_IWGRP)
+    assert jit.build(SPEC, store=DiskCache(root)).status == "cached"
 
 
 @pytest.mark.parametrize("planted", ["entry", "artifact"])
