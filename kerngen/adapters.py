@@ -1,4 +1,5 @@
-"""Entry points with the signatures inference engines already call.
+"""Entry points with the signatures inference engines already call: `select_experts` (vLLM's custom routing)
+and `moe_align_block_size` (vLLM's and SGLang's block layout for their Triton fused-MoE kernels).
 
 `select_experts` has vLLM's custom-routing signature and follows vLLM's router choice
 (`vllm/model_executor/layers/fused_moe/router/router_factory.py`) argument for argument:
@@ -24,6 +25,7 @@ the same argument checks as the kernels.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -106,3 +108,63 @@ def select_experts(hidden_states: torch.Tensor | None, gating_output: torch.Tens
 
 def _describe(x) -> str:
     return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int,
+                         expert_map: torch.Tensor | None = None, pad_sorted_ids: bool = False, *,
+                         local_experts: tuple[int, int] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's `moe_align_block_size` (fused_moe/moe_align_block_size.py) with its signature and outputs:
+    (sorted_token_ids [T*K + E*(block_size-1)] int32, expanded indices in expert order, each expert padded to
+    block_size with T*K; expert_ids [ceil(len / block_size)] int32, a block's expert (mapped through expert_map:
+    -1 for experts of other ranks); num_tokens_post_padded [1] int32), computed by kerngen's permutation kernel
+    in one launch on CUDA straight into the returned tensors (`routing.permute_align_into`), by
+    `routing.align_reference` on the CPU.
+
+    Experts within a block are in ascending expanded index (vLLM leaves the order open). kerngen's expert
+    parallelism is a contiguous range: `expert_map` must map [start, start + count) to 0..count-1 and the rest
+    to -1 (checked once per map tensor, with one device-to-host copy), or pass `local_experts=(start, count)`.
+    """
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.dtype != torch.int32:
+        raise InputError("moe_align_block_size", "topk_ids", "an int32 tensor [T, K]", _describe(topk_ids))
+    local = _local_range(expert_map, num_experts, local_experts)
+    if topk_ids.device.type != "cuda":
+        _positive_int("block_size", block_size)
+        _positive_int("num_experts", num_experts)
+        return _rt.align_reference(topk_ids, block_size, num_experts, local, pad_sorted_ids)
+    _positive_int("block_size", block_size)
+    rows = _rt.max_rows(topk_ids.shape[0], topk_ids.shape[1], num_experts, block_size)
+    rows = -(-rows // block_size) * block_size if pad_sorted_ids else rows
+    sorted_ids = torch.empty((rows,), dtype=torch.int32, device=topk_ids.device)
+    expert_ids = torch.empty((-(-rows // block_size),), dtype=torch.int32, device=topk_ids.device)
+    post_pad = torch.empty((1,), dtype=torch.int32, device=topk_ids.device)
+    _rt.permute_align_into(topk_ids.contiguous(), num_experts, block_size, sorted_ids, expert_ids, post_pad, local)
+    return sorted_ids, expert_ids, post_pad
+
+
+_maps: dict[int, tuple] = {}   # id -> (weakref, version, range): a freed map's address may come back
+
+
+def _local_range(expert_map, num_experts: int, local_experts) -> tuple[int, int] | None:
+    """The contiguous local range an expert_map describes (or local_experts as given)."""
+    if expert_map is None:
+        return local_experts
+    if local_experts is not None:
+        raise InputError("moe_align_block_size", "local_experts", "left out when expert_map is given", "both")
+    if (not isinstance(expert_map, torch.Tensor) or expert_map.dim() != 1
+            or expert_map.shape[0] != num_experts or expert_map.dtype not in (torch.int32, torch.int64)):
+        raise InputError("moe_align_block_size", "expert_map", f"an integer tensor [{num_experts}]",
+                         _describe(expert_map))
+    hit = _maps.get(id(expert_map))   # the same live tensor, unchanged since it was read
+    if hit is not None and hit[0]() is expert_map and hit[1] == expert_map._version:
+        return hit[2]
+    m = expert_map.cpu().long()
+    local = (m >= 0).nonzero().flatten()
+    start, count = (int(local[0]), local.numel()) if local.numel() else (0, 0)
+    want = torch.full((num_experts,), -1, dtype=torch.long)
+    want[start:start + count] = torch.arange(count)
+    if count == 0 or not torch.equal(m, want):
+        raise InputError("moe_align_block_size", "expert_map", "a contiguous range [start, start + count) "
+                         "mapped to 0..count-1 and -1 elsewhere (kerngen's expert parallelism)", "another mapping")
+    _maps[id(expert_map)] = (weakref.ref(expert_map), expert_map._version, (start, count))
+    return start, count

@@ -1,4 +1,5 @@
-"""torch custom ops: kerngen::finalize, kerngen::route, kerngen::moe_tail.
+"""torch custom ops: kerngen::finalize, kerngen::route, kerngen::route_permute, kerngen::moe_align_block_size,
+kerngen::moe_tail.
 
 They trace under torch.compile(fullgraph=True) (fake implementations give output shapes) and capture in
 CUDA graphs. A CPU implementation (the torch reference) lets pipelines run and be checked on the CPU.
@@ -56,6 +57,78 @@ def _route_fake(logits, top_k, method, bias=None, n_group=1, topk_group=1, route
                 renormalize=True):
     T = logits.shape[0]
     return (logits.new_empty((T, top_k), dtype=torch.int32), logits.new_empty((T, top_k), dtype=torch.float32))
+
+
+# ------------------------------------------------------------------------------------- route + permutation
+@torch.library.custom_op("kerngen::route_permute", mutates_args=(), device_types="cuda")
+def route_permute(logits: Tensor, top_k: int, method: str, tile: int, bias: Tensor | None = None, n_group: int = 1,
+                  topk_group: int = 1, routed_scaling_factor: float = 1.0, renormalize: bool = True,
+                  local_start: int = 0, num_local: int = -1) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                       Tensor, Tensor]:
+    """route with the whole permutation: (topk_ids, topk_weights, expert_counts, expert_offsets,
+    expanded_to_permuted, permuted_to_token, tile_to_expert, num_permuted_rows); num_local = -1: all experts."""
+    E = logits.shape[1]
+    local = (local_start, E - local_start if num_local < 0 else num_local)
+    ws = _rt.RoutingWorkspace(max(logits.shape[0], 1), E, top_k, tile, local_experts=local, device=logits.device,
+                              separate=True)
+    r = _rt.route(logits, top_k=top_k, method=method, bias=bias, n_group=n_group, topk_group=topk_group,
+                  routed_scaling_factor=routed_scaling_factor, renormalize=renormalize, tile=tile,
+                  local_experts=local, workspace=ws)
+    return _permutation(r)
+
+
+def _permutation(r) -> tuple:
+    return (r.topk_ids, r.topk_weights, r.expert_counts, r.expert_offsets, r.expanded_to_permuted,
+            r.permuted_to_token, r.tile_to_expert, r.num_permuted_rows)
+
+
+@route_permute.register_kernel("cpu")
+def _route_permute_cpu(logits, top_k, method, tile, bias=None, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                       renormalize=True, local_start=0, num_local=-1):
+    E = logits.shape[1]
+    local = (local_start, E - local_start if num_local < 0 else num_local)
+    _rt.check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local,
+                   rsf=routed_scaling_factor, cuda=False)
+    ids, w = _rt.reference(logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor, renormalize)
+    p = _rt.permute_reference(ids, E, tile, local)
+    return (ids, w, p["expert_counts"], p["expert_offsets"], p["expanded_to_permuted"], p["permuted_to_token"],
+            p["tile_to_expert"], p["num_permuted_rows"])
+
+
+@route_permute.register_fake
+def _route_permute_fake(logits, top_k, method, tile, bias=None, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                        renormalize=True, local_start=0, num_local=-1):
+    T, E = logits.shape
+    nl = E - local_start if num_local < 0 else num_local
+    rows = _rt.max_rows(T, top_k, nl, tile)
+    i32 = dict(dtype=torch.int32)
+    return (logits.new_empty((T, top_k), **i32), logits.new_empty((T, top_k), dtype=torch.float32),
+            logits.new_empty((nl,), **i32), logits.new_empty((nl + 1,), **i32), logits.new_empty((T, top_k), **i32),
+            logits.new_empty((rows,), **i32), logits.new_empty((rows // tile,), **i32), logits.new_empty((), **i32))
+
+
+# ---------------------------------------------------------------------------- moe_align_block_size (vLLM's)
+@torch.library.custom_op("kerngen::moe_align_block_size",
+                         mutates_args=("sorted_token_ids", "expert_ids", "num_tokens_post_pad"), device_types="cuda")
+def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_size: int, sorted_token_ids: Tensor,
+                         expert_ids: Tensor, num_tokens_post_pad: Tensor) -> None:
+    """vLLM's `ops.moe_align_block_size`: writes the block layout into the given buffers (one launch)."""
+    _rt.permute_align_into(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad)
+
+
+@moe_align_block_size.register_kernel("cpu")
+def _moe_align_block_size_cpu(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad):
+    s, e, n = _rt.align_reference(topk_ids, block_size, num_experts)
+    sorted_token_ids.fill_(topk_ids.numel())
+    sorted_token_ids[:s.shape[0]].copy_(s)
+    expert_ids.fill_(0)
+    expert_ids[:e.shape[0]].copy_(e)
+    num_tokens_post_pad.copy_(n)
+
+
+@moe_align_block_size.register_fake
+def _moe_align_block_size_fake(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad):
+    return None
 
 
 # --------------------------------------------------------------------------------------------------- tail

@@ -29,6 +29,7 @@ needed) and tile_to_expert that many rows / tile; everything past num_permuted_r
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -65,11 +66,30 @@ class Routing:
     permuted_to_token: torch.Tensor | None = None      # [T*K + num_local*(tile-1)] int32, -1 padding/tail
     tile_to_expert: torch.Tensor | None = None         # [len(permuted_to_token) // tile] int32, -1 unused
     num_permuted_rows: torch.Tensor | None = None      # [] int32 on the device
+    # layout="align": vLLM / SGLang moe_align_block_size's outputs (block_size = tile), see align_reference
+    sorted_token_ids: torch.Tensor | None = None       # [T*K + E*(tile-1)] int32, expanded indices, pad T*K
+    expert_ids: torch.Tensor | None = None             # [ceil(len(sorted_token_ids) / tile)] int32
+    num_tokens_post_padded: torch.Tensor | None = None  # [1] int32 on the device
+
+    @property
+    def grouped_mm_offs(self) -> torch.Tensor | None:
+        """torch._grouped_mm's `offs` over the permuted rows: each local expert's cumulative end row (int32,
+        on the device; a view, no computation). With tile 1 the groups are unpadded."""
+        return None if self.expert_offsets is None else self.expert_offsets[1:]
 
 
 def max_rows(tokens: int, top_k: int, num_local: int, tile: int) -> int:
     """Worst-case num_permuted_rows: every local expert's last tile is padded."""
     return tokens * top_k + num_local * (tile - 1)
+
+
+LAYOUTS = ("kerngen", "align")   # align: moe_align_block_size's sorted_token_ids / expert_ids (vLLM, SGLang)
+
+
+def _check_layout(op: str, layout) -> bool:
+    if layout not in LAYOUTS:
+        raise InputError(op, "layout", f"one of {', '.join(LAYOUTS)}", repr(layout))
+    return layout == "align"
 
 
 class RoutingWorkspace:
@@ -81,7 +101,7 @@ class RoutingWorkspace:
 
     def __init__(self, max_tokens: int, num_experts: int, top_k: int, tile: int | None = None, *,
                  local_experts: tuple[int, int] | None = None, weights_dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | int | None = None):
+                 device: torch.device | str | int | None = None, layout: str = "kerngen", separate: bool = False):
         _check_int("RoutingWorkspace", "max_tokens", max_tokens, 1, 1 << 24)
         _check_int("RoutingWorkspace", "num_experts", num_experts, 1, MAX_EXPERTS)
         _check_int("RoutingWorkspace", "top_k", top_k, 1, min(MAX_TOPK, num_experts))
@@ -90,6 +110,9 @@ class RoutingWorkspace:
         if weights_dtype not in _WEIGHTS:
             raise InputError("RoutingWorkspace", "weights_dtype", "torch.float32 or torch.bfloat16", str(weights_dtype))
         ls, nl = _check_local("RoutingWorkspace", local_experts, num_experts)
+        align = _check_layout("RoutingWorkspace", layout)
+        if align and tile is None:
+            raise InputError("RoutingWorkspace", "tile", "the block size (an integer) for layout 'align'", "None")
         try:
             dev = torch.device("cuda") if device is None else torch.device(device)
         except (RuntimeError, TypeError) as e:
@@ -106,24 +129,30 @@ class RoutingWorkspace:
             dev = torch.device("cuda", torch.cuda.current_device())
         T, K = max_tokens, top_k
         self.max_tokens, self.num_experts, self.top_k, self.tile = T, num_experts, K, tile
-        self.local_experts, self.weights_dtype, self.device = (ls, nl), weights_dtype, dev
+        self.local_experts, self.weights_dtype, self.device, self.layout = (ls, nl), weights_dtype, dev, layout
         sizes = {"ids": T * K}
         if weights_dtype == torch.float32:
             sizes["weights"] = T * K
         if tile is not None:
-            self.max_rows = max_rows(T, K, nl, tile)
-            sizes.update(counts=nl, offsets=nl + 1, e2p=T * K, p2t=self.max_rows, t2e=self.max_rows // tile,
-                         num_rows=1, hist=-(-T // MIN_TOKENS_PER_BLOCK) * nl, ticket=1)
+            # align: the permutation runs over all experts (the range only marks other experts' blocks -1), and
+            # the rows are rounded up to whole blocks, room for pad_sorted_ids
+            pn = num_experts if align else nl
+            self.max_rows = max_rows(T, K, pn, tile)
+            if align:
+                self.max_rows = -(-self.max_rows // tile) * tile
+            sizes.update(counts=pn, offsets=pn + 1, e2p=T * K, p2t=self.max_rows, t2e=self.max_rows // tile,
+                         num_rows=1, hist=-(-T // MIN_TOKENS_PER_BLOCK) * pn, ticket=1)
         # One allocation, one fill: -1 everywhere (num_rows = -1 reads as "no previous call") but the ticket;
         # ids and weights alone need no fill.
         # every view starts 16-byte aligned, so ids / e2p feed the 128-bit loads of finalize and moe_tail
+        # (separate=True: one allocation a view, for outputs that may not alias each other, as a custom op's)
         pad = {name: -(-n // 4) * 4 for name, n in sizes.items()}
-        n = sum(pad.values())
-        self.buffer = (torch.full((n,), -1, dtype=torch.int32, device=dev) if tile is not None
-                       else torch.empty((n,), dtype=torch.int32, device=dev))
+        fill = (lambda n: torch.full((n,), -1, dtype=torch.int32, device=dev)) if tile is not None else (
+            lambda n: torch.empty((n,), dtype=torch.int32, device=dev))
         views, at = {}, 0
+        self.buffer = None if separate else fill(sum(pad.values()))
         for name, n in sizes.items():
-            views[name] = self.buffer[at:at + n]
+            views[name] = fill(n) if separate else self.buffer[at:at + n]
             at += pad[name]
         self.ids = views["ids"].view(T, K)
         self.weights = (views["weights"].view(torch.float32).view(T, K) if "weights" in views
@@ -134,12 +163,19 @@ class RoutingWorkspace:
             self.p2t, self.t2e, self.hist = views["p2t"], views["t2e"], views["hist"]
             self.num_rows = views["num_rows"]
             self.ticket = views["ticket"]
-            self.ticket.zero_()   # permute_offsets leaves it 0 again after each call
+            self.ticket.zero_()   # permute_place leaves it 0 again after each call
 
-    def result(self, tokens: int, num_local: int) -> Routing:
+    def result(self, tokens: int, num_local: int, pad_sorted_ids: bool = False) -> Routing:
         ids, w = self.ids[:tokens], self.weights[:tokens]
         if self.tile is None:
             return Routing(ids, w)
+        if self.layout == "align":   # vLLM's buffer sizes: max_num_tokens_padded, max_num_m_blocks
+            E, tile = self.num_experts, self.tile
+            rows = max_rows(tokens, self.top_k, E, tile)
+            rows = -(-rows // tile) * tile if pad_sorted_ids else rows
+            return Routing(ids, w, self.counts[:E], self.offsets[:E + 1], self.e2p[:tokens],
+                           num_permuted_rows=self.num_rows[0], sorted_token_ids=self.p2t[:rows],
+                           expert_ids=self.t2e[:-(-rows // tile)], num_tokens_post_padded=self.num_rows[:1])
         rows = max_rows(tokens, self.top_k, num_local, self.tile)
         return Routing(ids, w, self.counts[:num_local], self.offsets[:num_local + 1], self.e2p[:tokens],
                        self.p2t[:rows], self.t2e[:rows // self.tile], self.num_rows[0])
@@ -237,8 +273,33 @@ def permute_reference(topk_ids: torch.Tensor, num_experts: int, tile: int,
             "tile_to_expert": t2e.to(i32), "num_permuted_rows": torch.tensor(rows, dtype=i32, device=dev)}
 
 
+def align_reference(topk_ids: torch.Tensor, block_size: int, num_experts: int,
+                    local_experts: tuple[int, int] | None = None, pad_sorted_ids: bool = False):
+    """moe_align_block_size's outputs in plain torch, from kerngen's permutation over all experts:
+    (sorted_token_ids, expert_ids, num_tokens_post_padded [1]). Expanded indices e = t*K + k in expert order
+    (ascending e within an expert), each expert padded to block_size with T*K, T*K after the last block;
+    expert_ids the block's expert as a local index, -1 outside local_experts, and past the used blocks what
+    vLLM's zero-filled, expert_map-mapped buffer holds (expert 0 mapped: 0 if it is local, else -1). Ids outside
+    [0, num_experts) are skipped."""
+    T, K = topk_ids.shape
+    ls, nl = local_experts or (0, num_experts)
+    p = permute_reference(topk_ids, num_experts, block_size)
+    rows = max_rows(T, K, num_experts, block_size)
+    rows = -(-rows // block_size) * block_size if pad_sorted_ids else rows
+    sorted_ids = torch.full((rows,), T * K, dtype=torch.int32, device=topk_ids.device)
+    e2p = p["expanded_to_permuted"].flatten().long()
+    valid = e2p >= 0
+    sorted_ids[e2p[valid]] = torch.arange(T * K, device=topk_ids.device, dtype=torch.int32)[valid]
+    unused = 0 if ls == 0 else -1
+    blocks = torch.full((-(-rows // block_size),), unused, dtype=torch.int32, device=topk_ids.device)
+    used = int(p["num_permuted_rows"]) // block_size
+    x = p["tile_to_expert"][:used].long()
+    blocks[:used] = torch.where((x >= ls) & (x < ls + nl), x - ls, torch.full_like(x, -1)).to(torch.int32)
+    return sorted_ids, blocks, p["num_permuted_rows"].reshape(1)
+
+
 # ----------------------------------------------------------------------------------------------- planning
-def _constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype):
+def _constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype, align=False):
     renorm = bool(renormalize) if method in ("softmax_topk", *_SIGMOID_BIAS) else True
     grouped = method == "grouped_sigmoid_bias"
     consts = {"E": E, "K": K, "METHOD": method, "N_GROUP": n_group if grouped else 1,
@@ -247,7 +308,12 @@ def _constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, w
     tag = (f"E{E}-K{K}-{_SHORT_METHOD[method]}" + (f"-g{n_group}x{topk_group}" if grouped else "")
            + ("" if renorm else "-norenorm") + f"-{SHORT[ldtype]}"
            + (f"-b{SHORT[consts['BDTYPE']]}" if consts["BDTYPE"] != "none" else "") + f"-w{SHORT[wdtype]}")
-    return tag, consts
+    return _with_align(tag, consts, align)
+
+
+def _with_align(tag: str, consts: dict, align: bool) -> tuple[str, dict]:
+    """The align layout is a build of its own (ALIGN only in its constants: kerngen-layout builds unchanged)."""
+    return (f"{tag}-align", {**consts, "ALIGN": True}) if align else (tag, consts)
 
 
 def spec(E: int, K: int, method: str, tokens: int, arch_: str, *, n_group: int = 1, topk_group: int = 1,
@@ -257,9 +323,10 @@ def spec(E: int, K: int, method: str, tokens: int, arch_: str, *, n_group: int =
     return plan_mod.plan(tbl or table(), OP, {"num_experts": E, "top_k": K, "tokens": tokens}, tag, consts, arch_)
 
 
-def permute_spec(E: int, K: int, tokens: int, arch_: str, tbl: Table | None = None) -> plan_mod.KernelSpec:
+def permute_spec(E: int, K: int, tokens: int, arch_: str, tbl: Table | None = None,
+                 align: bool = False) -> plan_mod.KernelSpec:
     return plan_mod.plan(tbl or table(), PERMUTE_OP, {"num_experts": E, "top_k": K, "tokens": tokens},
-                         f"E{E}-K{K}", {"E": E, "K": K}, arch_)
+                         *_with_align(f"E{E}-K{K}", {"E": E, "K": K}, align), arch_)
 
 
 def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpec]:
@@ -319,7 +386,8 @@ class _Route:
             self.topk = Launcher(resolve(s), "routing_topk", dev, (max(1, -(-T // groups)), 1, 1),
                                  (warps * 32, 1, 1), ROUTE_FMT, pdl=True)
             self.ids_only = self.topk
-            self.permute = _Permute(consts["E"], consts["K"], T, dev, tbl, arch_) if permute else None
+            self.permute = (_Permute(consts["E"], consts["K"], T, dev, tbl, arch_, consts.get("ALIGN", False))
+                            if permute else None)
         else:
             raise InputError(OP, "tier variant", "fused or topk", s.variant)
 
@@ -327,8 +395,8 @@ class _Route:
 class _Permute:
     """The permutation launches for T tokens: one kernel (onepass) or three (histogram), as the tier says."""
 
-    def __init__(self, E: int, K: int, T: int, dev: int, tbl: Table, arch_: str):
-        s = permute_spec(E, K, max(T, 1), arch_, tbl)
+    def __init__(self, E: int, K: int, T: int, dev: int, tbl: Table, arch_: str, align: bool = False):
+        s = permute_spec(E, K, max(T, 1), arch_, tbl, align)
         p = dict(s.params)
         if s.variant == "onepass":
             threads, ctas = int(p.get("threads", 1024)), int(p.get("ctas", 1))
@@ -382,12 +450,14 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
           bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
           routed_scaling_factor: float = 1.0, renormalize: bool = True, tile: int | None = None,
           local_experts: tuple[int, int] | None = None, model: str | None = None,
-          workspace: RoutingWorkspace | None = None) -> Routing:
+          workspace: RoutingWorkspace | None = None, layout: str = "kerngen") -> Routing:
     """Top-k routing of logits [T, E] (fp32 or bf16) and, with `tile`, the permutation; see the module doc.
 
     model="kimi-k3" fills top_k, method and constants from the tier table; explicit values must agree.
     local_experts=(start, count) restricts the permutation to an expert-parallel range. With `workspace`
     the outputs are written into it (no allocation; CUDA-graph and side-stream friendly).
+    layout="align" (with tile = the block size) writes moe_align_block_size's sorted_token_ids / expert_ids /
+    num_tokens_post_padded from the same launch instead of permuted_to_token / tile_to_expert (align_reference).
     """
     if model is not None:
         top_k, method, n_group, topk_group, routed_scaling_factor, renormalize = _from_model(
@@ -398,7 +468,8 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
     T, E = logits.shape
     dev = logits.get_device()
     try:
-        key = _route_key(logits, bias, workspace, T, E, top_k, method, n_group, topk_group, renormalize, tile, dev)
+        key = _route_key(logits, bias, workspace, T, E, top_k, method, n_group, topk_group, renormalize, tile, dev,
+                         layout)
         r = _routes.get(key)
     except (TypeError, AttributeError):   # an argument of the wrong type: the checks below name it
         r = None
@@ -413,14 +484,18 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
                    routed_scaling_factor)
         if workspace is not None and not isinstance(workspace, RoutingWorkspace):
             raise InputError(OP, "workspace", "a kerngen.RoutingWorkspace", type(workspace).__name__)
+        if _check_layout(OP, layout) and tile is None:
+            raise InputError(OP, "tile", "the block size (an integer) for layout 'align'", "None")
         wdt = workspace.weights_dtype if workspace is not None else torch.float32
-        key = _route_key(logits, bias, workspace, T, E, top_k, method, n_group, topk_group, renormalize, tile, dev)
+        key = _route_key(logits, bias, workspace, T, E, top_k, method, n_group, topk_group, renormalize, tile, dev,
+                         layout)
         r = _routes.get(key)
         if r is None:
             tbl = table()
             a = arch(dev)
             tag_consts = _constants(E, top_k, method, n_group, topk_group, renormalize, DTYPE_NAMES[logits.dtype],
-                                    "none" if bias is None else DTYPE_NAMES[bias.dtype], DTYPE_NAMES[wdt])
+                                    "none" if bias is None else DTYPE_NAMES[bias.dtype], DTYPE_NAMES[wdt],
+                                    layout == "align")
             s = plan_mod.plan(tbl, OP, {"num_experts": E, "top_k": top_k, "tokens": max(T, 1)}, *tag_consts, a)
             r = _Route(tag_consts[1], s, T, dev, tile is not None, tbl, a)
             _routes[key] = r
@@ -430,18 +505,20 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
     if tile is not None and (type(tile) is not int or not 1 <= tile <= 1024):
         _check_int(OP, "tile", tile, 1, 1024)
     if workspace is None:
-        workspace = RoutingWorkspace(max(T, 1), E, top_k, tile, local_experts=(ls, nl), device=logits.device)
+        workspace = RoutingWorkspace(max(T, 1), E, top_k, tile, local_experts=(ls, nl), device=logits.device,
+                                     layout=layout)
     else:
-        _check_workspace(OP, workspace, T, E, top_k, tile, nl, logits.device)
+        _check_workspace(OP, workspace, T, E, top_k, tile, nl, logits.device, layout)
     ws = workspace
     _launch(r, logits, bias, ws, T, tile, ls, nl, float(routed_scaling_factor), current_stream(dev))
     return ws.result(T, nl)
 
 
-def _route_key(logits, bias, workspace, T, E, top_k, method, n_group, topk_group, renormalize, tile, dev) -> tuple:
+def _route_key(logits, bias, workspace, T, E, top_k, method, n_group, topk_group, renormalize, tile, dev,
+               layout) -> tuple:
     return (logits.dtype, None if bias is None else bias.dtype,
             workspace.weights_dtype if workspace is not None else torch.float32, T, E, top_k, method, n_group,
-            topk_group, renormalize, tile is not None, dev)
+            topk_group, renormalize, tile is not None, dev, layout)
 
 
 def _launch(r: _Route, logits, bias, ws: RoutingWorkspace, T: int, tile: int | None, ls: int, nl: int,
@@ -463,13 +540,15 @@ def _launch(r: _Route, logits, bias, ws: RoutingWorkspace, T: int, tile: int | N
 
 
 def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_experts: tuple[int, int] | None = None,
-            workspace: RoutingWorkspace | None = None) -> Routing:
+            workspace: RoutingWorkspace | None = None, layout: str = "kerngen",
+            pad_sorted_ids: bool = False) -> Routing:
     """The permutation of top-k ids computed elsewhere ([T, K] int32, contiguous); same outputs as route.
 
     Ids outside the local range are skipped (-1 in expanded_to_permuted). A token may name an expert more than
     once; its entries then take consecutive rows in ascending k (exact, but the one-pass kernel takes a slower
     path for the whole call). The returned Routing's topk_ids is `topk_ids` itself and topk_weights is empty
-    ([T, 0]).
+    ([T, 0]). layout="align" writes moe_align_block_size's outputs (route's docstring; pad_sorted_ids rounds
+    sorted_token_ids' length up to whole blocks, as vLLM's flag does).
     """
     check_tensor(PERMUTE_OP, "topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, contiguous=True,
                  device=getattr(topk_ids, "device", None))
@@ -478,20 +557,74 @@ def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_expert
     _check_int(PERMUTE_OP, "topk_ids.shape[1]", K, 1, min(MAX_TOPK, num_experts))
     _check_int(PERMUTE_OP, "tile", tile, 1, 1024)
     ls, nl = _check_local(PERMUTE_OP, local_experts, num_experts)
+    align = _check_layout(PERMUTE_OP, layout)
+    if not isinstance(pad_sorted_ids, bool):
+        raise InputError(PERMUTE_OP, "pad_sorted_ids", "True or False", repr(pad_sorted_ids))
     check_tensor(PERMUTE_OP, "topk_ids", topk_ids)
     dev = topk_ids.get_device()
     if workspace is None:
-        workspace = RoutingWorkspace(max(T, 1), num_experts, K, tile, local_experts=(ls, nl), device=topk_ids.device)
+        workspace = RoutingWorkspace(max(T, 1), num_experts, K, tile, local_experts=(ls, nl), device=topk_ids.device,
+                                     layout=layout)
     else:
-        _check_workspace(PERMUTE_OP, workspace, T, num_experts, K, tile, nl, topk_ids.device)
-    key = (num_experts, K, T, dev)
+        _check_workspace(PERMUTE_OP, workspace, T, num_experts, K, tile, nl, topk_ids.device, layout)
+    key = (num_experts, K, T, dev, align)
     p = _permutes.get(key)
     if p is None:
-        p = _permutes[key] = _Permute(num_experts, K, T, dev, table(), arch(dev))
+        p = _permutes[key] = _Permute(num_experts, K, T, dev, table(), arch(dev), align)
     p(current_stream(dev), topk_ids.data_ptr(), workspace, T, tile, ls, nl)
-    res = workspace.result(T, nl)
-    return Routing(topk_ids, topk_ids.new_empty((T, 0), dtype=torch.float32), res.expert_counts, res.expert_offsets,
-                   res.expanded_to_permuted, res.permuted_to_token, res.tile_to_expert, res.num_permuted_rows)
+    res = workspace.result(T, nl, pad_sorted_ids)
+    return dataclasses.replace(res, topk_ids=topk_ids, topk_weights=topk_ids.new_empty((T, 0), dtype=torch.float32))
+
+
+class _AlignTarget:
+    """The align layout written straight into caller buffers (sorted_token_ids, expert_ids, num_tokens_post_pad,
+    as vLLM's op takes them); counts, offsets and rows come from a scratch workspace."""
+
+    def __init__(self, ws: RoutingWorkspace, sorted_ids, expert_ids, num_post_pad):
+        self.counts, self.offsets, self.e2p, self.hist, self.ticket = ws.counts, ws.offsets, ws.e2p, ws.hist, ws.ticket
+        self.p2t, self.t2e, self.num_rows, self.max_rows = sorted_ids, expert_ids, num_post_pad, sorted_ids.shape[0]
+
+
+_scratch: dict[tuple, RoutingWorkspace] = {}
+
+
+def permute_align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int, sorted_token_ids: torch.Tensor,
+                       expert_ids: torch.Tensor, num_tokens_post_pad: torch.Tensor,
+                       local_experts: tuple[int, int] | None = None) -> None:
+    """The align layout of `permute` written into the given buffers (one launch; no copies), vLLM's
+    `ops.moe_align_block_size(topk_ids, num_experts, block_size, sorted_ids, expert_ids, num_tokens_post_pad)`:
+    sorted_token_ids int32 [>= T*K + E*(block_size-1)] (every entry is written), expert_ids int32
+    [>= ceil(len(sorted_token_ids) / block_size)], num_tokens_post_pad int32 [1]; all 16-byte aligned."""
+    op = "moe_align_block_size"
+    check_tensor(op, "topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, contiguous=True,
+                 device=getattr(topk_ids, "device", None))
+    _check_int(op, "num_experts", num_experts, 1, MAX_EXPERTS)
+    _check_int(op, "block_size", block_size, 1, 1024)
+    T, K = topk_ids.shape
+    _check_int(op, "topk_ids.shape[1]", K, 1, min(MAX_TOPK, num_experts))
+    ls, nl = _check_local(op, local_experts, num_experts)
+    check_tensor(op, "topk_ids", topk_ids)
+    need = max_rows(T, K, num_experts, block_size)
+    for name, t, n in (("sorted_token_ids", sorted_token_ids, need), ("num_tokens_post_pad", num_tokens_post_pad, 1),
+                       ("expert_ids", expert_ids, -(-sorted_token_ids.shape[0] // block_size)
+                        if isinstance(sorted_token_ids, torch.Tensor) and sorted_token_ids.dim() == 1 else 1)):
+        check_tensor(op, name, t, dtypes=(torch.int32,), ndim=1, device=topk_ids.device, contiguous=True)
+        if t.shape[0] < n:
+            raise InputError(op, name, f"of length >= {n}", f"length {t.shape[0]}")
+        if t.data_ptr() % 16:
+            raise InputError(op, name, "16-byte aligned (the kernel's vector stores)", f"offset {t.data_ptr() % 16}")
+    dev = topk_ids.get_device()
+    skey = (num_experts, K, block_size, dev)
+    ws = _scratch.get(skey)
+    if ws is None or ws.max_tokens < T:
+        ws = _scratch[skey] = RoutingWorkspace(max(T, 1), num_experts, K, block_size, device=topk_ids.device,
+                                               layout="align")
+    key = (num_experts, K, T, dev, True)
+    p = _permutes.get(key)
+    if p is None:
+        p = _permutes[key] = _Permute(num_experts, K, T, dev, table(), arch(dev), True)
+    p(current_stream(dev), topk_ids.data_ptr(), _AlignTarget(ws, sorted_token_ids, expert_ids, num_tokens_post_pad),
+      T, block_size, ls, nl)
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -512,9 +645,11 @@ def _check_local(op, local_experts, E):
     return ls, nl
 
 
-def _check_workspace(op, ws, T, E, K, tile, nl, device):
+def _check_workspace(op, ws, T, E, K, tile, nl, device, layout="kerngen"):
     if not isinstance(ws, RoutingWorkspace):
         raise InputError(op, "workspace", "a kerngen.RoutingWorkspace", type(ws).__name__)
+    if ws.layout != layout:
+        raise InputError(op, "workspace", f"built for layout={layout!r}", f"layout={ws.layout!r}")
     if ws.num_experts != E or ws.top_k != K or ws.tile != tile or ws.device != device:
         raise InputError(op, "workspace", f"built for num_experts={E}, top_k={K}, tile={tile} on {device}",
                          f"num_experts={ws.num_experts}, top_k={ws.top_k}, tile={ws.tile} on {ws.device}")
