@@ -124,6 +124,8 @@ def cmd_explain(args) -> int:
 
 def cmd_tune(args) -> int:
     from . import tune
+    from .ops._common import require_gpu
+    require_gpu("kerngen tune")   # it times candidates on this GPU
     ops = args.ops.split(",")
     tokens = args.tokens or tune.DEFAULT_TOKENS
     out = args.out or (str(env.user_tiers()) if env.user_tiers() else f"kerngen-tuned-{args.model}.toml")

@@ -138,8 +138,6 @@ TUNERS = {"finalize": (finalize_candidates, _time_finalize), "tail": (tail_candi
 
 def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> list[tiers.Rule]:
     """Winning rules for `model_name` on this GPU, merged over consecutive token buckets."""
-    from .ops._common import require_gpu
-    require_gpu("kerngen tune")
     tbl = tiers.load()
     model = tbl.model(model_name)
     tokens = [t for t in sorted(tokens) if model.tokens[0] <= t <= model.tokens[1]]

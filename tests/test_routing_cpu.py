@@ -368,3 +368,13 @@ def test_gpu_calls_without_a_gpu_are_kerngen_errors():
             kerngen.preload("kimi-k3")
     finally:
         kerngen.strict(None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without a GPU")
+def test_kerngen_tune_without_a_gpu_is_a_clean_error(tmp_path):
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "kerngen", "tune", "--model", "mixtral-8x7b"], capture_output=True,
+                       text=True, env={**os.environ, "KERNGEN_CACHE_DIR": str(tmp_path)}, cwd=tmp_path)
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
