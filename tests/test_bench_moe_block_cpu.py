@@ -1,0 +1,72 @@
+"""tools/bench_moe_block.py on the CPU, no timing: its blocks for tiny made-up models of every routing method,
+each implementation's output checked against eager's as the bench checks it after timing."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from kerngen.tiers import Model  # noqa: E402
+
+
+def load_bench():
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_moe_block.py"
+    spec = importlib.util.spec_from_file_location("bench_moe_block", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = load_bench()
+TINY = {   # (model, the transformers block the bench builds for it)
+    "sigmoid_bias": (Model("tiny-sigmoid", 16, 4, 64, "sigmoid_bias", (1, 64), routed_scaling_factor=2.5),
+                     "DeepseekV3MoE"),
+    "grouped_sigmoid_bias": (Model("tiny-grouped", 16, 4, 64, "grouped_sigmoid_bias", (1, 64), n_group=4,
+                                   topk_group=2, routed_scaling_factor=2.5), "DeepseekV3MoE"),
+    "softmax_topk": (Model("tiny-softmax", 16, 4, 64, "softmax_topk", (1, 64)), "Qwen3MoeSparseMoeBlock"),
+    "topk_softmax": (Model("tiny-topk-softmax", 16, 2, 64, "topk_softmax", (1, 64)), "GptOssMLP"),
+    "top1_sigmoid": (Model("tiny-top1", 16, 1, 64, "top1_sigmoid", (1, 64), router_weight="input"),
+                     "Llama4TextMoe"),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices gain nothing from threads, and on a shared CPU their synchronization costs 20x."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def case(method, T, dtype=torch.bfloat16):
+    m, cls = TINY[method]
+    block = bench.build_block(m, 32, device="cpu", dtype=dtype)
+    x = torch.randn(1, T, m.hidden, generator=torch.Generator().manual_seed(T)).to(dtype)
+    return m, cls, block, x
+
+
+@pytest.mark.parametrize("method", sorted(TINY))
+@pytest.mark.parametrize("T", [1, 8])
+def test_every_implementation_matches_eager(method, T):
+    m, cls, block, x = case(method, T)
+    assert type(block).__name__ == cls
+    checked = bench.check(block, x, graph=False)
+    want = {"eager", "kerngen"} if cls == "Llama4TextMoe" else set(bench.IMPLS)
+    assert set(checked["outputs"]) == want and not checked["notes"]
+    errs = bench.errors(checked["outputs"])
+    assert errs["eager"] == 0 and max(errs.values()) <= bench.TOL, errs
+
+
+def test_the_check_catches_a_wrong_weight(monkeypatch):
+    m, cls, block, x = case("sigmoid_bias", 8)
+    real = bench.kt._finalize
+    monkeypatch.setattr(bench.kt, "_finalize", lambda g, e2p, w: real(g, e2p, w.flip(-1)))   # weights of other slots
+    errs = bench.errors(bench.check(block, x, graph=False)["outputs"])
+    assert errs["kerngen"] > bench.TOL and errs["grouped_mm"] <= bench.TOL
+
+
+def test_unknown_model_is_refused_by_name():
+    with pytest.raises(SystemExit):
+        bench.main(["--models", "no-such-model"])

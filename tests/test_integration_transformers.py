@@ -1,0 +1,269 @@
+"""kerngen.integrations.transformers on the CPU against transformers itself: for each supported family a tiny
+random model built from its config class (2 layers, 8 experts), its MoE block with kerngen against the "eager"
+experts implementation and transformers' router (fp32 and bf16), the router's ids and weights, greedy
+generate; refusals with their reason; enable idempotent, disable restoring transformers' code."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
+
+import kerngen.integrations.transformers as kt  # noqa: E402
+from kerngen.errors import KerngenError  # noqa: E402
+
+BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+MLA = dict(head_dim=8, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+           first_k_dense_replace=0)
+# id -> (model_type, config overrides); ids name the routing case where one family has several
+FAMILIES = {
+    "deepseek_v3-grouped": ("deepseek_v3", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                                routed_scaling_factor=2.5, **MLA)),
+    "deepseek_v3-kimi": ("deepseek_v3", dict(n_routed_experts=8, num_experts_per_tok=3, n_group=1, topk_group=1,
+                                             routed_scaling_factor=2.827, **MLA)),
+    "deepseek_v3-no-norm": ("deepseek_v3", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                                norm_topk_prob=False, **MLA)),
+    "deepseek_v2": ("deepseek_v2", dict(n_routed_experts=8, num_experts_per_tok=2, routed_scaling_factor=1.5, **MLA)),
+    "glm4_moe": ("glm4_moe", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                  first_k_dense_replace=0)),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
+    "qwen3_next": ("qwen3_next", dict(num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=16,
+                                      linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=8,
+                                      linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=16)),
+    "olmoe": ("olmoe", dict(num_experts=8, num_experts_per_tok=2)),
+    "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "minimax": ("minimax", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "minimax_m2": ("minimax_m2", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=8, num_experts_per_tok=2,
+                                layer_types=["sliding_attention", "full_attention"])),
+    "granitemoe": ("granitemoe", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "nemotron_h": ("nemotron_h", dict(layers_block_type=["full_attention", "moe"], n_routed_experts=8, num_experts_per_tok=2,
+                                      moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1)),  # no gate
+    "llama4_text": ("llama4_text", dict(num_local_experts=8, num_experts_per_tok=1, intermediate_size_mlp=48)),
+}
+REFUSED = {   # families whose routers map onto no kerngen method
+    "phimoe": ("phimoe", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=8, moe_k=2)),
+}
+# max |kerngen - eager| / (|eager| + RMS of eager), per element.
+# fp32: the same products; sums in another order (kerngen: each token's K rows in ascending k; eager: index_add_
+# per expert) and router weights within 1e-6 relative (kerngen's sigmoid / softmax rounding): ~1e-6 seen.
+# bf16: eager rounds each weighted expert row to bf16 and accumulates the K rows in bf16, kerngen accumulates in
+# fp32 and rounds once: up to ~K bf16 steps (2**-8 each), 6.4e-3 seen. 2**-6 allows four. A wrong expert, row or
+# weight moves the output by O(1) of this measure.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -6}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices gain nothing from threads, and on a shared CPU their synchronization costs 20x."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(case: str, seed: int = 0, **overrides):
+    """The family's tiny CausalLM in eval mode, experts "eager"; expert and router weights N(0, 1/H) so routing is
+    decisive and the MoE blocks dominate the residual stream (generate then depends on them)."""
+    model_type, kw = {**FAMILIES, **REFUSED}[case]
+    cfg = AutoConfig.for_model(model_type, **{**BASE, **kw, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if "experts." in name or name.endswith(("gate.weight", "router.weight")):
+                t.normal_(0, cfg.hidden_size ** -0.5)
+            elif name.endswith(("e_score_correction_bias", "router.bias", "_proj_bias")):
+                t.normal_(0, 0.1)
+    if model_type != "llama4_text":   # Llama4's experts do not dispatch
+        model.set_experts_implementation("eager")
+    return model
+
+
+def moe_blocks(model):
+    """Llama4TextMoe blocks, and modules whose experts dispatch through transformers' ExpertsInterface."""
+    return [m for m in model.modules()
+            if type(m).__name__ == kt.LLAMA4_BLOCK or kt._dispatches(getattr(m, "experts", None))]
+
+
+def run_block(block, x):
+    with torch.no_grad():
+        out = block(x)
+    return out[0] if isinstance(out, tuple) else out   # gpt-oss and Llama-4 blocks also return router outputs
+
+
+def rel_err(out, ref) -> float:
+    o, r = out.float(), ref.float()
+    return ((o - r).abs() / (r.abs() + r.pow(2).mean().sqrt())).max().item()
+
+
+def inputs(model, T, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, T, model.config.hidden_size, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(FAMILIES))
+def test_block_matches_eager(case, dtype, monkeypatch):
+    """Kerngen's experts path alone (transformers' router) and with kerngen routing, T = 1 and 13 tokens."""
+    finalized = counting(monkeypatch, kt, "_finalize")
+    model = tiny(case).to(dtype)
+    block = moe_blocks(model)[0]
+    for T in (1, 13):
+        x = inputs(model, T, dtype)
+        ref = run_block(block, x)
+        if case != "llama4_text":
+            kt.enable(model, routers=False)
+            assert rel_err(run_block(block, x), ref) <= TOL[dtype]
+        kt.enable(model)
+        out = run_block(block, x)
+        assert out.dtype == dtype and out.shape == ref.shape
+        assert rel_err(out, ref) <= TOL[dtype], case
+        kt.disable(model)
+        assert torch.equal(run_block(block, x), ref)   # transformers' own code again
+    assert len(finalized) == (2 if case == "llama4_text" else 4)   # the outputs came through kerngen
+
+
+def counting(monkeypatch, obj, name: str) -> list:
+    """Replace obj.name by a wrapper that records each call; returns the record."""
+    calls, real = [], getattr(obj, name)
+    monkeypatch.setattr(obj, name, lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    return calls
+
+
+def test_experts_reuse_the_permutation_of_the_router(monkeypatch):
+    model = tiny("qwen3_moe")
+    kt.enable(model)
+    permuted = counting(monkeypatch, kt._rt, "permute_reference")
+    run_block(moe_blocks(model)[0], inputs(model, 5, torch.float32))
+    assert len(permuted) == 1
+
+
+def check_router(model, T: int) -> None:
+    """The kerngen router against transformers' on T tokens: the same experts per token (kerngen ranks ties
+    and the order within the top-k its own way: compared as sets), the same weights in the dtype transformers
+    returns, int32 ids."""
+    block = moe_blocks(model)[0]
+    router = block.gate if hasattr(block, "gate") else block.router
+    x = inputs(model, T, model.dtype).view(T, -1).to(model.device)
+    args = (block.e_score_correction_bias,) if hasattr(block, "e_score_correction_bias") else ()   # MiniMax-M2
+    with torch.no_grad():
+        _, w_ref, ids_ref = router(x, *args)
+        kt.enable(model)
+        logits, w, ids = router(x, *args)
+        kt.disable(model)
+    assert ids.dtype == torch.int32 and w.dtype == w_ref.dtype and logits.shape == (T, 8)
+    order, order_ref = ids.sort(-1), ids_ref.sort(-1)
+    assert torch.equal(order.values.long(), order_ref.values)
+    torch.testing.assert_close(w.gather(1, order.indices), w_ref.gather(1, order_ref.indices), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", sorted(c for c in FAMILIES if c != "llama4_text"))
+def test_router_ids_and_weights_match_transformers(case):
+    check_router(tiny(case), 29)
+
+
+@pytest.mark.parametrize("case", sorted(FAMILIES))
+def test_greedy_generate_gives_the_same_ids(case):
+    model = tiny(case)
+    prompt = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        kt.enable(model)
+        out = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+def test_greedy_generate_depends_on_the_experts():
+    """The control for the test above: a wrong expert path changes the generated ids."""
+    model = tiny("qwen3_moe")
+    prompt = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        kt.enable(model)
+        for block in moe_blocks(model):
+            block.experts.down_proj.neg_()
+        out = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert not torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("case, overrides, words", [
+    ("phimoe", {}, ["phimoe", "sparsemixer", "jitter"]),
+    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2),
+     ["deepseek_v2", "group_limited_greedy"]),
+    ("llama4_text", dict(num_experts_per_tok=2), ["llama4_text", "num_experts_per_tok=2"]),
+    ("ernie4_5_moe", {}, ["ernie4_5_moe", "moe_statics"]),
+])
+def test_refuses_a_family_that_does_not_map_and_patches_nothing(case, overrides, words):
+    model = tiny(case, **overrides)
+    before = model.config._experts_implementation
+    with pytest.raises(kt.UnsupportedModelError) as e:
+        kt.enable(model)
+    assert isinstance(e.value, KerngenError) and all(w in str(e.value) for w in words), str(e.value)
+    assert model.config._experts_implementation == before
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_routers_false_runs_any_dispatching_family_on_kerngen_experts():
+    """phimoe's router is refused, its experts are not: kerngen permutes transformers' int64 ids."""
+    model = tiny("phimoe")
+    block = moe_blocks(model)[0]
+    x = inputs(model, 13, torch.float32)
+    ref = run_block(block, x)
+    assert kt.enable(model, routers=False) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert rel_err(run_block(block, x), ref) <= TOL[torch.float32]
+
+
+def test_enable_is_idempotent_and_disable_restores():
+    model = tiny("qwen3_moe")
+    assert kt.NAME in ALL_EXPERTS_FUNCTIONS   # registered on import: from_pretrained(experts_implementation=...)
+    names = kt.enable(model)
+    assert names == [f"model.layers.{i}.mlp.{m}" for i in range(2) for m in ("experts", "gate")]
+    forward = model.model.layers[0].mlp.gate.forward
+    assert kt.enable(model) == names and model.model.layers[0].mlp.gate.forward is forward
+    assert model.config._experts_implementation == "kerngen"
+    assert set(kt.disable(model)) == set(names)
+    assert model.config._experts_implementation == "eager"
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert kt.disable(model) == []
+    assert kt.enable(model) == names
+
+
+def test_no_moe_block_is_refused():
+    cfg = AutoConfig.for_model("llama", **{k: v for k, v in BASE.items() if k != "moe_intermediate_size"})
+    with pytest.raises(kt.UnsupportedModelError, match="llama.*no MoE block"):
+        kt.enable(AutoModelForCausalLM.from_config(cfg))
+
+
+def test_expert_parallel_sentinel_ids_contribute_nothing():
+    """Ids outside [0, E) (transformers' expert-parallel sentinel) are skipped, as the eager experts skip them."""
+    experts = moe_blocks(tiny("mixtral"))[0].experts
+    x = torch.randn(5, 32)
+    ids = torch.randint(0, 8, (5, 2))
+    ids[1, 0] = ids[3, 1] = 8
+    w = torch.rand(5, 2)
+    with torch.no_grad():
+        ref = experts(x, ids, w)
+        out = kt.experts_forward(experts, x, ids, w)
+    assert rel_err(out, ref) <= TOL[torch.float32]
+
+
+def test_training_mode_runs_transformers_code_with_gradients():
+    model = tiny("mixtral")
+    kt.enable(model)
+    model.train()
+    block = moe_blocks(model)[0]
+    block(torch.randn(1, 4, 32)).sum().backward()
+    assert block.gate.weight.grad is not None and block.experts.gate_up_proj.grad is not None
+
+
+def test_readme_example_runs_as_written():
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Hugging Face transformers"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
