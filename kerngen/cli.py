@@ -112,7 +112,7 @@ def cmd_explain(args) -> int:
     arch = _arches(args.arch)[0]
     spec = _shape_spec("explain", args, tbl, arch)
     rule = tbl.rule(args.op, {"num_experts": args.experts or 0, "top_k": args.topk, "hidden": args.hidden,
-                              "tokens": args.tokens})
+                              "tokens": args.tokens, "arch": arch})
     key = jit.key_of(spec)
     store = cache_mod.default()
     cached = store.get(key, (jit.BACKENDS[spec.backend].artifact,)) is not None
@@ -148,7 +148,8 @@ def cmd_tiers(args) -> int:
               f"rsf={m.routed_scaling_factor:g}")
     print("rules:")
     for r in tbl.rules:
-        rng = " ".join(f"{k}={lo}..{hi}" for k, (lo, hi) in r.ranges.items()) or "any shape"
+        rng = " ".join([f"{k}={lo}..{hi}" for k, (lo, hi) in r.ranges.items()]
+                       + ([f"arch={','.join(r.arch)}"] if r.arch else [])) or "any shape"
         print(f"  {r.op:9s} {r.variant:22s} {rng:40s} {r.params}")
     return 0
 

@@ -90,7 +90,25 @@ def spec_for(rule: Rule, tag: str, constants: dict[str, Any], arch: str) -> Kern
 
 def plan(table: Table, op: str, shape: dict[str, int], tag: str, constants: dict[str, Any],
          arch: str | None = None) -> KernelSpec:
-    return spec_for(table.rule(op, shape), tag, constants, arch or target_arch())
+    arch = arch or target_arch()
+    return spec_for(table.rule(op, {**shape, "arch": arch, **_sm_count(arch)}), tag, constants, arch)
+
+
+def _sm_count(arch: str) -> dict:
+    """The SM count of the visible GPU when the target is its arch (for rules with an sm_count range)."""
+    import torch
+    if not torch.cuda.is_available():
+        return {}
+    index = torch.cuda.current_device()
+    if _arch_of_device(index) != arch:
+        return {}
+    return {"sm_count": _sm_count_of_device(index)}
+
+
+@lru_cache(maxsize=None)
+def _sm_count_of_device(index: int) -> int:
+    import torch
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @lru_cache(maxsize=None)

@@ -22,7 +22,7 @@ OPS = ("routing", "finalize", "tail", "permute", "tail_tp")
 METHODS = ("softmax_topk", "topk_softmax", "sigmoid_bias", "grouped_sigmoid_bias", "top1_sigmoid")
 DTYPES = ("bfloat16", "float16")
 ROUTER_WEIGHT = ("output", "input")
-RANGE_KEYS = ("num_experts", "top_k", "hidden", "tokens", "world_size")
+RANGE_KEYS = ("num_experts", "top_k", "hidden", "tokens", "world_size", "sm_count")
 MAX_EXPERTS, MAX_TOPK = 2048, 32
 NAME = re.compile(r"[a-z][a-z0-9_]*")                 # an op or variant: a file name, never a path
 TEMPLATE_EXT = {"nvrtc": ".cu.j2", "cute": ".py"}     # backend -> template suffix under templates/<op>/
@@ -126,8 +126,13 @@ class Rule:
     ranges: dict[str, tuple[int, int]]
     params: dict[str, Any] = field(default_factory=dict)
     source: str = ""
+    arch: tuple[str, ...] = ()   # the targets it serves (sm_90a, sm_100a, ...); empty: any
 
-    def matches(self, shape: dict[str, int]) -> bool:
+    def matches(self, shape: dict) -> bool:
+        """Every range given holds for the shape's value (a range the shape has no value for holds), and the
+        shape's target ("arch", else KERNGEN_ARCH's default) is one the rule serves."""
+        if self.arch and shape.get("arch", env.default_arch()) not in self.arch:
+            return False
         return all(lo <= shape[k] <= hi for k, (lo, hi) in self.ranges.items() if k in shape)
 
     def overlaps(self, shape: dict[str, int], tokens: tuple[int, int]) -> bool:
@@ -322,8 +327,8 @@ def check_rule(where: str, op: str, variant, params: dict) -> None:
 
 def _parse_rule(where: str, d: dict) -> Rule:
     for k in d:
-        if k not in ("op", "variant", "params", *RANGE_KEYS):
-            _fail(where, f"unknown field '{k}' (known: op, variant, params, {', '.join(RANGE_KEYS)})")
+        if k not in ("op", "variant", "params", "arch", *RANGE_KEYS):
+            _fail(where, f"unknown field '{k}' (known: op, variant, params, arch, {', '.join(RANGE_KEYS)})")
     if d.get("op") not in OPS:
         _fail(where, f"field 'op' must be one of {', '.join(OPS)}, got {d.get('op')!r}")
     if not isinstance(d.get("variant"), str) or not d["variant"]:
@@ -333,7 +338,18 @@ def _parse_rule(where: str, d: dict) -> Rule:
         _fail(where, "field 'params' must be a table of scalars")
     ranges = {k: _range(where, d, k) for k in RANGE_KEYS if k in d}
     check_rule(where, d["op"], d["variant"], params)
-    return Rule(op=d["op"], variant=d["variant"], ranges=ranges, params=dict(params), source=where)
+    return Rule(op=d["op"], variant=d["variant"], ranges=ranges, params=dict(params), source=where,
+                arch=_arches(where, d.get("arch")))
+
+
+def _arches(where: str, v) -> tuple[str, ...]:
+    """A rule's `arch`: a non-empty list of exact targets such as "sm_90a" (left out: every target)."""
+    if v is None:
+        return ()
+    if (not isinstance(v, list) or not v or not all(isinstance(a, str) and env.ARCH.fullmatch(a) for a in v)):
+        _fail(where, f"field 'arch' must be a non-empty list of targets such as [\"sm_90a\", \"sm_100a\"], "
+              f"got {v!r}")
+    return tuple(v)
 
 
 def _read(path: Path) -> dict:

@@ -174,12 +174,19 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
             lines = str(e).splitlines()
             reason = next((line.strip() for line in lines if "error" in line), lines[0] if lines else "")
             print(f"kerngen tune: {op} {variant} {params} does not compile for {model_name}, skipped ({reason})")
-        rules += _merge(op, model, winners)
+        rules += _merge(op, model, winners, _target())
     return rules
 
 
-def _merge(op: str, model: tiers.Model, winners) -> list[tiers.Rule]:
-    """One rule per run of buckets with the same winner; a boundary sits halfway between buckets."""
+def _target() -> str | None:
+    """The arch of the GPU being tuned (None where torch sees none: the CPU tests drive tune() with stub timers)."""
+    from .plan import target_arch
+    return target_arch() if torch.cuda.is_available() else None
+
+
+def _merge(op: str, model: tiers.Model, winners, arch: str | None = None) -> list[tiers.Rule]:
+    """One rule per run of buckets with the same winner; a boundary sits halfway between buckets. The rules
+    serve `arch` only (the GPU they were timed on)."""
     out: list[tiers.Rule] = []
     lo = model.tokens[0]
     for i, (T, us, variant, params) in enumerate(winners):
@@ -193,7 +200,7 @@ def _merge(op: str, model: tiers.Model, winners) -> list[tiers.Rule]:
                  else {"hidden": (model.hidden, model.hidden)})
         out.append(tiers.Rule(op=op, variant=variant, params=dict(params),
                               ranges={**shape, "top_k": (model.top_k, model.top_k), "tokens": (lo, hi)},
-                              source=f"tuned: {us:.2f} us at T={T}"))
+                              source=f"tuned: {us:.2f} us at T={T}", arch=(arch,) if arch else ()))
         lo = hi + 1
     return out
 
@@ -228,6 +235,8 @@ def write(path: Path, model_name: str, rules: list[tiers.Rule]) -> None:
     for r in rules:
         lines += ["", f"# {r.source}", "[[tier]]", f'op = "{r.op}"', f'variant = "{r.variant}"']
         lines += [f"{k} = {_toml(list(v))}" for k, v in r.ranges.items()]
+        if r.arch:
+            lines.append(f"arch = {_toml(list(r.arch))}")
         lines.append("params = { " + ", ".join(f"{k} = {_toml(v)}" for k, v in r.params.items()) + " }")
     text = "\n".join(lines) + "\n"
     tmp = path.with_suffix(path.suffix + ".tmp")

@@ -45,7 +45,7 @@ def spec(hidden: int, top_k: int, dtype: str, weights_dtype: str, tokens: int, a
 
 def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpec]:
     """Every finalize kernel `model` can dispatch to over its token range."""
-    shape = {"hidden": model.hidden, "top_k": model.top_k, "num_experts": model.num_experts}
+    shape = {"hidden": model.hidden, "top_k": model.top_k, "num_experts": model.num_experts, "arch": arch_}
     out = []
     for rule in tbl.rules_for(OP, shape, model.tokens):
         tag = f"H{model.hidden}-K{model.top_k}-{SHORT[model.dtype]}-w{SHORT[model.weights_dtype]}"

@@ -333,7 +333,7 @@ def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpe
     """Every routing and permute kernel `model` can dispatch to over its token range (fp32 and bf16 logits,
     fp32 bias for the bias methods, the model's weight dtype)."""
     E, K = model.num_experts, model.top_k
-    shape = {"num_experts": E, "top_k": K, "hidden": model.hidden}
+    shape = {"num_experts": E, "top_k": K, "hidden": model.hidden, "arch": arch_}
     out: list[plan_mod.KernelSpec] = []
     for rule in tbl.rules_for(OP, shape, model.tokens):
         for ldtype in ("float32", "bfloat16"):

@@ -120,7 +120,7 @@ def params_spec(params: dict, hidden: int, top_k: int, dtype: str, weights_dtype
 
 def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpec]:
     """The tail kernels of `model` over its token range, for each flag set of WARMUP_FLAGS."""
-    shape = {"hidden": model.hidden, "top_k": model.top_k, "num_experts": model.num_experts}
+    shape = {"hidden": model.hidden, "top_k": model.top_k, "num_experts": model.num_experts, "arch": arch_}
     return [rule_spec(rule, model.hidden, model.top_k, model.dtype, model.weights_dtype, model.dtype, flags, arch_)
             for rule in tbl.rules_for(OP, shape, model.tokens) for flags in WARMUP_FLAGS]
 
