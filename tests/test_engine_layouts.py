@@ -172,3 +172,15 @@ def test_a_new_expert_map_at_a_freed_maps_address_is_read_again():
         _, e, _ = adapters.moe_align_block_size(ids, 4, 16, expert_map=emap)
         assert torch.equal(e, vllm_align(ids, 4, 16, expert_map=emap)[1])
         del emap
+
+
+def test_the_readme_example_of_the_block_layout_runs():
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md")
+    if not readme.is_file():
+        pytest.skip("no README beside the tests")
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
+    code = next(b for b in blocks if "moe_align_block_size" in b)
+    exec(compile("\n".join(line[2:] if line.startswith("  ") else line for line in code.splitlines()),
+                 "README.md", "exec"), {})
