@@ -135,12 +135,6 @@ class Rule:
             return False
         return all(lo <= shape[k] <= hi for k, (lo, hi) in self.ranges.items() if k in shape)
 
-    def overlaps(self, shape: dict[str, int], tokens: tuple[int, int]) -> bool:
-        """Could this rule serve `shape` for some token count in `tokens`?"""
-        lo, hi = self.ranges.get("tokens", (tokens[0], tokens[1]))
-        fixed = {k: v for k, v in shape.items() if k != "tokens"}
-        return self.matches(fixed) and lo <= tokens[1] and tokens[0] <= hi
-
 
 @dataclass(frozen=True)
 class Table:

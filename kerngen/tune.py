@@ -41,8 +41,7 @@ def _time_finalize(model: tiers.Model, T: int, variant: str, params: dict) -> fl
     if variant == "small_batch" and T > 1024:
         return float("inf")  # one CTA per (token, slice): never competitive there, and slow to time
     rule = tiers.Rule(op="finalize", variant=variant, ranges={}, params=params)
-    spec = spec_for(rule, f"H{H}-K{K}-bf16-wf32", {"H": H, "K": K, "DTYPE": model.dtype,
-                                                  "WDTYPE": model.weights_dtype}, target_arch(dev))
+    spec = spec_for(rule, *fin.tag_constants(H, K, model.dtype, model.weights_dtype), target_arch(dev))
     g, e2p, w, out = _moe_inputs(model, T)
     run = fin.bound(fin._launcher(spec, T, dev), g, e2p, w, out, H)
     call = lambda: run(current_stream(dev))

@@ -56,8 +56,7 @@ def main():
                 if variant == "small_batch" and T > 512:
                     continue
                 rule = Rule(op="finalize", variant=variant, ranges={}, params=params)
-                spec = spec_for(rule, f"H{H}-K{K}-bf16-wf32",
-                                {"H": H, "K": K, "DTYPE": "bfloat16", "WDTYPE": "float32"}, arch)
+                spec = spec_for(rule, *fin.tag_constants(H, K, "bfloat16", "float32"), arch)
                 run = fin.bound(fin._launcher(spec, T, dev), g, e2p, w, out, H)
                 call = lambda: run(current_stream(dev))
                 out.fill_(float("nan")); call(); torch.cuda.synchronize()

@@ -37,10 +37,14 @@ def reference(gemm2_out, expanded_to_permuted, topk_weights, hidden=None):
 
 def spec(hidden: int, top_k: int, dtype: str, weights_dtype: str, tokens: int, arch_: str,
          tbl: Table | None = None) -> plan_mod.KernelSpec:
-    tag = f"H{hidden}-K{top_k}-{SHORT[dtype]}-w{SHORT[weights_dtype]}"
-    constants = {"H": hidden, "K": top_k, "DTYPE": dtype, "WDTYPE": weights_dtype}
     shape = {"hidden": hidden, "top_k": top_k, "tokens": tokens}
-    return plan_mod.plan(tbl or table(), OP, shape, tag, constants, arch_)
+    return plan_mod.plan(tbl or table(), OP, shape, *tag_constants(hidden, top_k, dtype, weights_dtype), arch_)
+
+
+def tag_constants(hidden: int, top_k: int, dtype: str, weights_dtype: str) -> tuple[str, dict]:
+    """The readable tag and compile-time constants of a finalize kernel (the rule adds its params)."""
+    return (f"H{hidden}-K{top_k}-{SHORT[dtype]}-w{SHORT[weights_dtype]}",
+            {"H": hidden, "K": top_k, "DTYPE": dtype, "WDTYPE": weights_dtype})
 
 
 def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpec]:

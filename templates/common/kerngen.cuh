@@ -2,8 +2,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-typedef unsigned long long kg_u64;
-
 // Programmatic dependent launch (sm_90+). Without the launch attribute both are no-ops.
 __device__ __forceinline__ void kg_grid_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
