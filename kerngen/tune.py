@@ -96,8 +96,7 @@ ROUTING_TILE = 128   # tools/bench's tile: the permutation is part of the time
 
 def routing_candidates():
     # (32, 4): one CTA holds 8 token groups, so plain CTAs route up to 8 tokens at once with no cluster exchange
-    # (H200, kimi-k3 T=8: 6.5-6.9 µs on 4-16 plain CTAs against 4.66 for 16x8 on 8-CTA clusters, before the
-    # permutation-tail rework; kept for GPUs and shapes where the exchange costs more)
+    # (slower than 8-CTA clusters on the H200, see docs/benchmarks.md; kept for GPUs where the exchange costs more)
     for warps, wpt in ((16, 2), (16, 4), (16, 8), (16, 16), (8, 8), (8, 4), (4, 4), (32, 4)):
         for clusters in (1, 4, 8):
             yield "fused", dict(warps=warps, warps_per_token=wpt, ctas=8, clusters=clusters, max_tokens=16)
