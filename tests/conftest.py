@@ -31,27 +31,3 @@ def gpu_cache(tmp_path_factory):
         os.environ.pop("KERNGEN_CACHE_DIR", None)
     else:
         os.environ["KERNGEN_CACHE_DIR"] = old
-
-
-def assert_no_spills(files: dict) -> None:
-    """Every kernel of a compiled artifact keeps its values in registers (spills are a performance bug that
-    compiles and runs correctly, so only this catches them without a GPU)."""
-    from kerngen import resources
-    for function, use in resources.usage(files):
-        assert use.get("STACK", 0) == 0, f"{function[:80]} spills: {use}"
-
-
-# A user tiers file that sends every finalize to the CuTe DSL variant (few tokens: 16 CTAs per token).
-CUTE_FINALIZE_TIERS = """schema = 1
-
-[[tier]]
-op = "finalize"
-variant = "cute"
-tokens = [1, 16]
-params = { backend = "cute", ctas = 16, threads = 128, max_loads = 16, pdl = true }
-
-[[tier]]
-op = "finalize"
-variant = "cute"
-params = { backend = "cute", ctas = 1, threads = 256, max_loads = 8, pdl = true }
-"""

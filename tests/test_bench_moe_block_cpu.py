@@ -1,24 +1,14 @@
 """tools/bench_moe_block.py on the CPU, no timing: its blocks for tiny made-up models of every routing method,
 each implementation's output checked against eager's as the bench checks it after timing."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 from kerngen.tiers import Model  # noqa: E402
+from tests.helpers import load_tool, one_thread  # noqa: E402
 
 
-def load_bench():
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench_moe_block.py"
-    spec = importlib.util.spec_from_file_location("bench_moe_block", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = load_bench()
+bench = load_tool("bench_moe_block")
 TINY = {   # (model, the transformers block the bench builds for it)
     "sigmoid_bias": (Model("tiny-sigmoid", 16, 4, 64, "sigmoid_bias", (1, 64), routed_scaling_factor=2.5),
                      "DeepseekV3MoE"),
@@ -32,12 +22,9 @@ TINY = {   # (model, the transformers block the bench builds for it)
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices gain nothing from threads, and on a shared CPU their synchronization costs 20x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread():
+    with one_thread():
+        yield
 
 
 def case(method, T, dtype=torch.bfloat16):

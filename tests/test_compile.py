@@ -7,7 +7,7 @@ from kerngen.cache import DiskCache
 from kerngen.errors import CompileError
 from kerngen.ops import finalize as fin
 from kerngen.plan import KernelSpec
-from tests.conftest import assert_no_spills
+from tests.helpers import assert_no_spills
 
 
 def all_finalize_specs():

@@ -1,25 +1,15 @@
 """tools/moe_layer_demo.py on the CPU: its torch layer against a per-token loop, and its permuted-row expert
 path (with the torch references of route and moe_tail) against its torch layer, for tiny made-up models."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kerngen.ops import routing, tail
 from kerngen.tiers import Model
+from tests.helpers import load_tool
 
 
-def load_demo():
-    path = Path(__file__).resolve().parents[1] / "tools" / "moe_layer_demo.py"
-    spec = importlib.util.spec_from_file_location("moe_layer_demo", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-demo = load_demo()
+demo = load_tool("moe_layer_demo")
 TINY = {
     "sigmoid_bias": Model("tiny", 8, 2, 64, "sigmoid_bias", (1, 64), routed_scaling_factor=2.5),
     "grouped_sigmoid_bias": Model("tiny-grouped", 8, 2, 64, "grouped_sigmoid_bias", (1, 64), n_group=4,

@@ -159,7 +159,7 @@ def align_specs():
 
 @pytest.mark.parametrize("spec", align_specs(), ids=lambda s: f"{s.variant}-{s.tag}")
 def test_every_shipped_models_align_builds_compile(spec, tmp_path):
-    from tests.conftest import assert_no_spills
+    from tests.helpers import assert_no_spills
     built = jit.build(spec, store=DiskCache(tmp_path), strict=False)
     assert_no_spills(built.files)
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import kerngen
-from kerngen.ops import routing as rt
 
 JUNK = [None, [2], (1, 2, 3), "x", "", 2.5, float("nan"), float("inf"), -1, 0, 10**30, True, {}, object(),
         torch.tensor(2), torch.zeros(3), torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, 2)]

@@ -6,7 +6,7 @@ import pytest
 from kerngen import jit, resources, tiers
 from kerngen.ops import finalize as fin
 from kerngen.plan import spec_for
-from tests.conftest import CUTE_FINALIZE_TIERS, assert_no_spills
+from tests.helpers import CUTE_FINALIZE_TIERS, assert_no_spills
 
 
 

@@ -11,6 +11,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 
 import kerngen.integrations.transformers as kt  # noqa: E402
 from kerngen.errors import KerngenError  # noqa: E402
+from tests.helpers import one_thread  # noqa: E402
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
@@ -57,12 +58,9 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -6}
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices gain nothing from threads, and on a shared CPU their synchronization costs 20x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread():
+    with one_thread():
+        yield
 
 
 def tiny(case: str, seed: int = 0, **overrides):

@@ -13,7 +13,7 @@ from kerngen import jit, resources, tiers
 from kerngen.cache import DiskCache
 from kerngen.ops import routing as rt
 from kerngen.plan import spec_for
-from tests.conftest import assert_no_spills
+from tests.helpers import assert_no_spills
 from tests.gpu.test_routing_fused_ctas1 import CONFIGS as FUSED_CTAS1_CONFIGS
 
 PARAMS_BASE = 0x210   # sm_90: kernel parameters start at c[0x0][0x210]

@@ -7,7 +7,7 @@ from kerngen import jit, tiers
 from kerngen.cache import DiskCache
 from kerngen.errors import InputError, TierError
 from kerngen.ops import routing as rt
-from tests.conftest import assert_no_spills
+from tests.helpers import assert_no_spills, load_tool
 
 
 def all_routing_specs():
@@ -302,15 +302,9 @@ def test_fused_parameters_out_of_range_fail_to_compile_with_the_reason(bad, mess
 def test_phase_probe_instruments_the_fused_kernel(name, T):
     """tools/routing_phases.py finds every phase boundary in the fused kernel of the shipped tiers and the
     instrumented source compiles for sm_90a (its anchors are template text: this fails when they drift)."""
-    import importlib.util
-    from pathlib import Path
-
     from kerngen.compile import nvrtc_compile
     from kerngen.render import render
-    path = Path(__file__).resolve().parents[1] / "tools" / "routing_phases.py"
-    loader = importlib.util.spec_from_file_location("routing_phases", path)
-    probe = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(probe)
+    probe = load_tool("routing_phases")
     m = tiers.load().model(name)
     s = rt.spec(m.num_experts, m.top_k, m.routing, T, "sm_90a", n_group=m.n_group, topk_group=m.topk_group,
                      renormalize=m.renormalize, bdtype="float32" if "bias" in m.routing else "none")

@@ -1,25 +1,17 @@
 """tools/same_sass.py without a GPU: SASS text is compared by instruction, not by address or encoding; a tree built
 against itself is the same; a changed instruction differs, and only --allow lets it through."""
-import importlib.util
 import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("same_sass", ROOT / "tools" / "same_sass.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["same_sass"] = mod   # dataclasses and the process pool look the module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ss = _load_tool()
+ss = load_tool("same_sass")
 
 # cuobjdump -sass as it prints a cubin (two functions; the second a CuTe name holding its key's hash)
 SASS = """

@@ -15,7 +15,7 @@ from kerngen import jit, resources, tiers
 from kerngen.cache import DiskCache
 from kerngen.errors import CompileError
 from kerngen.ops import tail
-from tests.conftest import assert_no_spills
+from tests.helpers import assert_no_spills
 
 
 def shipped_tail_specs():

@@ -105,7 +105,7 @@ def test_every_shipped_rule_of_an_arch_builds_for_it(tmp_path):
     """Each rule that names arches compiles for each of them (the other rules: tests/test_compile.py)."""
     from kerngen import jit
     from kerngen.cache import DiskCache
-    from tests.conftest import assert_no_spills
+    from tests.helpers import assert_no_spills
     tbl = tiers.load()
     named = {a for r in tbl.rules for a in r.arch}
     built = 0

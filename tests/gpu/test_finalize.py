@@ -4,7 +4,7 @@ import torch
 
 import kerngen
 from kerngen.ops.finalize import reference
-from tests.conftest import CUTE_FINALIZE_TIERS
+from tests.helpers import CUTE_FINALIZE_TIERS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
 

@@ -1,0 +1,54 @@
+"""What the tests share besides fixtures (those are in conftest.py): loading a tool script, SASS checks,
+tiers texts."""
+import contextlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_tool(name: str):
+    """tools/<name>.py as a module (tools are scripts, not a package), registered under its name."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod   # dataclasses and process pools look a module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Tiny matrices gain nothing from threads, and on a shared CPU their synchronization costs 20x."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def assert_no_spills(files: dict) -> None:
+    """Every kernel of a compiled artifact keeps its values in registers (spills are a performance bug that
+    compiles and runs correctly, so only this catches them without a GPU)."""
+    from kerngen import resources
+    for function, use in resources.usage(files):
+        assert use.get("STACK", 0) == 0, f"{function[:80]} spills: {use}"
+
+
+# A user tiers file that sends every finalize to the CuTe DSL variant (few tokens: 16 CTAs per token).
+CUTE_FINALIZE_TIERS = """schema = 1
+
+[[tier]]
+op = "finalize"
+variant = "cute"
+tokens = [1, 16]
+params = { backend = "cute", ctas = 16, threads = 128, max_loads = 16, pdl = true }
+
+[[tier]]
+op = "finalize"
+variant = "cute"
+params = { backend = "cute", ctas = 1, threads = 256, max_loads = 8, pdl = true }
+"""
