@@ -4,6 +4,7 @@ Importing kerngen touches no GPU, imports no CuTe DSL and creates no directory.
 """
 from .errors import CacheError, CacheMissError, CompileError, DeviceError, EnvError, InputError, KerngenError, TierError
 from .adapters import select_experts
+from .ops.experts import experts
 from .ops.finalize import finalize
 from .ops.finalize import prepare as finalize_prepare
 from .ops.routing import Routing, RoutingWorkspace, permute, route
@@ -12,7 +13,7 @@ from .ops.tail import moe_tail
 from .plan import VERSION as __version__
 from . import torch_ops  # noqa: F401,E402  (registers torch.ops.kerngen.*)
 
-__all__ = ["route", "permute", "Routing", "RoutingWorkspace", "PreRouting", "finalize", "finalize_prepare", "moe_tail", "select_experts", "models", "preload", "strict",
+__all__ = ["route", "experts", "permute", "Routing", "RoutingWorkspace", "PreRouting", "finalize", "finalize_prepare", "moe_tail", "select_experts", "models", "preload", "strict",
            "KerngenError", "InputError", "TierError", "CompileError", "CacheMissError", "DeviceError", "CacheError",
            "EnvError", "__version__"]
 

@@ -18,7 +18,7 @@ from . import env
 from .errors import TierError
 
 SCHEMA = 1
-OPS = ("routing", "finalize", "tail", "permute", "tail_tp")
+OPS = ("routing", "finalize", "tail", "permute", "tail_tp", "experts")
 METHODS = ("softmax_topk", "topk_softmax", "sigmoid_bias", "grouped_sigmoid_bias", "top1_sigmoid")
 DTYPES = ("bfloat16", "float16")
 ROUTER_WEIGHT = ("output", "input")
@@ -80,6 +80,8 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                            "pdl": FLAG},
     ("tail", "tail"): {"backend": CUTE, "threads": _n(32, 1024, required=True), "cluster": _n(1, 16),
                        "max_loads": _n(1, 64), "branch_free": FLAG, "pdl": FLAG, "split_k": _n(1, MAX_TOPK)},
+    ("experts", "stream"): {"backend": NVRTC, "warps": _n(1, 32, required=True),
+                            "weight_rows": _n(2, 8, required=True, step=2), "pdl": FLAG},
     ("tail_tp", "allreduce"): {"allreduce": Param(str, required=True, choices=("nccl", "symm_mem")),
                                "max_tokens": _n()},
 }

@@ -1,0 +1,179 @@
+"""kerngen.experts on CPU tensors: its reference against per-token loops written from transformers' expert
+classes, the argument checks, and the stream kernel of every experts rule compiled for sm_90a."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kerngen
+from kerngen import jit, tiers
+from kerngen.cache import DiskCache
+from kerngen.ops import experts as ex
+from kerngen.ops import routing as rt
+from tests.helpers import assert_no_spills
+
+ACTS = ("silu", "gelu", "gpt_oss", "situglu")
+
+
+def routing_of(ids: torch.Tensor, E: int, tile: int, local=None) -> kerngen.Routing:
+    return kerngen.Routing(ids, ids.new_empty((ids.shape[0], 0), dtype=torch.float32),
+                           **rt.permute_reference(ids, E, tile, local))
+
+
+def loop_expert(x, gate_up, down, b13, b2, act, interleaved, alpha=1.702, limit=7.0, beta=1.0, linear_beta=0.0):
+    """One token through one expert, as transformers' classes write it (Qwen3MoeExperts / GptOssExperts / the
+    SituGLU of Kimi), with the rounding points of kerngen.experts: fp32 GEMMs, the activation rounded to bf16."""
+    h = F.linear(x.float(), gate_up.float(), None if b13 is None else b13.float())
+    if interleaved:
+        gate, up = h[..., ::2], h[..., 1::2]
+    else:
+        gate, up = h.chunk(2, dim=-1)
+    if act == "silu":
+        a = F.silu(gate) * up
+    elif act == "gelu":
+        a = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate ** 3))) * up
+    elif act == "gpt_oss":
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        glu = gate * torch.sigmoid(gate * alpha)
+        a = (up + 1) * glu
+    else:
+        lin = linear_beta * torch.tanh(up / linear_beta) if linear_beta > 0 else up
+        a = beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * lin
+    y = F.linear(a.to(torch.bfloat16).float(), down.float(), None if b2 is None else b2.float())
+    return y.to(torch.bfloat16)
+
+
+def weights(E, H, I, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: (torch.randn(*s, generator=g) * 0.5).to(torch.bfloat16)  # noqa: E731
+    w13, w2 = r(E, 2 * I, H) / H ** 0.25, r(E, H, I) / I ** 0.25
+    return w13, w2, (r(E, 2 * I) if bias else None), (r(E, H) if bias else None)
+
+
+CASES = [(act, inter, bias, inw) for act in ACTS for inter, bias, inw in
+         ((False, False, False), (True, True, False), (False, True, True))]
+
+
+@pytest.mark.parametrize("act,interleaved,bias,input_weight", CASES)
+@pytest.mark.parametrize("tile", [1, 8])
+def test_reference_matches_a_per_token_loop(act, interleaved, bias, input_weight, tile):
+    T, K, E, H, I = 5, 3, 6, 64, 48
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    ids[0, :] = torch.tensor([0, 1, 2])     # expert 3.. may be empty; expert 0 has several rows
+    ids[1, 0] = 0
+    local = (1, 4)                           # expert parallelism: experts 1..4 here
+    r = routing_of(ids, E, tile, local)
+    w13, w2, b13, b2 = weights(4, H, I, bias)
+    s = torch.rand(T, generator=g) if input_weight else None
+    kw = dict(activation=act, interleaved=interleaved, b13=b13, b2=b2, input_weights=s, beta=1.5,
+              linear_beta=2.0 if act == "situglu" else 0.0)
+    out = kerngen.experts(x, r, w13, w2, **kw)
+    assert out.shape == (r.permuted_to_token.shape[0], H) and out.dtype == torch.bfloat16
+    assert torch.equal(out, ex.reference(x, r, w13, w2, **kw))
+    e2p = r.expanded_to_permuted
+    seen = 0
+    for t in range(T):
+        xt = x[t] if s is None else (x[t].float() * s[t]).to(torch.bfloat16)
+        for k in range(K):
+            e = int(ids[t, k]) - local[0]
+            if not 0 <= e < local[1]:
+                assert e2p[t, k] == -1
+                continue
+            want = loop_expert(xt, w13[e], w2[e], None if b13 is None else b13[e], None if b2 is None else b2[e],
+                               act, interleaved, beta=1.5, linear_beta=kw["linear_beta"])
+            torch.testing.assert_close(out[e2p[t, k]].float(), want.float(), rtol=1e-2, atol=1e-2)
+            seen += 1
+    assert seen > 0
+    pad = r.permuted_to_token < 0
+    assert torch.all(out[pad] == 0)
+
+
+def test_situglu_without_linear_beta_is_up():
+    h = torch.randn(3, 16)
+    got = ex.activate(h, 8, "situglu", False, beta=2.0, linear_beta=0.0)
+    g, u = h[:, :8], h[:, 8:]
+    torch.testing.assert_close(got, 2.0 * torch.tanh(g / 2.0) * torch.sigmoid(g) * u)
+
+
+def test_tile_is_read_from_the_routing():
+    ids = torch.tensor([[0, 2], [1, 2]], dtype=torch.int32)
+    for tile in (1, 3, 8):
+        assert ex.infer_tile(routing_of(ids, 4, tile)) == tile
+
+
+def _args(**over):
+    T, H, I, E = 2, 16, 8, 4
+    ids = torch.tensor([[0, 1], [1, 3]], dtype=torch.int32)
+    w13, w2, _, _ = weights(E, H, I, False)
+    a = dict(x=torch.zeros(T, H, dtype=torch.bfloat16), routing=routing_of(ids, E, 2), w13=w13, w2=w2)
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize("over,arg", [
+    (dict(x=torch.zeros(2, 16)), "x"),
+    (dict(x=torch.zeros(3, 16, dtype=torch.bfloat16)), "routing"),
+    (dict(w13=torch.zeros(3, 16, 16, dtype=torch.bfloat16)), "w13"),              # wrong E
+    (dict(w13=torch.zeros(4, 16, 24, dtype=torch.bfloat16)), "w13"),              # wrong H
+    (dict(w13=torch.zeros(4, 16, 16)), "w13"),                                    # dtype
+    (dict(w2=torch.zeros(4, 16, 16, dtype=torch.bfloat16)), "w2"),                # wrong I
+    (dict(w2=torch.zeros(4, 16, 8, dtype=torch.float16)), "w2"),
+    (dict(activation="relu"), "activation"),
+    (dict(interleaved=1), "interleaved"),
+    (dict(b13=torch.zeros(4, 8, dtype=torch.bfloat16)), "b13"),
+    (dict(b2=torch.zeros(4, 16)), "b2"),
+    (dict(input_weights=torch.zeros(3)), "input_weights"),
+    (dict(input_weights=torch.zeros(2, dtype=torch.int32)), "input_weights"),
+    (dict(tile=0), "tile"),
+    (dict(activation="gpt_oss", limit=-1.0), "limit"),
+    (dict(activation="situglu", beta=0.0), "beta"),
+    (dict(out=torch.zeros(3, 16, dtype=torch.bfloat16)), "out"),
+])
+def test_bad_inputs_name_the_argument(over, arg):
+    with pytest.raises(kerngen.InputError) as e:
+        kerngen.experts(**_args(**over))
+    assert e.value.arg == arg
+
+
+def test_a_routing_without_permutation_is_refused():
+    ids = torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(kerngen.InputError, match="routing"):
+        kerngen.experts(**_args(x=torch.zeros(1, 16, dtype=torch.bfloat16),
+                                routing=kerngen.Routing(ids, torch.zeros(1, 2))))
+
+
+# (H, I) of qwen3-30b-a3b, qwen3-235b, deepseek-v3, gpt-oss-120b and a kimi-k3-like shape
+SHAPES = [(2048, 768), (4096, 1536), (7168, 2048), (2880, 2880), (3584, 2048)]
+
+
+def experts_specs():
+    """Every experts rule's kernel at the shipped shapes with SwiGLU at the largest tile (the most registers),
+    and the other activations (the code that changes) at one shape each."""
+    t = tiers.load()
+    rules = [r for r in t.rules if r.op == "experts"]
+    specs = []
+    for rule in rules:
+        T = rule.ranges.get("tokens", (1, 1))[0]
+        shape = {"tokens": T, "arch": "sm_90a"}
+        for (H, I), act in [*((s, "silu") for s in SHAPES), ((2880, 2880), "gpt_oss"), ((7168, 2048), "gelu"),
+                            ((3584, 2048), "situglu")]:
+            if rule.matches({**shape, "hidden": H}):
+                s = ex.spec(H, I, ex.MAX_TILE, act, T, "sm_90a", t)
+                if s not in specs:
+                    specs.append(s)
+    return specs
+
+
+def test_experts_rules_exist():
+    assert experts_specs(), "tiers.toml has no experts rule for the shipped shapes"
+
+
+@pytest.mark.parametrize("spec", experts_specs(), ids=lambda s: s.tag)
+def test_every_experts_rule_compiles_without_spills(spec, tmp_path):
+    built = jit.build(spec, store=DiskCache(tmp_path))
+    cubin = built.files["kernel.cubin"]
+    assert built.status == "compiled" and cubin[:4] == b"\x7fELF"
+    assert b"experts_gemm1" in cubin and b"experts_gemm2" in cubin
+    assert_no_spills(built.files)
