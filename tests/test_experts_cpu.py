@@ -177,3 +177,19 @@ def test_every_experts_rule_compiles_without_spills(spec, tmp_path):
     assert built.status == "compiled" and cubin[:4] == b"\x7fELF"
     assert b"experts_gemm1" in cubin and b"experts_gemm2" in cubin
     assert_no_spills(built.files)
+
+
+def test_no_tokens_gives_the_empty_rows():
+    ids = torch.zeros((0, 2), dtype=torch.int32)
+    w13, w2, _, _ = weights(4, 16, 8, False)
+    out = kerngen.experts(torch.zeros(0, 16, dtype=torch.bfloat16), routing_of(ids, 4, 2), w13, w2)
+    assert out.shape == (4, 16)
+
+
+def test_python_packing_matches_the_params_struct():
+    from kerngen import render
+    from tests.test_params_layout import check_layout
+    t = tiers.load()
+    if not any(r.op == "experts" for r in t.rules):
+        pytest.skip("no experts rule in tiers.toml")
+    check_layout("experts stream", render.render(ex.spec(2048, 768, 8, "silu", 1, "sm_90a", t)), ex.FMT)

@@ -187,7 +187,9 @@ def _kernel(H, I, tile, activation, T, tiles, dev) -> _Stream | None:
 def _grouped(xs, routing, w13, w2, b13, b2, tile, I, act) -> torch.Tensor:
     """torch._grouped_mm over the padded expert groups (h rounded to bf16, as a grouped GEMM returns it)."""
     offs = routing.expert_offsets[1:]
-    expert = routing.tile_to_expert.clamp(min=0).repeat_interleave(tile)[: xs.shape[0]]
+    t2e = routing.tile_to_expert
+    tile_of_row = (torch.arange(xs.shape[0], device=xs.device) // tile).clamp(max=max(t2e.shape[0] - 1, 0))
+    expert = t2e[tile_of_row].clamp(min=0)
     h = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs).float()
     if b13 is not None:
         h = h + b13[expert].float()
@@ -223,18 +225,19 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     a0, a1 = (alpha, limit) if activation == "gpt_oss" else (beta, linear_beta)
     kw = dict(activation=activation, interleaved=interleaved, b13=b13, b2=b2, input_weights=input_weights,
               tile=tile, alpha=alpha, limit=limit, beta=beta, linear_beta=linear_beta)
+    if not x.shape[0] or not rows:   # no tokens: no row holds an expert output
+        return out
     if x.device.type != "cuda":
         out.copy_(reference(x, routing, w13, w2, **kw))
         return out
     T, dev = x.shape[0], x.get_device()
     tiles = routing.tile_to_expert.shape[0]
-    k = _kernel(H, I, tile, activation, T, tiles, dev) if T and tiles else None
+    k = _kernel(H, I, tile, activation, T, tiles, dev) if tiles else None
     if k is None:
-        if rows:
-            xs = x if input_weights is None else (x.float() * input_weights.float().reshape(T, 1)).to(x.dtype)
-            xs = xs[p2t.clamp(min=0)]
-            act = lambda h: activate(h, I, activation, interleaved, alpha, limit, beta, linear_beta)  # noqa: E731
-            out.copy_(_grouped(xs, routing, w13, w2, b13, b2, tile, I, act))
+        xs = x if input_weights is None else (x.float() * input_weights.float().reshape(T, 1)).to(x.dtype)
+        xs = xs[p2t.clamp(min=0)]
+        act = lambda h: activate(h, I, activation, interleaved, alpha, limit, beta, linear_beta)  # noqa: E731
+        out.copy_(_grouped(xs, routing, w13, w2, b13, b2, tile, I, act))
         return out
     inw = None if input_weights is None else input_weights.float().reshape(T).contiguous()
     act = torch.empty((tiles * tile, I), dtype=x.dtype, device=x.device)
