@@ -39,6 +39,10 @@ def run_kerngen(*args, cache, user=None):
         if shutil.which("setpriv") is None:
             pytest.skip("setpriv is not installed")
         prefix = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"]
+        probe = subprocess.run([*prefix, sys.executable, "-c", "import kerngen"], capture_output=True, text=True,
+                               cwd="/")
+        if probe.returncode:   # e.g. a virtualenv inside a directory private to root
+            pytest.skip(f"user {user} cannot import kerngen from this Python ({probe.stderr.strip()[-120:]})")
     return subprocess.run([*prefix, sys.executable, *args], capture_output=True, text=True, cwd="/",
                           env={**os.environ, "KERNGEN_CACHE_DIR": str(cache)})
 

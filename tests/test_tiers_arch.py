@@ -117,3 +117,17 @@ def test_every_shipped_rule_of_an_arch_builds_for_it(tmp_path):
                     assert_no_spills(jit.build(s, store=DiskCache(tmp_path), strict=False).files)
                     built += 1
     assert built or not named
+
+
+def test_warmup_for_both_shipped_arches_takes_each_arches_rules(tmp_path):
+    """`kerngen warmup --arch sm_90a,sm_100a`: the H200's onepass permutation has 32 CTAs, the B200's 36."""
+    tbl = tiers.load()
+    m = tbl.model("kimi-k3")
+    ctas = {arch: {dict(s.params).get("ctas") for s in warmup.model_specs(m, tbl, arch, ("routing",))
+                   if s.op == "permute" and s.variant == "onepass"} for arch in ("sm_90a", "sm_100a")}
+    assert ctas["sm_90a"] == {32} and ctas["sm_100a"] == {36}
+    out = subprocess.run([sys.executable, "-m", "kerngen", "explain", "--model", "kimi-k3", "--op", "finalize",
+                          "--tokens", "18", "--arch", "sm_100a"], capture_output=True, text=True, cwd=tmp_path,
+                         env={**__import__("os").environ, "KERNGEN_CACHE_DIR": str(tmp_path / "c")})
+    # 18 tokens: the B200's first small_batch rule (block_x 16, up to 18), the H200's second (block_x 64)
+    assert out.returncode == 0 and "small_batch" in out.stdout and "'block_x': 16" in out.stdout, out.stderr
