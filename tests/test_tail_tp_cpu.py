@@ -58,17 +58,17 @@ def _reference_tail(g, e2p, w, nw, *, eps, residual, residual_out, out, out_dtyp
 def _worker(rank: int, init: str, results):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
-        tail_tp.finalize, tail_tp.moe_tail = _reference_finalize, _reference_tail
+        tail_tp.finalize = _reference_finalize
         gemm2, e2p, w, shared = rank_inputs(rank)
         nw, res = common_inputs()
         res_out = torch.empty(T, H, dtype=torch.bfloat16)
-        out = tail_tp.moe_tail_tp(gemm2, e2p, w, nw, group=dist.group.WORLD, shared=shared, residual=res,
-                                  residual_out=res_out)
+        out = tail_tp.moe_tail_tp(gemm2, e2p, w, nw, group=dist.group.WORLD, local_tail=_reference_tail,
+                                  shared=shared, residual=res, residual_out=res_out)
         errors = []
         for kwargs, name in ((dict(group="not a group"), "group"),
                              (dict(group=dist.group.WORLD, shared=shared[:, :8]), "shared")):
             try:
-                tail_tp.moe_tail_tp(gemm2, e2p, w, nw, **kwargs)
+                tail_tp.moe_tail_tp(gemm2, e2p, w, nw, local_tail=_reference_tail, **kwargs)
             except kerngen.InputError as e:
                 errors.append(f"'{name}'" in str(e))
         results[rank] = (out, res_out, errors)

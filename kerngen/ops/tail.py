@@ -30,6 +30,7 @@ from ..errors import InputError
 from ..tiers import Model, Rule, Table
 from ._common import (DTYPE_NAMES, SHORT, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
                       check_tensor, table)
+from .tail_tp import moe_tail_tp
 
 OP = "tail"
 MAX_K = 32
@@ -170,10 +171,9 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
     All of it is CUDA-graph capturable; the kernel runs on torch's current stream.
     """
     if group is not None:
-        from .tail_tp import moe_tail_tp
-        return moe_tail_tp(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, group=group, eps=eps,
-                           shared=shared, residual=residual, residual_out=residual_out, out=out, out_dtype=out_dtype,
-                           out_scales=out_scales)
+        return moe_tail_tp(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, group=group,
+                           local_tail=moe_tail, eps=eps, shared=shared, residual=residual, residual_out=residual_out,
+                           out=out, out_dtype=out_dtype, out_scales=out_scales)
     g, e2p, w, nw = gemm2_out, expanded_to_permuted, topk_weights, norm_weight
     try:  # the signature pins everything the full checks establish, except alignment (the kernel checks it)
         sig = (g.dtype, g.shape, g.stride(), g.device, e2p.dtype, e2p.shape, e2p.stride(), e2p.device,

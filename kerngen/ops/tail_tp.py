@@ -26,7 +26,6 @@ from ..errors import InputError
 from ..tiers import Table
 from ._common import check_tensor, table
 from .finalize import finalize
-from .tail import moe_tail
 
 OP = "tail"
 TP_OP = "tail_tp"
@@ -79,9 +78,11 @@ def _rows(T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return hit
 
 
-def moe_tail_tp(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, *, group, eps=1e-6, shared=None,
-                residual=None, residual_out=None, out=None, out_dtype=None, out_scales=None):
-    """moe_tail over a tensor-parallel group (module docstring); same arguments as moe_tail plus `group`."""
+def moe_tail_tp(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, *, group, local_tail, eps=1e-6,
+                shared=None, residual=None, residual_out=None, out=None, out_dtype=None, out_scales=None):
+    """moe_tail over a tensor-parallel group (module docstring); same arguments as moe_tail plus `group`, and
+    `local_tail`, the single-GPU tail that runs on the summed rows (kerngen.ops.tail.moe_tail passes itself: the
+    pipeline runs tail -> tail_tp, never back)."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         raise InputError(OP, "group", "a process group of an initialized torch.distributed", "no default group")
@@ -103,5 +104,5 @@ def moe_tail_tp(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, *, g
         partial.add_(shared)
     z = _all_reduce(partial, group, p)
     ident, ones = _rows(T, gemm2_out.device)
-    return moe_tail(z, ident, ones, norm_weight, eps=eps, residual=residual, residual_out=residual_out, out=out,
-                    out_dtype=out_dtype, out_scales=out_scales)
+    return local_tail(z, ident, ones, norm_weight, eps=eps, residual=residual, residual_out=residual_out, out=out,
+                      out_dtype=out_dtype, out_scales=out_scales)
