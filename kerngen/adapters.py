@@ -133,8 +133,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
         _positive_int("num_experts", num_experts)
         return _rt.align_reference(topk_ids, block_size, num_experts, local, pad_sorted_ids)
     _positive_int("block_size", block_size)
-    rows = _rt.max_rows(topk_ids.shape[0], topk_ids.shape[1], num_experts, block_size)
-    rows = -(-rows // block_size) * block_size if pad_sorted_ids else rows
+    rows = _rt.align_rows(topk_ids.shape[0], topk_ids.shape[1], num_experts, block_size, pad_sorted_ids)
     sorted_ids = torch.empty((rows,), dtype=torch.int32, device=topk_ids.device)
     expert_ids = torch.empty((-(-rows // block_size),), dtype=torch.int32, device=topk_ids.device)
     post_pad = torch.empty((1,), dtype=torch.int32, device=topk_ids.device)

@@ -83,6 +83,13 @@ def max_rows(tokens: int, top_k: int, num_local: int, tile: int) -> int:
     return tokens * top_k + num_local * (tile - 1)
 
 
+def align_rows(tokens: int, top_k: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False) -> int:
+    """vLLM's max_num_tokens_padded, the length of sorted_token_ids (whole blocks with pad_sorted_ids); its
+    expert_ids has ceil(align_rows / block_size) entries."""
+    rows = max_rows(tokens, top_k, num_experts, block_size)
+    return -(-rows // block_size) * block_size if pad_sorted_ids else rows
+
+
 LAYOUTS = ("kerngen", "align")   # align: moe_align_block_size's sorted_token_ids / expert_ids (vLLM, SGLang)
 
 
@@ -137,9 +144,7 @@ class RoutingWorkspace:
             # align: the permutation runs over all experts (the range only marks other experts' blocks -1), and
             # the rows are rounded up to whole blocks, room for pad_sorted_ids
             pn = num_experts if align else nl
-            self.max_rows = max_rows(T, K, pn, tile)
-            if align:
-                self.max_rows = -(-self.max_rows // tile) * tile
+            self.max_rows = align_rows(T, K, pn, tile, pad_sorted_ids=True) if align else max_rows(T, K, pn, tile)
             sizes.update(counts=pn, offsets=pn + 1, e2p=T * K, p2t=self.max_rows, t2e=self.max_rows // tile,
                          num_rows=1, hist=-(-T // MIN_TOKENS_PER_BLOCK) * pn, ticket=1)
         # One allocation, one fill: -1 everywhere (num_rows = -1 reads as "no previous call") but the ticket;
@@ -171,8 +176,7 @@ class RoutingWorkspace:
             return Routing(ids, w)
         if self.layout == "align":   # vLLM's buffer sizes: max_num_tokens_padded, max_num_m_blocks
             E, tile = self.num_experts, self.tile
-            rows = max_rows(tokens, self.top_k, E, tile)
-            rows = -(-rows // tile) * tile if pad_sorted_ids else rows
+            rows = align_rows(tokens, self.top_k, E, tile, pad_sorted_ids)
             return Routing(ids, w, self.counts[:E], self.offsets[:E + 1], self.e2p[:tokens],
                            num_permuted_rows=self.num_rows[0], sorted_token_ids=self.p2t[:rows],
                            expert_ids=self.t2e[:-(-rows // tile)], num_tokens_post_padded=self.num_rows[:1])
@@ -284,8 +288,7 @@ def align_reference(topk_ids: torch.Tensor, block_size: int, num_experts: int,
     T, K = topk_ids.shape
     ls, nl = local_experts or (0, num_experts)
     p = permute_reference(topk_ids, num_experts, block_size)
-    rows = max_rows(T, K, num_experts, block_size)
-    rows = -(-rows // block_size) * block_size if pad_sorted_ids else rows
+    rows = align_rows(T, K, num_experts, block_size, pad_sorted_ids)
     sorted_ids = torch.full((rows,), T * K, dtype=torch.int32, device=topk_ids.device)
     e2p = p["expanded_to_permuted"].flatten().long()
     valid = e2p >= 0
@@ -550,13 +553,7 @@ def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_expert
     ([T, 0]). layout="align" writes moe_align_block_size's outputs (route's docstring; pad_sorted_ids rounds
     sorted_token_ids' length up to whole blocks, as vLLM's flag does).
     """
-    check_tensor(PERMUTE_OP, "topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, contiguous=True,
-                 device=getattr(topk_ids, "device", None))
-    _check_int(PERMUTE_OP, "num_experts", num_experts, 1, MAX_EXPERTS)
-    T, K = topk_ids.shape
-    _check_int(PERMUTE_OP, "topk_ids.shape[1]", K, 1, min(MAX_TOPK, num_experts))
-    _check_int(PERMUTE_OP, "tile", tile, 1, 1024)
-    ls, nl = _check_local(PERMUTE_OP, local_experts, num_experts)
+    T, K, ls, nl = _check_ids(PERMUTE_OP, topk_ids, num_experts, "tile", tile, local_experts)
     align = _check_layout(PERMUTE_OP, layout)
     if not isinstance(pad_sorted_ids, bool):
         raise InputError(PERMUTE_OP, "pad_sorted_ids", "True or False", repr(pad_sorted_ids))
@@ -596,13 +593,7 @@ def permute_align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int
     sorted_token_ids int32 [>= T*K + E*(block_size-1)] (every entry is written), expert_ids int32
     [>= ceil(len(sorted_token_ids) / block_size)], num_tokens_post_pad int32 [1]; all 16-byte aligned."""
     op = "moe_align_block_size"
-    check_tensor(op, "topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, contiguous=True,
-                 device=getattr(topk_ids, "device", None))
-    _check_int(op, "num_experts", num_experts, 1, MAX_EXPERTS)
-    _check_int(op, "block_size", block_size, 1, 1024)
-    T, K = topk_ids.shape
-    _check_int(op, "topk_ids.shape[1]", K, 1, min(MAX_TOPK, num_experts))
-    ls, nl = _check_local(op, local_experts, num_experts)
+    T, K, ls, nl = _check_ids(op, topk_ids, num_experts, "block_size", block_size, local_experts)
     check_tensor(op, "topk_ids", topk_ids)
     need = max_rows(T, K, num_experts, block_size)
     for name, t, n in (("sorted_token_ids", sorted_token_ids, need), ("num_tokens_post_pad", num_tokens_post_pad, 1),
@@ -628,6 +619,18 @@ def permute_align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int
 
 
 # ----------------------------------------------------------------------------------------------- checks
+def _check_ids(op, topk_ids, num_experts, tile_name, tile, local_experts) -> tuple[int, int, int, int]:
+    """Top-k ids computed elsewhere ([T, K] int32, contiguous; any device: the caller checks it is CUDA) with
+    their expert count, tile and local range; returns (T, K, local_start, num_local)."""
+    check_tensor(op, "topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, contiguous=True,
+                 device=getattr(topk_ids, "device", None))
+    _check_int(op, "num_experts", num_experts, 1, MAX_EXPERTS)
+    T, K = topk_ids.shape
+    _check_int(op, "topk_ids.shape[1]", K, 1, min(MAX_TOPK, num_experts))
+    _check_int(op, tile_name, tile, 1, 1024)
+    return (T, K, *_check_local(op, local_experts, num_experts))
+
+
 def _check_int(op, name, v, lo, hi):
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise InputError(op, name, f"an integer in [{lo}, {hi}]", repr(v))
