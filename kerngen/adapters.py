@@ -128,11 +128,11 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.dtype != torch.int32:
         raise InputError("moe_align_block_size", "topk_ids", "an int32 tensor [T, K]", _describe(topk_ids))
     local = _local_range(expert_map, num_experts, local_experts)
-    if topk_ids.device.type != "cuda":
-        _positive_int("block_size", block_size)
-        _positive_int("num_experts", num_experts)
+    _rt.check_ids("moe_align_block_size", topk_ids.contiguous(), num_experts, "block_size", block_size, local)
+    if not isinstance(pad_sorted_ids, bool):
+        raise InputError("moe_align_block_size", "pad_sorted_ids", "True or False", repr(pad_sorted_ids))
+    if topk_ids.device.type != "cuda":   # the same checks on every device
         return _rt.align_reference(topk_ids, block_size, num_experts, local, pad_sorted_ids)
-    _positive_int("block_size", block_size)
     rows = _rt.align_rows(topk_ids.shape[0], topk_ids.shape[1], num_experts, block_size, pad_sorted_ids)
     sorted_ids = torch.empty((rows,), dtype=torch.int32, device=topk_ids.device)
     expert_ids = torch.empty((-(-rows // block_size),), dtype=torch.int32, device=topk_ids.device)

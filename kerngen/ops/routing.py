@@ -553,7 +553,7 @@ def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_expert
     ([T, 0]). layout="align" writes moe_align_block_size's outputs (route's docstring; pad_sorted_ids rounds
     sorted_token_ids' length up to whole blocks, as vLLM's flag does).
     """
-    T, K, ls, nl = _check_ids(PERMUTE_OP, topk_ids, num_experts, "tile", tile, local_experts)
+    T, K, ls, nl = check_ids(PERMUTE_OP, topk_ids, num_experts, "tile", tile, local_experts)
     align = _check_layout(PERMUTE_OP, layout)
     if not isinstance(pad_sorted_ids, bool):
         raise InputError(PERMUTE_OP, "pad_sorted_ids", "True or False", repr(pad_sorted_ids))
@@ -593,7 +593,7 @@ def permute_align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int
     sorted_token_ids int32 [>= T*K + E*(block_size-1)] (every entry is written), expert_ids int32
     [>= ceil(len(sorted_token_ids) / block_size)], num_tokens_post_pad int32 [1]; all 16-byte aligned."""
     op = "moe_align_block_size"
-    T, K, ls, nl = _check_ids(op, topk_ids, num_experts, "block_size", block_size, local_experts)
+    T, K, ls, nl = check_ids(op, topk_ids, num_experts, "block_size", block_size, local_experts)
     check_tensor(op, "topk_ids", topk_ids)
     need = max_rows(T, K, num_experts, block_size)
     for name, t, n in (("sorted_token_ids", sorted_token_ids, need), ("num_tokens_post_pad", num_tokens_post_pad, 1),
@@ -619,7 +619,7 @@ def permute_align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int
 
 
 # ----------------------------------------------------------------------------------------------- checks
-def _check_ids(op, topk_ids, num_experts, tile_name, tile, local_experts) -> tuple[int, int, int, int]:
+def check_ids(op, topk_ids, num_experts, tile_name, tile, local_experts) -> tuple[int, int, int, int]:
     """Top-k ids computed elsewhere ([T, K] int32, contiguous; any device: the caller checks it is CUDA) with
     their expert count, tile and local range; returns (T, K, local_start, num_local)."""
     check_tensor(op, "topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, contiguous=True,
