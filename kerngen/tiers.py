@@ -22,6 +22,7 @@ OPS = ("routing", "finalize", "tail", "permute", "tail_tp", "experts")
 METHODS = ("softmax_topk", "topk_softmax", "sigmoid_bias", "grouped_sigmoid_bias", "top1_sigmoid")
 DTYPES = ("bfloat16", "float16")
 ROUTER_WEIGHT = ("output", "input")
+EXPERT_ACTIVATIONS = ("silu", "gelu", "gpt_oss", "situglu")   # kerngen.experts' gates
 RANGE_KEYS = ("num_experts", "top_k", "hidden", "tokens", "world_size", "sm_count")
 MAX_EXPERTS, MAX_TOPK = 2048, 32
 NAME = re.compile(r"[a-z][a-z0-9_]*")                 # an op or variant: a file name, never a path
@@ -80,8 +81,8 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                            "pdl": FLAG},
     ("tail", "tail"): {"backend": CUTE, "threads": _n(32, 1024, required=True), "cluster": _n(1, 16),
                        "max_loads": _n(1, 64), "branch_free": FLAG, "pdl": FLAG, "split_k": _n(1, MAX_TOPK)},
-    ("experts", "stream"): {"backend": NVRTC, "warps": _n(1, 32, required=True),
-                            "weight_rows": _n(2, 8, required=True, step=2), "pdl": FLAG},
+    ("experts", "mma"): {"backend": NVRTC, "warps": _n(1, 16, required=True), "unroll": _n(1, 8, required=True),
+                         "blocks_per_sm": _n(1, 32), "pdl": FLAG},
     ("tail_tp", "allreduce"): {"allreduce": Param(str, required=True, choices=("nccl", "symm_mem")),
                                "max_tokens": _n()},
 }
@@ -114,6 +115,8 @@ class Model:
     weights_dtype: str = "float32"
     tile: int = 128
     router_weight: str = "output"   # "input": the expert's input is scaled by w (Llama-4), outputs summed as is
+    intermediate: int = 0           # the routed experts' intermediate size (0: kerngen.experts not warmed up)
+    activation: str = "silu"        # the experts' gate (kerngen.experts' activation names)
     source: str = ""
 
     @property
@@ -251,10 +254,16 @@ def _parse_model(where: str, name: str, d: dict) -> Model:
               f"multiplies: the expert's output, or its input as Llama-4 does), got {d['router_weight']!r}")
     if d.get("router_weight") == "input" and K != 1:
         _fail(where, f"router_weight = \"input\" needs top_k = 1 (the outputs are summed unweighted), got {K}")
+    inter = _int(where, d, "intermediate", 0, default=0)
+    if inter % 8:
+        _fail(where, f"field 'intermediate' must be a multiple of 8 (16-byte vectors), got {inter}")
+    if d.get("activation", "silu") not in EXPERT_ACTIVATIONS:
+        _fail(where, f"field 'activation' must be one of {', '.join(EXPERT_ACTIVATIONS)}, got {d['activation']!r}")
     return Model(name=name, num_experts=E, top_k=K, hidden=H, routing=method, tokens=tokens, n_group=G,
                  topk_group=TG, routed_scaling_factor=rsf, renormalize=d.get("renormalize", True),
                  dtype=d.get("dtype", "bfloat16"), weights_dtype=d.get("weights_dtype", "float32"), tile=tile,
-                 router_weight=d.get("router_weight", "output"), source=where)
+                 router_weight=d.get("router_weight", "output"), intermediate=inter,
+                 activation=d.get("activation", "silu"), source=where)
 
 
 def template_path(op: str, variant: str, backend: str) -> Path:

@@ -14,7 +14,7 @@ from . import jit
 from .plan import KernelSpec
 from .tiers import Model, Table
 
-OPS = ("routing", "finalize", "tail")  # ops with kernels; each module provides model_specs()
+OPS = ("routing", "finalize", "tail", "experts")  # ops with kernels; each module provides model_specs()
 
 
 def _op_module(op: str):

@@ -1,5 +1,5 @@
 """kerngen.experts on CPU tensors: its reference against per-token loops written from transformers' expert
-classes, the argument checks, and the stream kernel of every experts rule compiled for sm_90a."""
+classes, the argument checks, and every shipped model's experts kernels compiled for sm_90a."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -144,30 +144,29 @@ def test_a_routing_without_permutation_is_refused():
                                 routing=kerngen.Routing(ids, torch.zeros(1, 2))))
 
 
-# (H, I) of qwen3-30b-a3b, qwen3-235b, deepseek-v3, gpt-oss-120b and a kimi-k3-like shape
-SHAPES = [(2048, 768), (4096, 1536), (7168, 2048), (2880, 2880), (3584, 2048)]
-
-
 def experts_specs():
-    """Every experts rule's kernel at the shipped shapes with SwiGLU at the largest tile (the most registers),
-    and the other activations (the code that changes) at one shape each."""
+    """Every shipped model's experts kernels (warmup's list: each rule and tile over its token range), and each
+    activation (the code that changes) at one shape at the largest tile (the most registers)."""
     t = tiers.load()
-    rules = [r for r in t.rules if r.op == "experts"]
     specs = []
-    for rule in rules:
-        T = rule.ranges.get("tokens", (1, 1))[0]
-        shape = {"tokens": T, "arch": "sm_90a"}
-        for (H, I), act in [*((s, "silu") for s in SHAPES), ((2880, 2880), "gpt_oss"), ((7168, 2048), "gelu"),
-                            ((3584, 2048), "situglu")]:
-            if rule.matches({**shape, "hidden": H}):
-                s = ex.spec(H, I, ex.MAX_TILE, act, T, "sm_90a", t)
-                if s not in specs:
-                    specs.append(s)
+    for m in t.models.values():
+        specs += [s for s in ex.model_specs(m, t, "sm_90a") if s not in specs]
+    for act in ex.ACTIVATIONS:
+        s = ex.spec(2880, 2880, ex.MAX_TILE, act, 64, "sm_90a", t)
+        if s not in specs:
+            specs.append(s)
     return specs
 
 
+def test_every_model_with_an_intermediate_size_has_experts_kernels():
+    t = tiers.load()
+    for m in t.models.values():
+        assert bool(ex.model_specs(m, t, "sm_90a")) == bool(m.intermediate), m.name
+    assert any(m.intermediate for m in t.models.values())
+
+
 def test_experts_rules_exist():
-    assert experts_specs(), "tiers.toml has no experts rule for the shipped shapes"
+    assert len(experts_specs()) >= len(tiers.load().models), "tiers.toml has no experts rule for the shipped shapes"
 
 
 @pytest.mark.parametrize("spec", experts_specs(), ids=lambda s: s.tag)

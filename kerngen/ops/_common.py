@@ -91,3 +91,12 @@ def table() -> tiers.Table:
 
 def arch(device: int) -> str:
     return target_arch(device)
+
+
+def sm_count(device: int) -> int:
+    """The streaming multiprocessors of a CUDA device (persistent grids are sized from it)."""
+    return _sm_counts.get(device) or _sm_counts.setdefault(
+        device, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+_sm_counts: dict[int, int] = {}

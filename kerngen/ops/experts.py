@@ -7,8 +7,9 @@ For every permuted row r of token t = permuted_to_token[r] and local expert e = 
     out = bf16(a @ w2[e].T + b2[e])             (fp32) -> kerngen.finalize / moe_tail
 
 Padding rows (token -1) of `out` are left unwritten by the kernel (zero in the reference); finalize never reads
-them. Tokens 1..64 with tile <= MAX_TILE run templates/experts/stream.cu.j2 (tier rules, op "experts"); any other
-shape on CUDA runs torch._grouped_mm, and CPU tensors run the reference.
+them. Shapes an "experts" tier rule serves with a tile of at most MAX_TILE rows run templates/experts/mma.cu.j2
+(tensor cores, a persistent grid); any other shape on CUDA runs torch._grouped_mm, and CPU tensors run the
+reference.
 """
 from __future__ import annotations
 
@@ -18,14 +19,16 @@ import torch
 import torch.nn.functional as F
 
 from .. import plan as plan_mod
+from .. import tiers
 from ..errors import InputError, TierError
 from ..launch import Launcher, current_stream
-from ._common import arch, check_aligned, check_tensor, resolve, table
+from ._common import arch, check_aligned, check_tensor, resolve, sm_count, table
 
 OP = "experts"
-ACTIVATIONS = ("silu", "gelu", "gpt_oss", "situglu")
-MAX_TILE = 8          # the stream variant keeps weight_rows x tile fp32 sums per lane in registers
-FMT = "11Qiiiff4x"
+ACTIVATIONS = tiers.EXPERT_ACTIVATIONS
+VARIANTS = ("mma",)
+MAX_TILE = 16   # rows of a tile the kernels take (two 8-row n-blocks of mma accumulators)
+FMT = "11Qiiiiff"
 _BF16 = (torch.bfloat16,)
 
 
@@ -143,45 +146,102 @@ def _check_act_params(activation, alpha, limit, beta, linear_beta):
             raise InputError(OP, name, "a finite number (limit, beta > 0; linear_beta >= 0)", repr(v))
 
 
+def tag_constants(H: int, I: int, tile: int, activation: str) -> tuple[str, dict]:
+    """The cache tag and the template constants of one experts build."""
+    return f"H{H}-I{I}-t{tile}-{activation}-bf16", {"H": H, "I": I, "TILE": tile, "ACT": activation}
+
+
 def spec(H: int, I: int, tile: int, activation: str, tokens: int, arch_: str, tbl=None) -> plan_mod.KernelSpec:
-    shape = {"hidden": H, "tokens": tokens}
-    consts = {"H": H, "I": I, "TILE": tile, "ACT": activation}
-    return plan_mod.plan(tbl or table(), OP, shape, f"H{H}-I{I}-t{tile}-{activation}-bf16", consts, arch_)
+    """The kernel spec the tier table gives this shape."""
+    return plan_mod.plan(tbl or table(), OP, {"hidden": H, "tokens": tokens}, *tag_constants(H, I, tile, activation),
+                         arch_)
 
 
-class _Stream:
-    """The two launches of the stream variant for one grid (tiles) on one device."""
-    __slots__ = ("gemm1", "gemm2")
+class Kernels:
+    """The two launches of the mma variant for one grid (tiles) on one device: a persistent grid of
+    blocks_per_sm CTAs per SM (at most one per item) looping over the used tiles' items."""
+    __slots__ = ("gemm1", "gemm2", "device")
 
     def __init__(self, s: plan_mod.KernelSpec, tiles: int, device: int):
-        if s.variant != "stream":
-            raise InputError(OP, "tier variant", "stream", s.variant)
+        if s.variant not in VARIANTS:
+            raise InputError(OP, "tier variant", " or ".join(VARIANTS), s.variant)
         c, p = dict(s.constants), dict(s.params)
-        warps, wr = p["warps"], p["weight_rows"]
+        warps, H, I = p["warps"], c["H"], c["I"]
         mod = resolve(s)
         pdl = bool(p.get("pdl", False))
-        cols1, cols2 = warps * wr // 2, warps * wr   # output columns per CTA: gate+up pairs, then down rows
-        self.gemm1 = Launcher(mod, "experts_gemm1", device, (tiles, -(-c["I"] // cols1), 1), (32 * warps, 1, 1),
-                              FMT, pdl=pdl)
-        self.gemm2 = Launcher(mod, "experts_gemm2", device, (tiles, -(-c["H"] // cols2), 1), (32 * warps, 1, 1),
-                              FMT, pdl=pdl)
+        ctas = p.get("blocks_per_sm", 4) * sm_count(device)
+        grid1, grid2 = (min(ctas, tiles * -(-I // 8)), 1, 1), (min(ctas, tiles * -(-H // 16)), 1, 1)
+        self.gemm1 = Launcher(mod, "experts_gemm1", device, grid1, (32 * warps, 1, 1), FMT, pdl=pdl)
+        self.gemm2 = Launcher(mod, "experts_gemm2", device, grid2, (32 * warps, 1, 1), FMT, pdl=pdl)
+        self.device = device
+
+    def __call__(self, x, routing, w13, w2, out, act, *, interleaved=False, b13=None, b2=None, input_weights=None,
+                 a0=0.0, a1=0.0) -> torch.Tensor:
+        """Both launches on the current stream over arguments experts() has checked; act [tiles*tile, I] and out
+        [rows, H] are the caller's."""
+        T = x.shape[0]
+        inw = None if input_weights is None else input_weights.float().reshape(T).contiguous()
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        args = (x.data_ptr(), w13.data_ptr(), ptr(b13), ptr(inw), w2.data_ptr(), ptr(b2),
+                routing.permuted_to_token.data_ptr(), routing.tile_to_expert.data_ptr(),
+                routing.num_permuted_rows.data_ptr(), act.data_ptr(), out.data_ptr(), T, w13.shape[0],
+                int(interleaved), routing.tile_to_expert.shape[0], float(a0), float(a1))
+        stream = current_stream(self.device)
+        self.gemm1(stream, *args)
+        self.gemm2(stream, *args)
+        return out
 
 
-_streams: dict[tuple, _Stream | None] = {}
+_kernels: dict[tuple, Kernels | None] = {}
 
 
-def _kernel(H, I, tile, activation, T, tiles, dev) -> _Stream | None:
-    """The stream kernels for this shape, or None where no rule serves it (the grouped-GEMM path)."""
+def _kernel(H, I, tile, activation, T, tiles, dev) -> Kernels | None:
+    """The kernels for this shape, or None where no rule serves it (the grouped-GEMM path)."""
     key = (H, I, tile, activation, T, tiles, dev)
-    if key not in _streams:
+    if key not in _kernels:
         k = None
-        if tile <= MAX_TILE:
-            try:
-                k = _Stream(spec(H, I, tile, activation, T, arch(dev)), tiles, dev)
-            except TierError:
-                k = None
-        _streams[key] = k
-    return _streams[key]
+        try:
+            if tile <= MAX_TILE:
+                k = Kernels(spec(H, I, tile, activation, T, arch(dev)), tiles, dev)
+        except TierError:
+            k = None
+        _kernels[key] = k
+    return _kernels[key]
+
+
+def tile_for(H: int, I: int, activation: str, tokens: int, device: int) -> int | None:
+    """The routing tile for this shape's kernels (8 rows up to 16 tokens, 16 beyond: one tile holds all of an
+    expert's rows at decode sizes), or None where no rule serves it (torch._grouped_mm then needs no tile)."""
+    try:
+        spec(H, I, 8, activation, tokens, arch(device))
+    except TierError:
+        return None
+    return 8 if tokens <= 16 else 16
+
+
+def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_mod.KernelSpec]:
+    """Every experts kernel `model` can dispatch to over its token range (models with an intermediate size)."""
+    if not model.intermediate:
+        return []
+    H, I = model.hidden, model.intermediate
+    lo, hi = model.tokens
+    edges = {lo, hi, 16, 17} | {t for r in tbl.rules if r.op == OP for t in r.ranges.get("tokens", ())}
+    out: list[plan_mod.KernelSpec] = []
+    for T in sorted(t for t in edges if lo <= t <= hi):   # each token piece starts or ends at one of these
+        tile = 8 if T <= 16 else 16
+        try:
+            rule = tbl.rule(OP, {"hidden": H, "tokens": T, "arch": arch_})
+        except TierError:
+            continue
+        s = plan_mod.spec_for(rule, *tag_constants(H, I, tile, model.activation), arch_)
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def clear() -> None:
+    """Forget the loaded kernels (after the tier table or the cache changed)."""
+    _kernels.clear()
 
 
 def _grouped(xs, routing, w13, w2, b13, b2, tile, I, act) -> torch.Tensor:
@@ -239,13 +299,6 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
         act = lambda h: activate(h, I, activation, interleaved, alpha, limit, beta, linear_beta)  # noqa: E731
         out.copy_(_grouped(xs, routing, w13, w2, b13, b2, tile, I, act))
         return out
-    inw = None if input_weights is None else input_weights.float().reshape(T).contiguous()
     act = torch.empty((tiles * tile, I), dtype=x.dtype, device=x.device)
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    args = (x.data_ptr(), w13.data_ptr(), ptr(b13), ptr(inw), w2.data_ptr(), ptr(b2), p2t.data_ptr(),
-            routing.tile_to_expert.data_ptr(), routing.num_permuted_rows.data_ptr(), act.data_ptr(), out.data_ptr(),
-            T, w13.shape[0], int(interleaved), float(a0), float(a1))
-    stream = current_stream(dev)
-    k.gemm1(stream, *args)
-    k.gemm2(stream, *args)
-    return out
+    return k(x, routing, w13, w2, out, act, interleaved=interleaved, b13=b13, b2=b2, input_weights=input_weights,
+             a0=a0, a1=a1)

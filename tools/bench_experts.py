@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""kerngen.experts against torch._grouped_mm: the two expert projections of a decode step, CUDA graphs.
+
+    python3 tools/bench_experts.py [--models qwen3-30b-a3b,...] [--tokens 1,8,64] [--sweep] [--json FILE]
+
+Both run on the same inputs in the same process: one graph captures `calls` steps, each with its own routing
+(random logits), so consecutive steps read different experts, as the layers of a model do. Each step follows a
+producer kernel (an elementwise write of 4 MB, as an attention output projection leaves, that does not
+trigger early) unless --chained; its time is taken off. The floor is the step's active expert weight bytes at the measured copy bandwidth. Every result is
+checked against kerngen's torch reference before it is timed. --sweep times every candidate launch shape at
+each case and prints the best (for the tier table); --rule times one launch shape at every T (past the rules too).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import kerngen  # noqa: E402
+from benchlib import copy_bandwidth_tbs, graph_time_us  # noqa: E402
+from kerngen import jit  # noqa: E402
+from kerngen.ops import experts as ex  # noqa: E402
+from kerngen.plan import spec_for, target_arch  # noqa: E402
+from kerngen.tiers import Rule  # noqa: E402
+
+# name: (H, I, E, K, activation, interleaved gate/up and biases) at each model's intermediate size
+SHAPES = {
+    "qwen3-30b-a3b": (2048, 768, 128, 8, "silu", False),
+    "qwen3-235b-a22b": (4096, 1536, 128, 8, "silu", False),
+    "gpt-oss-120b": (2880, 2880, 128, 4, "gpt_oss", True),
+    "deepseek-v3": (7168, 2048, 256, 8, "silu", False),
+    "kimi-k3": (3584, 2048, 896, 16, "situglu", False),
+}
+CANDIDATES = [dict(warps=w, unroll=u, blocks_per_sm=b, pdl=d) for w, u, b, d in
+              itertools.product((4, 8), (2, 4), (4, 8), (False, True))]
+
+
+def tile_for(T: int) -> int:
+    return 8 if T <= 16 else 16
+
+
+def _build(spec):
+    jit.build(spec)
+    return spec.tag
+
+
+def weights(H, I, E, bias, gen):
+    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device="cuda").normal_(0, H ** -0.5, generator=gen)
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device="cuda").normal_(0, I ** -0.5, generator=gen)
+    b13 = torch.randn(E, 2 * I, device="cuda", generator=gen).to(torch.bfloat16) * 0.1 if bias else None
+    b2 = torch.randn(E, H, device="cuda", generator=gen).to(torch.bfloat16) * 0.1 if bias else None
+    return w13, w2, b13, b2
+
+
+def grouped_step(x, r, w13, w2, b13, b2, act):
+    """What a client writes with torch._grouped_mm (tile-1 routing: no padding rows)."""
+    xs = x[r.permuted_to_token]
+    h = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=r.expert_offsets[1:])
+    e = r.tile_to_expert.long()
+    if b13 is not None:
+        h = h + b13[e]
+    a = act(h.float()).to(torch.bfloat16)
+    y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=r.expert_offsets[1:])
+    return y if b2 is None else y + b2[e]
+
+
+def timed(step, producer, chained: bool) -> float:
+    if chained:
+        return graph_time_us(step, calls=20)
+    both = graph_time_us(lambda: (producer(), step()), calls=20)
+    return both - graph_time_us(producer, calls=20)
+
+
+def case(name, T, bw, args, kernels_of):
+    H, I, E, K, act_name, gpt = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    w13, w2, b13, b2 = weights(H, I, E, gpt, gen)
+    calls = 20
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    logits = [torch.randn(T, E, device="cuda", generator=gen) for _ in range(calls)]
+    tile = tile_for(T)
+    rt = [kerngen.route(lg, top_k=K, method="softmax_topk", tile=tile) for lg in logits]
+    r1 = [kerngen.route(lg, top_k=K, method="softmax_topk", tile=1) for lg in logits]
+    kw = dict(activation=act_name, interleaved=gpt, b13=b13, b2=b2)
+    a0, a1 = (1.702, 7.0) if act_name == "gpt_oss" else (1.0, 0.0)
+    act = lambda h: ex.activate(h, I, act_name, gpt, 1.702, 7.0, 1.0, 0.0)  # noqa: E731
+    active = sum(int(torch.unique(r.topk_ids).numel()) for r in r1) / calls
+    floor = active * 3 * H * I * 2 / (bw * 1e12) * 1e6
+    producer_buf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
+    producer = lambda: producer_buf.mul_(1.0)  # noqa: E731   a 4 MB write, no early trigger
+
+    ref = ex.reference(x, rt[0], w13, w2, **kw)
+    ok_rows = rt[0].permuted_to_token >= 0
+    outs = [torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda") for r in rt]
+    acts = [torch.empty(r.tile_to_expert.shape[0] * tile, I, dtype=torch.bfloat16, device="cuda") for r in rt]
+
+    def check(got, what):
+        err = (got[ok_rows].float() - ref[ok_rows].float()).abs().max().item()
+        scale = ref[ok_rows].float().abs().max().item()
+        if not err <= 2e-2 * max(scale, 1.0):
+            raise SystemExit(f"{name} T={T} {what}: max error {err} against the reference (scale {scale})")
+
+    rows = []
+    g0 = grouped_step(x, r1[0], w13, w2, b13, b2, act)
+    # the grouped step's rows are in tile-1 permuted order: compare through expanded_to_permuted
+    e1, et = r1[0].expanded_to_permuted.flatten().long(), rt[0].expanded_to_permuted.flatten().long()
+    gerr = (g0[e1].float() - ref[et].float()).abs().max().item()
+    assert gerr <= 2e-2 * max(ref.float().abs().max().item(), 1.0), f"{name} T={T} grouped_mm error {gerr}"
+    it = iter(range(10 ** 9))
+    gstep = lambda: grouped_step(x, r1[next(it) % calls], w13, w2, b13, b2, act)  # noqa: E731
+    grouped_us = timed(gstep, producer, args.chained)
+    for label, k in kernels_of(H, I, tile, act_name, T, rt[0].tile_to_expert.shape[0]):
+        outs[0].zero_()
+        k(x, rt[0], w13, w2, outs[0], acts[0], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1)
+        torch.cuda.synchronize()
+        check(outs[0], label)
+        it2 = iter(range(10 ** 9))
+
+        def step():
+            i = next(it2) % calls
+            k(x, rt[i], w13, w2, outs[i], acts[i], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1)
+        us = timed(step, producer, args.chained)
+        rows.append(dict(model=name, T=T, tile=tile, kernel=label, us=us, grouped_us=grouped_us, floor_us=floor,
+                         active=active))
+    del w13, w2
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(SHAPES))
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    ap.add_argument("--sweep", action="store_true", help="time every candidate, not only the tier table's rule")
+    ap.add_argument("--rule", default=None, help="time these params at every T, e.g. warps=4,unroll=2,blocks_per_sm=8")
+    ap.add_argument("--chained", action="store_true", help="back to back, no producer kernel between steps")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.rule:
+        args.rule = {k: (v == "true" if v in ("true", "false") else int(v))
+                     for k, v in (kv.split("=") for kv in args.rule.split(","))}
+    dev = torch.cuda.current_device()
+    arch = target_arch(dev)
+    models, tokens = args.models.split(","), [int(t) for t in args.tokens.split(",")]
+
+    def cand_specs(H, I, tile, act):
+        tag, consts = ex.tag_constants(H, I, tile, act)
+        cands = CANDIDATES if args.sweep else [args.rule]
+        return [(",".join(f"{k}={x}" for k, x in c.items()),
+                 spec_for(Rule(op="experts", variant="mma", ranges={}, params=c), tag, consts, arch)) for c in cands]
+
+    if args.sweep:   # compile every candidate first, in parallel
+        specs = [s for m in models for T in tokens for _, s in
+                 cand_specs(SHAPES[m][0], SHAPES[m][1], tile_for(T), SHAPES[m][4])]
+        with ProcessPoolExecutor(max(1, (os.cpu_count() or 2) - 1)) as pool:
+            list(pool.map(_build, list(dict.fromkeys(specs))))
+
+    def kernels_of(H, I, tile, act, T, tiles):
+        if args.sweep or args.rule:
+            for label, s in cand_specs(H, I, tile, act):
+                yield label, ex.Kernels(s, tiles, dev)
+        else:
+            s = ex.spec(H, I, tile, act, T, arch)
+            yield "tiers.toml: " + ",".join(f"{k}={v}" for k, v in s.params), ex.Kernels(s, tiles, dev)
+
+    bw = copy_bandwidth_tbs()
+    print(f"copy bandwidth {bw:.2f} TB/s; {'chained' if args.chained else 'after a producer kernel'}")
+    allrows = []
+    for m in models:
+        for T in tokens:
+            rows = case(m, T, bw, args, kernels_of)
+            allrows += rows
+            rows.sort(key=lambda r: r["us"])
+            b = rows[0]
+            print(f"{m:16s} T={T:3d} tile={b['tile']:2d} active={b['active']:6.1f} floor {b['floor_us']:7.1f} µs | "
+                  f"kerngen {b['us']:7.1f} ({100 * b['floor_us'] / b['us']:4.0f}%) [{b['kernel']}] | grouped_mm "
+                  f"{b['grouped_us']:7.1f} ({100 * b['floor_us'] / b['grouped_us']:4.0f}%) | "
+                  f"{b['grouped_us'] / b['us']:.2f}x", flush=True)
+            for r in rows[1:4] if args.sweep else ():
+                print(f"{'':24s} {r['us']:7.1f} [{r['kernel']}]")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(allrows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
