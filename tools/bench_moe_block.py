@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """One transformers 5 MoE block, its experts implementations side by side: "eager" and "grouped_mm"
 (transformers' router and experts) against "kerngen" (kerngen.integrations.transformers: kerngen routing and
-permutation, torch._grouped_mm, kerngen.finalize), the same block, weights and inputs, one process.
+permutation, kerngen.experts' kernels at decode sizes and torch._grouped_mm beyond, kerngen.finalize), the same
+block, weights and inputs, one process.
 
     python3 tools/bench_moe_block.py [--models kimi-k3,deepseek-v3,qwen3-30b-a3b] [--tokens 1,8,64,512]
-                                     [--inter 256] [--calls 10]
+                                     [--inter 256|model] [--calls 10]
 
 The block of a model (E, K, H and routing from kerngen's tier table; intermediate size --inter, bf16, random
 weights N(0, 1/fan_in), correction bias N(0, 0.05)): sigmoid_bias / grouped_sigmoid_bias -> DeepseekV3MoE (with
@@ -217,7 +218,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="kimi-k3,deepseek-v3,qwen3-30b-a3b")
     ap.add_argument("--tokens", default="1,8,64,512")
-    ap.add_argument("--inter", type=int, default=256, help="intermediate size of each expert")
+    ap.add_argument("--inter", default="256", help="intermediate size of each expert, or 'model': the tier "
+                    "table's intermediate of each model")
     ap.add_argument("--calls", type=int, default=10, help="block calls per graph / per timed batch")
     a = ap.parse_args(argv)
     known = kerngen.models()
@@ -225,12 +227,17 @@ def main(argv=None) -> int:
         if name not in known:
             ap.error(f"unknown model {name!r}; known: {', '.join(sorted(known))}")
     tokens = [int(t) for t in a.tokens.split(",")]
+    if a.inter != "model" and not a.inter.isdigit():
+        ap.error(f"--inter: a positive integer or 'model', got {a.inter!r}")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, inter={a.inter}, bf16, "
           f"tolerance {TOL:.3g}\n\n{HEADER}", flush=True)
     rows, worst = [], 0.0
     for name in a.models.split(","):
         m = known[name]
-        block = build_block(m, a.inter)
+        inter = m.intermediate if a.inter == "model" else int(a.inter)
+        if not inter:
+            ap.error(f"--inter model: {name} has no intermediate size in the tier table")
+        block = build_block(m, inter)
         for T in tokens:
             case = run_case(block, m, T, a.calls)
             print_rows(case)

@@ -7,8 +7,10 @@
 Per MoE block:
 - experts: the "kerngen" experts implementation (registered in transformers' ExpertsInterface when this module
   is imported, so `from_pretrained(..., experts_implementation="kerngen")` works too). The top-k ids are
-  permuted by kerngen (`kerngen.permute`, or the permutation the kerngen router already built), rows gathered in
-  permuted order, gate_up and down projections run as grouped GEMMs (`torch._grouped_mm` with int32 offsets on
+  permuted by kerngen (`kerngen.permute`, or the permutation the kerngen router already built). Where
+  `kerngen.experts`' kernels serve the block (CUDA bf16, gate and up concatenated as [E, 2I, H], SiLU or tanh-GeLU
+  gate, the tokens of its tier rules: decode sizes), they run both projections with the gather and the gate fused.
+  Elsewhere rows are gathered in permuted order, gate_up and down projections run as grouped GEMMs (`torch._grouped_mm` with int32 offsets on
   CUDA bf16, sm_90 and newer: no host sync, CUDA-graph capturable; a per-expert loop elsewhere, which reads the
   offsets on the host), the family's own gate (`_apply_gate`: concatenated or interleaved gate/up, gpt-oss's
   clamped SwiGLU) with its biases, and `kerngen.finalize` for the weighted sum (fp32, k ascending).
@@ -36,12 +38,13 @@ from transformers.integrations import moe as hf_moe
 
 import kerngen
 from kerngen.errors import KerngenError
+from kerngen.ops import experts as _ex
 from kerngen.ops import finalize as _fin
 from kerngen.ops import routing as _rt
 
 NAME = "kerngen"
 # torch._grouped_mm takes groups of any size, so experts need no padding rows: T*K permuted rows exactly, and
-# tile_to_expert is the expert of each row.
+# tile_to_expert is the expert of each row. Where kerngen.experts' kernels serve the block, the tile is theirs.
 TILE = 1
 _KERNEL_WEIGHTS = (torch.float32, torch.bfloat16)
 
@@ -151,21 +154,21 @@ REFUSED = {
 LLAMA4_BLOCK = "Llama4TextMoe"
 
 
-def _route(logits: torch.Tensor, kw: dict, bias, weights_dtype: torch.dtype) -> kerngen.Routing:
-    """Top-k and the permutation (tile TILE) by kerngen; weights in `weights_dtype`."""
+def _route(logits: torch.Tensor, kw: dict, bias, weights_dtype: torch.dtype, tile: int = TILE) -> kerngen.Routing:
+    """Top-k and the permutation (tile rows a tile) by kerngen; weights in `weights_dtype`."""
     if logits.dtype not in (torch.float32, torch.bfloat16):
         logits = logits.float()
     if logits.is_cuda:
         ws = None
         if weights_dtype == torch.bfloat16:   # the kernel writes bf16 weights: no cast launch
             T, E = logits.shape
-            ws = kerngen.RoutingWorkspace(max(T, 1), E, kw["top_k"], TILE, weights_dtype=torch.bfloat16,
+            ws = kerngen.RoutingWorkspace(max(T, 1), E, kw["top_k"], tile, weights_dtype=torch.bfloat16,
                                           device=logits.device)
-        r = kerngen.route(logits, bias=bias, tile=TILE, workspace=ws, **kw)
+        r = kerngen.route(logits, bias=bias, tile=tile, workspace=ws, **kw)
         return r if r.topk_weights.dtype == weights_dtype else _with_weights(r, r.topk_weights.to(weights_dtype))
     ids, w = _rt.reference(logits, kw["top_k"], kw["method"], bias, kw.get("n_group", 1), kw.get("topk_group", 1),
                            kw.get("routed_scaling_factor", 1.0), kw.get("renormalize", True))
-    return kerngen.Routing(ids, w.to(weights_dtype), **_rt.permute_reference(ids, logits.shape[1], TILE))
+    return kerngen.Routing(ids, w.to(weights_dtype), **_rt.permute_reference(ids, logits.shape[1], tile))
 
 
 def _with_weights(r: kerngen.Routing, w: torch.Tensor) -> kerngen.Routing:
@@ -182,7 +185,7 @@ def _router_forward(router: nn.Module, spec: Router, kw: dict, experts: nn.Modul
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = spec.logits(router, x)
         wdt = {"float32": torch.float32, "logits": logits.dtype, "hidden": x.dtype}[spec.weights]
-        r = _route(logits, kw, spec.bias(router, args), wdt)
+        r = _route(logits, kw, spec.bias(router, args), wdt, _tile(experts, x))
         experts._kerngen_routing = (r, r.topk_ids._version)   # the experts reuse this permutation
         return logits, r.topk_weights, r.topk_ids
 
@@ -191,16 +194,40 @@ def _router_forward(router: nn.Module, spec: Router, kw: dict, experts: nn.Modul
 
 
 # ------------------------------------------------------------------------------------------------ experts
-def _permutation(experts: nn.Module, top_k_index: torch.Tensor) -> kerngen.Routing:
-    """The permutation of top_k_index: the one the kerngen router built with these very ids, else a new one."""
+_GATES = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu", "PytorchGELUTanh": "gelu"}
+
+
+def kernel_activation(experts: nn.Module) -> str | None:
+    """kerngen.experts' activation for an experts module its kernels serve, else None: gate and up concatenated
+    as [E, 2I, H] (not transposed), the default gate with SiLU or tanh GeLU, no post-expert norm."""
+    if (not getattr(experts, "has_gate", False) or not getattr(experts, "is_concatenated", True)
+            or getattr(experts, "is_transposed", True) or getattr(experts, "has_post_expert_norm", True)
+            or getattr(type(experts), "_apply_gate", None) is not hf_moe._default_apply_gate):
+        return None
+    return _GATES.get(type(getattr(experts, "act_fn", None)).__name__)
+
+
+def _tile(experts: nn.Module, x: torch.Tensor) -> int:
+    """The permutation's tile: kerngen.experts' where its kernels serve these tokens, else TILE."""
+    act = kernel_activation(experts)
+    w = experts.gate_up_proj if act else None
+    if act is None or not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.shape[-1] % 8:
+        return TILE
+    return _ex.tile_for(w.shape[-1], w.shape[-2] // 2, act, x.shape[0], x.get_device()) or TILE
+
+
+def _permutation(experts: nn.Module, top_k_index: torch.Tensor, tile: int) -> kerngen.Routing:
+    """The permutation of top_k_index: the one the kerngen router built with these very ids (and this tile), else
+    a new one."""
     last = getattr(experts, "_kerngen_routing", None)
-    if last is not None and last[0].topk_ids is top_k_index and top_k_index._version == last[1]:
+    if (last is not None and last[0].topk_ids is top_k_index and top_k_index._version == last[1]
+            and _ex.infer_tile(last[0]) == tile):
         return last[0]
     ids = top_k_index.to(torch.int32).contiguous()
     if ids.is_cuda:
-        return kerngen.permute(ids, num_experts=experts.num_experts, tile=TILE)
+        return kerngen.permute(ids, num_experts=experts.num_experts, tile=tile)
     return kerngen.Routing(ids, ids.new_empty((ids.shape[0], 0), dtype=torch.float32),
-                           **_rt.permute_reference(ids, experts.num_experts, TILE))
+                           **_rt.permute_reference(ids, experts.num_experts, tile))
 
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -258,10 +285,16 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     """The "kerngen" experts implementation (transformers' signature; `self` is the family's experts module)."""
     if self.training:
         return hf_moe.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    r = _permutation(self, top_k_index)
+    tile = _tile(self, hidden_states)
+    r = _permutation(self, top_k_index, tile)
+    bias = (lambda name: getattr(self, name)) if self.has_bias else (lambda name: None)
+    if tile != TILE:   # kerngen.experts' kernels: gather, both projections and the gate in two launches
+        g = kerngen.experts(hidden_states.contiguous(), r, self.gate_up_proj, self.down_proj,
+                            activation=kernel_activation(self), b13=bias("gate_up_proj_bias"),
+                            b2=bias("down_proj_bias"))
+        return _finalize(g, r.expanded_to_permuted, top_k_weights).to(hidden_states.dtype)
     up, up_bias, act = (("gate_up_proj", "gate_up_proj_bias", self._apply_gate) if self.has_gate
                         else ("up_proj", "up_proj_bias", self.act_fn))
-    bias = (lambda name: getattr(self, name)) if self.has_bias else (lambda name: None)
     g = _expert_rows(hidden_states, r, getattr(self, up), self.down_proj, act, self.is_transposed, bias(up_bias),
                      bias("down_proj_bias"), self.post_expert_norm if self.has_post_expert_norm else None)
     return _finalize(g, r.expanded_to_permuted, top_k_weights).to(hidden_states.dtype)
