@@ -2,7 +2,7 @@
 """One decode step of a real-shaped MoE layer, kerngen against plain torch (random weights, CUDA graphs).
 
     python3 tools/moe_layer_demo.py [--models kimi-k3,deepseek-v3] [--tokens 1,8,64] [--inter 256] [--tile 16]
-                                    [--compile] [--schedule one,three] [--pre-tokens 8]
+                                    [--compile] [--schedule one,three] [--pre-tokens 8] [--experts kerngen]
 
 The layer, for hidden states x [T, H] bf16 and a residual [T, H] bf16 (E, K, H and routing from tiers.toml):
     logits   = x.float() @ router.T                               fp32 [T, E]; router [E, H] fp32
@@ -10,11 +10,11 @@ The layer, for hidden states x [T, H] bf16 and a residual [T, H] bf16 (E, K, H a
     expert_e = down_e(silu(gate_e(x)) * up_e(x))                  bf16 weights, intermediate size I
     y        = sum_k w[t, k] * expert_{ids[t, k]}(x[t]) + shared(x) + residual            fp32
     out      = y * rsqrt(mean(y^2) + eps) * norm_weight           bf16
-kerngen path: kerngen.route (ids, weights and the permutation) -> the experts over the permuted rows, one
-batched matmul per tile -> kerngen.moe_tail (finalize + shared + residual + RMSNorm). torch path: the routing
-math of tools/bench_routing.py, each (token, slot) gathers its expert's weights, fp32 weighted sum, RMSNorm.
-Neither path reads a device value on the host, so both run inside CUDA graphs. The expert GEMMs are torch
-matmuls over gathered weights in both paths (a stand-in for a grouped GEMM); at large T or I they dominate.
+kerngen path: kerngen.route (ids, weights and the permutation) -> the experts over the permuted rows
+(kerngen.experts, or with --experts torch one batched matmul per tile over gathered weights) ->
+kerngen.moe_tail (finalize + shared + residual + RMSNorm). torch path: the routing math of
+tools/bench_routing.py, each (token, slot) gathers its expert's weights, fp32 weighted sum, RMSNorm. Neither
+path reads a device value on the host, so both run inside CUDA graphs.
 
 Schedules of the kerngen path (--schedule): `one`, everything on one stream in the order above; `three`, the
 pre-routing pattern of TensorRT-LLM's Kimi K3 decode: the router GEMM and kerngen.PreRouting's launch on a
@@ -34,7 +34,8 @@ Both paths round the same intermediates to bf16 (expert GEMM outputs, activation
 shapes, hence different fp32 sum orders, so an intermediate may differ by one bf16 step (2**-8 relative). After
 RMSNorm (row RMS ~1) that is a few 1e-3 of the RMS, and the final roundings may differ by one bf16 step, under
 2**-7 = 0.8% of |out|. 2e-2 leaves room for ~2.5 such steps; a wrong expert, weight or row moves outputs by
-O(RMS), far above it.
+O(RMS), far above it. kerngen.experts keeps gate and up in fp32 into the activation (one rounding fewer than
+both stand-ins), which moves an expert row by about one more bf16 step.
 """
 from __future__ import annotations
 
@@ -153,7 +154,14 @@ def permuted_experts(x, permuted_to_token, tile_to_expert, w: Weights, tile: int
     return mlp(a, w.w1[e], w.w2[e]).view(rows, -1)
 
 
-def kerngen_layer(m, w: Weights, tokens: int, tile: int):
+def expert_rows(experts: str, x, r, w: Weights, tile: int, rows: int, input_weights=None):
+    """gemm2_out of the routed experts: kerngen.experts ("kerngen") or the batched-matmul stand-in ("torch")."""
+    if experts == "kerngen":
+        return kerngen.experts(x, r, w.w1, w.w2, input_weights=input_weights)
+    return permuted_experts(x, r.permuted_to_token, r.tile_to_expert, w, tile, rows, input_weights)
+
+
+def kerngen_layer(m, w: Weights, tokens: int, tile: int, experts: str = "kerngen"):
     """The layer on kerngen's routing and tail: fn(x, residual) -> (out [T, H] bf16, topk_ids [T, K] int32)."""
     ws = kerngen.RoutingWorkspace(tokens, m.num_experts, m.top_k, tile)
     rows = permuted_rows_bound(tokens, m.top_k, m.num_experts, tile)
@@ -162,7 +170,7 @@ def kerngen_layer(m, w: Weights, tokens: int, tile: int):
     def fn(x, residual):
         r = kerngen.route(x.float() @ w.router.T, bias=w.bias, model=m.name, tile=tile, workspace=ws)
         on_input = r.topk_weights[:, 0] if m.weight_on_input else None
-        g = permuted_experts(x, r.permuted_to_token, r.tile_to_expert, w, tile, rows, on_input)
+        g = expert_rows(experts, x, r, w, tile, rows, on_input)
         out = kerngen.moe_tail(g, r.expanded_to_permuted, ones[:x.shape[0]] if m.weight_on_input else r.topk_weights,
                                w.norm,
                                shared=mlp(x, w.shared1, w.shared2), residual=residual, eps=EPS)
@@ -171,7 +179,7 @@ def kerngen_layer(m, w: Weights, tokens: int, tile: int):
     return fn
 
 
-def three_stream_layer(m, w: Weights, tokens: int, tile: int, max_tokens: int = 8):
+def three_stream_layer(m, w: Weights, tokens: int, tile: int, max_tokens: int = 8, experts: str = "kerngen"):
     """The kerngen layer on three streams (router, shared, main; see the module doc): fn(x, residual) ->
     (out [T, H] bf16, topk_ids [T, K] int32). The first call of a token count routes on the main stream (take);
     later ones are pre-routed on the router stream when T <= max_tokens."""
@@ -191,7 +199,7 @@ def three_stream_layer(m, w: Weights, tokens: int, tile: int, max_tokens: int = 
             shared = mlp(x, w.shared1, w.shared2)
         r = pre.take(logits, w.bias)   # joins the router stream
         on_input = r.topk_weights[:, 0] if m.weight_on_input else None
-        g = permuted_experts(x, r.permuted_to_token, r.tile_to_expert, w, tile, rows, on_input)
+        g = expert_rows(experts, x, r, w, tile, rows, on_input)
         main.wait_stream(side)         # joins the shared stream
         out = kerngen.moe_tail(g, r.expanded_to_permuted, ones[:x.shape[0]] if m.weight_on_input else r.topk_weights,
                                w.norm, shared=shared, residual=residual, eps=EPS)
@@ -233,7 +241,7 @@ def graphed(fn, *args):
 
 
 def run_case(m, w: Weights, tokens: int, tile: int = 16, compiled=None, timed: bool = True,
-             schedules=("one",), pre_tokens: int = 8) -> dict:
+             schedules=("one",), pre_tokens: int = 8, experts: str = "kerngen") -> dict:
     """One (model, T): errors and id agreement of each kerngen schedule against torch (the worst of them), and
     µs per layer when timed; with both schedules, `same_bits`: three-stream outputs and ids equal one-stream's."""
     x, residual = make_inputs(tokens, m.hidden)
@@ -243,7 +251,8 @@ def run_case(m, w: Weights, tokens: int, tile: int = 16, compiled=None, timed: b
            "tile": tile, "schedules": tuple(schedules), "max_abs": 0.0, "max_rel": 0.0, "ids_equal": 1.0}
     layers, outs = {}, {}
     for s in schedules:
-        fn = kerngen_layer(m, w, tokens, tile) if s == "one" else three_stream_layer(m, w, tokens, tile, pre_tokens)
+        fn = (kerngen_layer(m, w, tokens, tile, experts) if s == "one"
+              else three_stream_layer(m, w, tokens, tile, pre_tokens, experts))
         g, (out, ids) = graphed(fn, x, residual)
         max_abs, max_rel = output_error(out, ref_out)
         row["max_abs"], row["max_rel"] = max(row["max_abs"], max_abs), max(row["max_rel"], max_rel)
@@ -309,6 +318,8 @@ def main(argv=None) -> int:
     ap.add_argument("--schedule", default="one", help="comma-separated kerngen schedules: one (one stream), "
                     "three (router and shared streams, kerngen.PreRouting)")
     ap.add_argument("--pre-tokens", type=int, default=8, help="PreRouting's max_tokens in the three-stream schedule")
+    ap.add_argument("--experts", default="kerngen", choices=("kerngen", "torch"),
+                    help="the routed experts of the kerngen path: kerngen.experts, or the batched-matmul stand-in")
     a = ap.parse_args(argv)
     try:
         schedules = parse_schedules(a.schedule)
@@ -321,14 +332,15 @@ def main(argv=None) -> int:
             ap.error(f"unknown model {name!r}; known: {', '.join(sorted(known))}")
     tokens = [int(t) for t in a.tokens.split(",")]
     pre = f" pre-tokens={a.pre_tokens}" if "three" in schedules else ""
-    print(f"inter={a.inter} tile={a.tile}{pre} tolerance: max rel err <= {TOL}\n\n{header(schedules)}", flush=True)
+    print(f"inter={a.inter} tile={a.tile}{pre} experts={a.experts} tolerance: max rel err <= {TOL}\n\n"
+          f"{header(schedules)}", flush=True)
     worst = 0.0
     for name in names:
         m = known[name]
         w = make_weights(m, a.inter)
         compiled = torch.compile(torch_layer(m, w), dynamic=False) if a.compile else None
         for T in tokens:
-            r = run_case(m, w, T, a.tile, compiled, schedules=schedules, pre_tokens=a.pre_tokens)
+            r = run_case(m, w, T, a.tile, compiled, schedules=schedules, pre_tokens=a.pre_tokens, experts=a.experts)
             worst = max(worst, r["max_rel"])
             print(markdown_row(r), flush=True)
         del w, compiled
