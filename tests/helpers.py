@@ -1,22 +1,10 @@
-"""What the tests share besides fixtures (those are in conftest.py): loading a tool script, SASS checks,
-tiers texts."""
+"""What the tests share besides fixtures (those are in conftest.py): SASS checks, tiers texts."""
 import contextlib
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_tool(name: str):
-    """tools/<name>.py as a module (tools are scripts, not a package), registered under its name."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod   # dataclasses and process pools look a module up by name
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @contextlib.contextmanager

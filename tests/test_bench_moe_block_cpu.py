@@ -1,14 +1,14 @@
-"""tools/bench_moe_block.py on the CPU, no timing: its blocks for tiny made-up models of every routing method,
+"""tools/bench/moe_block.py on the CPU, no timing: its blocks for tiny made-up models of every routing method,
 each implementation's output checked against eager's as the bench checks it after timing."""
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 from kerngen.tiers import Model  # noqa: E402
-from tests.helpers import load_tool, one_thread  # noqa: E402
+from tests.helpers import one_thread  # noqa: E402
+from tools.bench import moe_block as bench  # noqa: E402
 
 
-bench = load_tool("bench_moe_block")
 TINY = {   # (model, the transformers block the bench builds for it)
     "sigmoid_bias": (Model("tiny-sigmoid", 16, 4, 64, "sigmoid_bias", (1, 64), routed_scaling_factor=2.5),
                      "DeepseekV3MoE"),

@@ -1,4 +1,4 @@
-"""tools/same_sass.py without a GPU: SASS text is compared by instruction, not by address or encoding; a tree built
+"""tools/diagnose/same_sass.py without a GPU: SASS text is compared by instruction, not by address or encoding; a tree built
 against itself is the same; a changed instruction differs, and only --allow lets it through."""
 import io
 import json
@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import load_tool
+from tools.diagnose import same_sass as ss
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-ss = load_tool("same_sass")
 
 # cuobjdump -sass as it prints a cubin (two functions; the second a CuTe name holding its key's hash)
 SASS = """

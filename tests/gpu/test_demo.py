@@ -1,4 +1,4 @@
-"""tools/moe_layer_demo.py on the GPU: one decode step of kimi-k3 and deepseek-v3 through kerngen (route,
+"""tools/bench/moe_layer_demo.py on the GPU: one decode step of kimi-k3 and deepseek-v3 through kerngen (route,
 kerngen.experts or the stand-in, moe_tail) inside a CUDA graph matches the torch layer within the demo's tolerance, with the same expert ids."""
 import pytest
 import torch

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tensor-parallel tail benchmark, under torchrun (rank 0 prints):
 
-    torchrun --nproc-per-node 2 tools/bench_tail_tp.py [--tokens 1,8,64,512]
+    torchrun --nproc-per-node 2 tools/bench/tail_tp.py [--tokens 1,8,64,512]
 
 fused   = kerngen.moe_tail(..., group=WORLD): our finalize, one all-reduce of routed + shared partials, our
           fused residual + RMSNorm kernel;
@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")              # never NVLink multicast on shared machines
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-import kerngen  # noqa: E402
-from kerngen.timing import graph_time_us  # noqa: E402
+import kerngen
+from kerngen.timing import graph_time_us
 
 CASES = (("kimi-k3", 3584, 16), ("deepseek-v3", 7168, 8))
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """kerngen.experts against torch._grouped_mm: the two expert projections of a decode step, CUDA graphs.
 
-    python3 tools/bench_experts.py [--models qwen3-30b-a3b,...] [--tokens 1,8,64] [--sweep] [--json FILE]
+    python3 -m tools.bench.experts [--models qwen3-30b-a3b,...] [--tokens 1,8,64] [--sweep] [--json FILE]
 
 Both run on the same inputs in the same process: one graph captures `calls` steps, each with its own routing
 (random logits), so consecutive steps read different experts, as the layers of a model do. Each step follows a
@@ -16,20 +16,17 @@ import argparse
 import itertools
 import json
 import os
-import sys
 from concurrent.futures import ProcessPoolExecutor
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
 
-import kerngen  # noqa: E402
-from benchlib import copy_bandwidth_tbs, graph_time_us  # noqa: E402
-from kerngen import jit  # noqa: E402
-from kerngen.ops import experts as ex  # noqa: E402
-from kerngen.plan import spec_for, target_arch  # noqa: E402
-from kerngen.tiers import Rule  # noqa: E402
+import kerngen
+from .lib import copy_bandwidth_tbs, graph_time_us
+from kerngen import jit
+from kerngen.ops import experts as ex
+from kerngen.plan import spec_for, target_arch
+from kerngen.tiers import Rule
 
 # name: (H, I, E, K, activation, interleaved gate/up and biases) at each model's intermediate size
 SHAPES = {

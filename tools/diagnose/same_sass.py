@@ -2,9 +2,9 @@
 """Same SASS before and after: every kernel the shipped models need, built from a git revision and from the
 working tree, compared instruction by instruction. No GPU needed.
 
-    tools/same_sass.py                                  # HEAD against the working tree, every shipped model
-    tools/same_sass.py --rev abc1234 --models kimi-k3,deepseek-v3
-    tools/same_sass.py --rev HEAD~1 --to HEAD --ops routing --allow routing-fused-E896
+    tools/diagnose/same_sass.py                                  # HEAD against the working tree, every shipped model
+    tools/diagnose/same_sass.py --rev abc1234 --models kimi-k3,deepseek-v3
+    tools/diagnose/same_sass.py --rev HEAD~1 --to HEAD --ops routing --allow routing-fused-E896
 
 The kernels of a side are what `kerngen.warmup.model_specs` lists for each model of that side's tiers.toml
 (`[models.*]`, no user tiers file): CUDA C++ and CuTe DSL alike (a CuTe object file embeds its cubin). Each side
@@ -44,7 +44,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]   # the working tree this tool belongs to
+ROOT = Path(__file__).resolve().parents[2]   # the working tree this tool belongs to
 NORMALIZE_VERSION = 1                        # bump when normalize() changes: cached SASS is stored normalized
 # files of a tree that turn a rendered source into an artifact outside what the cache key hashes (NVRTC flags)
 BUILD_FILES = ("kerngen/compile.py", "kerngen/cute_backend.py", "kerngen/jit.py")

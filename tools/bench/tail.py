@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import kerngen
-from benchlib import graph_time_us
+from .lib import graph_time_us
 
 TAIL_CASES = [("kimi-k3", 3584, 16), ("deepseek-v3", 7168, 8)]
 EPS = 1e-6

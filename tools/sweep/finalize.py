@@ -2,26 +2,22 @@
 """Time every finalize variant/param candidate (CUDA C++ small/large batch and the CuTe DSL variant) per (H, K, T)
 under CUDA graphs, each checked bitwise against the reference; print the best per case.
 
-    tools/sweep_finalize.py [--cases 3584x16,7168x8,2048x22] [--tokens 1,8,32,64,128,512,4096]
+    tools/sweep/finalize.py [--cases 3584x16,7168x8,2048x22] [--tokens 1,8,32,64,128,512,4096]
 """
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
 
-from benchlib import graph_time_us  # noqa: E402
-from kerngen.launch import current_stream  # noqa: E402
-from kerngen.ops import finalize as fin  # noqa: E402
-from kerngen.plan import spec_for, target_arch  # noqa: E402
-from kerngen.tiers import Rule  # noqa: E402
-from kerngen.tune import cute_finalize_candidates  # noqa: E402
+from ..bench.lib import graph_time_us
+from kerngen.launch import current_stream
+from kerngen.ops import finalize as fin
+from kerngen.plan import spec_for, target_arch
+from kerngen.tiers import Rule
+from kerngen.tune import cute_finalize_candidates
 
 
 def candidates():

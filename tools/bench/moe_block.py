@@ -4,7 +4,7 @@
 permutation, kerngen.experts' kernels at decode sizes and torch._grouped_mm beyond, kerngen.finalize), the same
 block, weights and inputs, one process.
 
-    python3 tools/bench_moe_block.py [--models kimi-k3,deepseek-v3,qwen3-30b-a3b] [--tokens 1,8,64,512]
+    python3 -m tools.bench.moe_block [--models kimi-k3,deepseek-v3,qwen3-30b-a3b] [--tokens 1,8,64,512]
                                      [--inter 256|model] [--calls 10]
 
 The block of a model (E, K, H and routing from kerngen's tier table; intermediate size --inter, bf16, random
@@ -25,18 +25,15 @@ bf16 steps (2**-8) apart at K = 8-16. TOL = 2**-5 allows eight; a wrong expert o
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
 
-import kerngen  # noqa: E402
-import kerngen.integrations.transformers as kt  # noqa: E402
-from benchlib import graph_time_us  # noqa: E402
+import kerngen
+import kerngen.integrations.transformers as kt
+from .lib import graph_time_us
 
 IMPLS = ("eager", "grouped_mm", "kerngen")
 TOL = 2 ** -5

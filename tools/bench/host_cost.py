@@ -1,17 +1,13 @@
 #!/usr/bin/env python3
 """Break down the host cost of one kerngen.finalize call (no graph) against x.add_(1) in the same process."""
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
 
-import kerngen  # noqa: E402
-from benchlib import host_us  # noqa: E402
-from kerngen.launch import current_stream  # noqa: E402
-from kerngen.ops import finalize as fin  # noqa: E402
+import kerngen
+from .lib import host_us
+from kerngen.launch import current_stream
+from kerngen.ops import finalize as fin
 
 g = torch.randn(16, 3584, device="cuda").to(torch.bfloat16)
 e2p = torch.randperm(16, device="cuda").view(1, 16).int()
@@ -20,8 +16,8 @@ out = torch.empty(1, 3584, dtype=torch.bfloat16, device="cuda")
 x = torch.zeros(1, device="cuda")
 kerngen.finalize(g, e2p, w, out=out)
 launcher = next(iter(fin._launchers.values()))
-import ctypes  # noqa: E402
-from kerngen.launch import Launcher  # noqa: E402
+import ctypes
+from kerngen.launch import Launcher
 
 nolaunch = ctypes.CDLL("libcuda.so.1").cuDriverGetVersion
 nolaunch.argtypes = [ctypes.c_void_p]

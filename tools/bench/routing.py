@@ -2,20 +2,17 @@
 torch.compile of the same routing math (ids + weights only), one process, same inputs, CUDA graphs.
 
     bench_routing([("kimi-k3", 1), ("deepseek-v3", 8)]) -> [{"model": ..., "T": ..., "ours_us": ...}, ...]
-    python3 tools/bench_routing.py [--tokens 1,8,64,512,4096] [--models kimi-k3,deepseek-v3]
+    python3 -m tools.bench.routing [--tokens 1,8,64,512,4096] [--models kimi-k3,deepseek-v3]
 """
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
 
-import kerngen  # noqa: E402
-from benchlib import graph_time_us  # noqa: E402
+import kerngen
+from .lib import graph_time_us
 
 TOKENS = (1, 8, 64, 512, 4096)
 FIRST = ("kimi-k3", "deepseek-v3", "kimi-k2")   # the cases the issue's targets name

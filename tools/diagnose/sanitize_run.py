@@ -1,23 +1,21 @@
 #!/usr/bin/env python3
 """Run every kernel family once, small, for compute-sanitizer (racecheck, synccheck, memcheck):
 
-    compute-sanitizer --tool racecheck python3 tools/sanitize_run.py
+    compute-sanitizer --tool racecheck python3 -m tools.diagnose.sanitize_run
 
 Covers the fused routing kernel (group barriers, shared-memory counts) at T=1, 8 and 40, the top-k + one-pass
 permutation (T=40 at kimi-k3; ids that repeat an expert) and the top-k + histogram one (T=2000), finalize small/large batch chained back to back with programmatic dependent launch
 (PDL) after the routing that produces their indices, and the fused tail. Exits non-zero on a wrong result.
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
+import torch
 
-import kerngen  # noqa: E402
-from kerngen.ops import finalize as fin  # noqa: E402
-from kerngen.ops import routing as rt  # noqa: E402
-from kerngen.ops import tail  # noqa: E402
+import kerngen
+from kerngen.ops import finalize as fin
+from kerngen.ops import routing as rt
+from kerngen.ops import tail
 
 
 def main() -> int:

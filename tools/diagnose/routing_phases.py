@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Where the fused routing kernel spends its time: clock64 stamps of CTA 0 / thread 0 between its phases.
 
-    tools/routing_phases.py [--cases kimi-k3:1,kimi-k3:8,deepseek-v3:8] [--tile 128]
+    tools/diagnose/routing_phases.py [--cases kimi-k3:1,kimi-k3:8,deepseek-v3:8] [--tile 128]
 
-Each case renders the routing kernel its tier picks (fp32 logits and bias, as `tools/bench` runs them), inserts
-a stamp after every phase (`instrument`), and times it under a CUDA graph like `tools/bench`; after the last
+Each case renders the routing kernel its tier picks (fp32 logits and bias, as `python3 -m tools.bench` runs them), inserts
+a stamp after every phase (`instrument`), and times it under a CUDA graph like `python3 -m tools.bench`; after the last
 replay it prints the graph time per call and the SM cycles from the end of the grid-dependency wait to each
 phase boundary, so consecutive differences are the phase costs. Thread 0 routes token 0 (group 0, warp 0,
 lane 0), so the top-k phases are that token's. A stamp costs a few cycles; timings are of the instrumented
@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 # (name, anchor in the rendered source, insert the stamp after the anchor?)  Order = kernel order.
 PHASES = [

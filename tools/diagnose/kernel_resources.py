@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Registers, shared memory and spills of every kernel a model needs, read from the compiled cubins: no GPU.
 
-    tools/kernel_resources.py --model kimi-k3 [--arch sm_90a] [--ops routing,finalize,tail]
-    tools/kernel_resources.py --tail H,K --threads 128,256,512 --max-loads 16,32 [--branch-free 0,1] [--split-k 1,2]
+    tools/diagnose/kernel_resources.py --model kimi-k3 [--arch sm_90a] [--ops routing,finalize,tail]
+    tools/diagnose/kernel_resources.py --tail H,K --threads 128,256,512 --max-loads 16,32 [--branch-free 0,1] [--split-k 1,2]
 
 Kernels are built into the cache first when missing (as `kerngen warmup` would), then read by
 `kerngen.resources` (cuobjdump). STACK > 0 means register spills. With R registers a CTA of N threads fits about
@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchlib import add_tail_config_args, tail_configs  # noqa: E402
-from kerngen import jit, resources, tiers  # noqa: E402
-from kerngen.plan import KernelSpec  # noqa: E402
-from kerngen.warmup import OPS, model_specs  # noqa: E402
+from ..bench.lib import add_tail_config_args, tail_configs
+from kerngen import jit, resources, tiers
+from kerngen.plan import KernelSpec
+from kerngen.warmup import OPS, model_specs
 
 
 def short(function: str) -> str:

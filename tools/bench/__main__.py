@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """kerngen benchmark: our kernels vs torch eager and torch.compile, same process, same inputs, CUDA graphs.
 
-    tools/bench [--ops finalize,routing,tail] [--tokens 1,8,64,512,4096] [--plot docs/bench.png]
+    python3 -m tools.bench [--ops finalize,routing,tail] [--tokens 1,8,64,512,4096] [--plot docs/bench.png]
 
 Prints per case: our µs, eager µs, compile µs, speedup over compile, achieved bandwidth, and the floor
 (empty kernel in a graph; bytes / measured copy bandwidth).
@@ -9,16 +9,12 @@ Prints per case: our µs, eager µs, compile µs, speedup over compile, achieved
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
 
-import kerngen  # noqa: E402
-from benchlib import copy_bandwidth_tbs, empty_kernel_us, graph_time_us, host_us  # noqa: E402
+import kerngen
+from .lib import copy_bandwidth_tbs, empty_kernel_us, graph_time_us, host_us
 
 FINALIZE_CASES = [(3584, 16), (7168, 8), (2048, 22)]
 
@@ -114,13 +110,13 @@ def main():
     rows: list[dict] = []
     if "finalize" in ops:
         bench_finalize(tokens, bw, rows)
-    if "routing" in ops and os.path.exists(os.path.join(os.path.dirname(__file__), "bench_routing.py")):
-        from bench_routing import bench_routing, default_cases
+    if "routing" in ops:
+        from .routing import bench_routing, default_cases
         cases = default_cases(tokens)   # every shipped model, the issue's three first
         rows += [dict(op="routing", case=f"{r['model']} {r['E']}/{r['K']}", T=r["T"], ours=r["ours_us"],
                       eager=r["eager_us"], compile=r["compile_us"]) for r in bench_routing(cases)]
-    if "tail" in ops and os.path.exists(os.path.join(os.path.dirname(__file__), "bench_tail.py")):
-        from bench_tail import bench_tail
+    if "tail" in ops:
+        from .tail import bench_tail
         rows += bench_tail(tokens, bw)
     print_table(rows, empty, bw)
     host_cost()

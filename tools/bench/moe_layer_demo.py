@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One decode step of a real-shaped MoE layer, kerngen against plain torch (random weights, CUDA graphs).
 
-    python3 tools/moe_layer_demo.py [--models kimi-k3,deepseek-v3] [--tokens 1,8,64] [--inter 256] [--tile 16]
+    python3 -m tools.bench.moe_layer_demo [--models kimi-k3,deepseek-v3] [--tokens 1,8,64] [--inter 256] [--tile 16]
                                     [--compile] [--schedule one,three] [--pre-tokens 8] [--experts kerngen]
 
 The layer, for hidden states x [T, H] bf16 and a residual [T, H] bf16 (E, K, H and routing from tiers.toml):
@@ -13,7 +13,7 @@ The layer, for hidden states x [T, H] bf16 and a residual [T, H] bf16 (E, K, H a
 kerngen path: kerngen.route (ids, weights and the permutation) -> the experts over the permuted rows
 (kerngen.experts, or with --experts torch one batched matmul per tile over gathered weights) ->
 kerngen.moe_tail (finalize + shared + residual + RMSNorm). torch path: the routing math of
-tools/bench_routing.py, each (token, slot) gathers its expert's weights, fp32 weighted sum, RMSNorm. Neither
+tools/bench/routing.py, each (token, slot) gathers its expert's weights, fp32 weighted sum, RMSNorm. Neither
 path reads a device value on the host, so both run inside CUDA graphs.
 
 Schedules of the kerngen path (--schedule): `one`, everything on one stream in the order above; `three`, the
@@ -40,19 +40,16 @@ both stand-ins), which moves an expert row by about one more bf16 step.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-import kerngen  # noqa: E402
-from bench_routing import torch_routing  # noqa: E402
-from benchlib import graph_time_us  # noqa: E402
+import kerngen
+from .routing import torch_routing
+from .lib import graph_time_us
 
 TOL = 2e-2
 EPS = 1e-6

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time the tail kernel over launch parameters (cluster, threads) per token count, to set the tail tiers.
 
-    tools/sweep_tail.py [--tokens 1,8,64,512,4096] [--clusters 1,2,4,8] [--threads 128,256,512] [--max-loads 16,32]
+    tools/sweep/tail.py [--tokens 1,8,64,512,4096] [--clusters 1,2,4,8] [--threads 128,256,512] [--max-loads 16,32]
                         [--branch-free 0,1] [--split-k 1,2]
 
 split_k > 1 runs with one CTA per token only (cluster 1) and where it divides K; other combinations are left out.
@@ -9,18 +9,14 @@ split_k > 1 runs with one CTA per token only (cluster 1) and where it divides K;
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
 
-from bench_tail import TAIL_CASES, tail_inputs  # noqa: E402
-from benchlib import add_tail_config_args, copy_bandwidth_tbs, graph_time_us, tail_configs  # noqa: E402
-from kerngen.ops import tail  # noqa: E402
-from kerngen.plan import target_arch  # noqa: E402
+from ..bench.tail import TAIL_CASES, tail_inputs
+from ..bench.lib import add_tail_config_args, copy_bandwidth_tbs, graph_time_us, tail_configs
+from kerngen.ops import tail
+from kerngen.plan import target_arch
 
 
 def main():
