@@ -7,7 +7,8 @@ from .adapters import select_experts
 from .ops.experts import experts
 from .ops.finalize import finalize
 from .ops.finalize import prepare as finalize_prepare
-from .ops.routing import Routing, RoutingWorkspace, permute, route
+from .ops.permute import Routing, RoutingWorkspace, permute
+from .ops.routing import route
 from .ops.prerouting import PreRouting
 from .ops.tail import moe_tail
 from .plan import VERSION as __version__

@@ -30,6 +30,7 @@ import weakref
 import torch
 
 from .errors import InputError
+from .ops import permute as _pm
 from .ops import routing as _rt
 
 OP = "select_experts"
@@ -118,8 +119,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     (sorted_token_ids [T*K + E*(block_size-1)] int32, expanded indices in expert order, each expert padded to
     block_size with T*K; expert_ids [ceil(len / block_size)] int32, a block's expert (mapped through expert_map:
     -1 for experts of other ranks); num_tokens_post_padded [1] int32), computed by kerngen's permutation kernel
-    in one launch on CUDA straight into the returned tensors (`routing.permute_align_into`), by
-    `routing.align_reference` on the CPU.
+    in one launch on CUDA straight into the returned tensors (`permute.permute_align_into`), by
+    `permute.align_reference` on the CPU.
 
     Experts within a block are in ascending expanded index (vLLM leaves the order open). kerngen's expert
     parallelism is a contiguous range: `expert_map` must map [start, start + count) to 0..count-1 and the rest
@@ -128,16 +129,16 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.dtype != torch.int32:
         raise InputError("moe_align_block_size", "topk_ids", "an int32 tensor [T, K]", _describe(topk_ids))
     local = _local_range(expert_map, num_experts, local_experts)
-    _rt.check_ids("moe_align_block_size", topk_ids.contiguous(), num_experts, "block_size", block_size, local)
+    _pm.check_ids("moe_align_block_size", topk_ids.contiguous(), num_experts, "block_size", block_size, local)
     if not isinstance(pad_sorted_ids, bool):
         raise InputError("moe_align_block_size", "pad_sorted_ids", "True or False", repr(pad_sorted_ids))
     if topk_ids.device.type != "cuda":   # the same checks on every device
-        return _rt.align_reference(topk_ids, block_size, num_experts, local, pad_sorted_ids)
-    rows = _rt.align_rows(topk_ids.shape[0], topk_ids.shape[1], num_experts, block_size, pad_sorted_ids)
+        return _pm.align_reference(topk_ids, block_size, num_experts, local, pad_sorted_ids)
+    rows = _pm.align_rows(topk_ids.shape[0], topk_ids.shape[1], num_experts, block_size, pad_sorted_ids)
     sorted_ids = torch.empty((rows,), dtype=torch.int32, device=topk_ids.device)
     expert_ids = torch.empty((-(-rows // block_size),), dtype=torch.int32, device=topk_ids.device)
     post_pad = torch.empty((1,), dtype=torch.int32, device=topk_ids.device)
-    _rt.permute_align_into(topk_ids.contiguous(), num_experts, block_size, sorted_ids, expert_ids, post_pad, local)
+    _pm.permute_align_into(topk_ids.contiguous(), num_experts, block_size, sorted_ids, expert_ids, post_pad, local)
     return sorted_ids, expert_ids, post_pad
 
 

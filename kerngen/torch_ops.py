@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .ops import finalize as _fin
+from .ops import permute as _pm
 from .ops import routing as _rt
 from .ops import tail as _tail
 
@@ -69,7 +70,7 @@ def route_permute(logits: Tensor, top_k: int, method: str, tile: int, bias: Tens
     expanded_to_permuted, permuted_to_token, tile_to_expert, num_permuted_rows); num_local = -1: all experts."""
     E = logits.shape[1]
     local = (local_start, E - local_start if num_local < 0 else num_local)
-    ws = _rt.RoutingWorkspace(max(logits.shape[0], 1), E, top_k, tile, local_experts=local, device=logits.device,
+    ws = _pm.RoutingWorkspace(max(logits.shape[0], 1), E, top_k, tile, local_experts=local, device=logits.device,
                               separate=True)
     r = _rt.route(logits, top_k=top_k, method=method, bias=bias, n_group=n_group, topk_group=topk_group,
                   routed_scaling_factor=routed_scaling_factor, renormalize=renormalize, tile=tile,
@@ -90,7 +91,7 @@ def _route_permute_cpu(logits, top_k, method, tile, bias=None, n_group=1, topk_g
     _rt.check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local,
                    rsf=routed_scaling_factor, cuda=False)
     ids, w = _rt.reference(logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor, renormalize)
-    p = _rt.permute_reference(ids, E, tile, local)
+    p = _pm.permute_reference(ids, E, tile, local)
     return (ids, w, p["expert_counts"], p["expert_offsets"], p["expanded_to_permuted"], p["permuted_to_token"],
             p["tile_to_expert"], p["num_permuted_rows"])
 
@@ -100,7 +101,7 @@ def _route_permute_fake(logits, top_k, method, tile, bias=None, n_group=1, topk_
                         renormalize=True, local_start=0, num_local=-1):
     T, E = logits.shape
     nl = E - local_start if num_local < 0 else num_local
-    rows = _rt.max_rows(T, top_k, nl, tile)
+    rows = _pm.max_rows(T, top_k, nl, tile)
     i32 = dict(dtype=torch.int32)
     return (logits.new_empty((T, top_k), **i32), logits.new_empty((T, top_k), dtype=torch.float32),
             logits.new_empty((nl,), **i32), logits.new_empty((nl + 1,), **i32), logits.new_empty((T, top_k), **i32),
@@ -113,12 +114,12 @@ def _route_permute_fake(logits, top_k, method, tile, bias=None, n_group=1, topk_
 def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_size: int, sorted_token_ids: Tensor,
                          expert_ids: Tensor, num_tokens_post_pad: Tensor) -> None:
     """vLLM's `ops.moe_align_block_size`: writes the block layout into the given buffers (one launch)."""
-    _rt.permute_align_into(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad)
+    _pm.permute_align_into(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad)
 
 
 @moe_align_block_size.register_kernel("cpu")
 def _moe_align_block_size_cpu(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad):
-    s, e, n = _rt.align_reference(topk_ids, block_size, num_experts)
+    s, e, n = _pm.align_reference(topk_ids, block_size, num_experts)
     sorted_token_ids.fill_(topk_ids.numel())
     sorted_token_ids[:s.shape[0]].copy_(s)
     expert_ids.fill_(0)

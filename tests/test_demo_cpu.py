@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kerngen.ops import permute as pm
 from kerngen.ops import routing, tail
 from kerngen.tiers import Model
 from tests.helpers import load_tool
@@ -85,7 +86,7 @@ def test_permuted_experts_and_tail_match_torch_layer(method, T, tile):
     E, K = m.num_experts, m.top_k
     ids, weights = routing.reference(x.float() @ w.router.T, K, m.routing, w.bias, m.n_group, m.topk_group,
                                      m.routed_scaling_factor, m.renormalize)
-    p = routing.permute_reference(ids, E, tile)
+    p = pm.permute_reference(ids, E, tile)
     rows = demo.permuted_rows_bound(T, K, E, tile)
     assert int(p["num_permuted_rows"]) <= rows
     on_input = weights[:, 0] if m.weight_on_input else None
@@ -100,17 +101,17 @@ def test_permuted_experts_and_tail_match_torch_layer(method, T, tile):
 
 @pytest.mark.parametrize("E,K,tile", [(8, 2, 4), (896, 16, 16), (256, 8, 128), (5, 3, 7)])
 def test_permuted_rows_bound_holds_and_is_reached(E, K, tile):
-    from kerngen.ops.routing import max_rows
+    from kerngen.ops.permute import max_rows
     g = torch.Generator().manual_seed(E)
     for T in (1, 2, 3, 8, 64, 300):
         bound = demo.permuted_rows_bound(T, K, E, tile)
         assert bound % tile == 0 and bound <= max_rows(T, K, E, tile)
         for _ in range(3):
             ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
-            assert int(routing.permute_reference(ids, E, tile)["num_permuted_rows"]) <= bound
+            assert int(pm.permute_reference(ids, E, tile)["num_permuted_rows"]) <= bound
         if T * K <= E:   # one row for each of T*K experts: every one pads to a full tile
             ids = torch.arange(T * K, dtype=torch.int32).view(T, K)
-            assert int(routing.permute_reference(ids, E, tile)["num_permuted_rows"]) == bound
+            assert int(pm.permute_reference(ids, E, tile)["num_permuted_rows"]) == bound
 
 
 def test_weight_on_output_would_be_wrong_for_a_weight_on_input_model():

@@ -8,6 +8,7 @@ import kerngen
 import kerngen.torch_ops  # noqa: F401
 from kerngen import adapters, jit, tiers
 from kerngen.cache import DiskCache
+from kerngen.ops import permute as pm
 from kerngen.ops import routing as rt
 
 
@@ -115,7 +116,7 @@ def test_route_permute_op_returns_the_whole_permutation(tile):
     logits = torch.randn(6, 64)
     out = torch.ops.kerngen.route_permute(logits, 4, "softmax_topk", tile)
     ids, w = rt.reference(logits, 4, "softmax_topk")
-    p = rt.permute_reference(ids, 64, tile)
+    p = pm.permute_reference(ids, 64, tile)
     assert torch.equal(out[0], ids) and torch.equal(out[5], p["permuted_to_token"])
     assert torch.equal(out[4], p["expanded_to_permuted"]) and int(out[7]) == int(p["num_permuted_rows"])
     torch.library.opcheck(torch.ops.kerngen.route_permute.default, (logits, 4, "softmax_topk", tile))
@@ -124,8 +125,8 @@ def test_route_permute_op_returns_the_whole_permutation(tile):
 @pytest.mark.parametrize("tile", [1, 8, 128])
 def test_grouped_mm_offs_are_each_experts_end_row(tile):
     ids = random_ids(20, 64, 6, tile)
-    p = rt.permute_reference(ids, 64, tile, (8, 40))
-    r = rt.Routing(ids, torch.zeros(20, 6), p["expert_counts"], p["expert_offsets"])
+    p = pm.permute_reference(ids, 64, tile, (8, 40))
+    r = pm.Routing(ids, torch.zeros(20, 6), p["expert_counts"], p["expert_offsets"])
     offs = r.grouped_mm_offs
     assert offs.dtype == torch.int32 and offs.shape == (40,) and offs.data_ptr() == p["expert_offsets"][1:].data_ptr()
     starts = torch.cat([torch.zeros(1, dtype=torch.int32), offs[:-1]])
@@ -143,7 +144,7 @@ def align_specs():
     out = []
     for name, m in sorted(tbl.models.items()):
         for T in sorted({1, 8, 64, 512, 4096} & set(range(m.tokens[0], m.tokens[1] + 1))):
-            s = rt.permute_spec(m.num_experts, m.top_k, T, "sm_90a", tbl, align=True)
+            s = pm.spec(m.num_experts, m.top_k, T, "sm_90a", tbl, align=True)
             if s not in out:
                 out.append(s)
             tag, consts = rt._constants(m.num_experts, m.top_k, m.routing, m.n_group, m.topk_group, m.renormalize,

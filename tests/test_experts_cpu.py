@@ -8,7 +8,7 @@ import kerngen
 from kerngen import jit, tiers
 from kerngen.cache import DiskCache
 from kerngen.ops import experts as ex
-from kerngen.ops import routing as rt
+from kerngen.ops import permute as pm
 from tests.helpers import assert_no_spills
 
 ACTS = ("silu", "gelu", "gpt_oss", "situglu")
@@ -16,7 +16,7 @@ ACTS = ("silu", "gelu", "gpt_oss", "situglu")
 
 def routing_of(ids: torch.Tensor, E: int, tile: int, local=None) -> kerngen.Routing:
     return kerngen.Routing(ids, ids.new_empty((ids.shape[0], 0), dtype=torch.float32),
-                           **rt.permute_reference(ids, E, tile, local))
+                           **pm.permute_reference(ids, E, tile, local))
 
 
 def loop_expert(x, gate_up, down, b13, b2, act, interleaved, alpha=1.702, limit=7.0, beta=1.0, linear_beta=0.0):

@@ -281,7 +281,7 @@ def test_fused_experts_are_closer_to_exact_than_eager(case):
     import kerngen
     from kerngen.ops import experts as ex
     from kerngen.ops import finalize as fin
-    from kerngen.ops import routing as rt
+    from kerngen.ops import permute as pm
     model = tiny(case).to(torch.bfloat16)
     e = moe_blocks(model)[0].experts
     assert kt.kernel_activation(e) == "silu"
@@ -296,7 +296,7 @@ def test_fused_experts_are_closer_to_exact_than_eager(case):
         with torch.no_grad():
             exact = e64(x.double(), ids.long(), w.double())
             eager = e(x, ids.long(), w.to(torch.bfloat16))
-        r = kerngen.Routing(ids, w, **rt.permute_reference(ids, E, 8))
+        r = kerngen.Routing(ids, w, **pm.permute_reference(ids, E, 8))
         rows = kerngen.experts(x, r, e.gate_up_proj.data, e.down_proj.data, activation="silu")
         ours = fin.reference(rows, r.expanded_to_permuted, w)
         errs.append((rel_err(ours, exact), rel_err(eager, exact), rel_err(ours, eager)))

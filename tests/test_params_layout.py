@@ -11,6 +11,7 @@ from kerngen import render, tiers
 from kerngen.compile import nvrtc_compile
 from kerngen.errors import CompileError
 from kerngen.ops import finalize as fin
+from kerngen.ops import permute as pm
 from kerngen.ops import routing as rt
 
 
@@ -44,7 +45,7 @@ def families():
     yield "finalize large_batch", fin.spec(3584, 16, "bfloat16", "float32", 1024, "sm_90a", tbl=t), fin.FMT
     for T in (1, 4096):   # fused, then topk
         yield f"routing T={T}", rt.spec(m.num_experts, m.top_k, m.routing, T, "sm_90a", tbl=t), rt.ROUTE_FMT
-    yield "permute", rt.permute_spec(m.num_experts, m.top_k, 4096, "sm_90a", t), rt.PERMUTE_FMT
+    yield "permute", pm.spec(m.num_experts, m.top_k, 4096, "sm_90a", t), pm.PERMUTE_FMT
 
 
 def check_layout(name, src, fmt):
@@ -64,7 +65,7 @@ def test_python_packing_matches_the_kernel_params_struct(name, spec, fmt):
 def test_a_field_python_packs_elsewhere_fails_to_compile():
     """The permute format with the ticket packed as an int plus padding and the next field as a pointer: same
     field count, same size, later fields at other offsets, which only the offset checks see."""
-    src = render.render(rt.permute_spec(896, 16, 4096, "sm_90a", tiers.load()))
-    assert rt.PERMUTE_FMT == "9Q5i4x"
+    src = render.render(pm.spec(896, 16, 4096, "sm_90a", tiers.load()))
+    assert pm.PERMUTE_FMT == "9Q5i4x"
     with pytest.raises(CompileError, match="offset of"):
         check_layout("permute-shuffled", src, "8Qi4xQ4i")

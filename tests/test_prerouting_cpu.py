@@ -8,6 +8,7 @@ import torch
 
 import kerngen
 from kerngen.ops import prerouting as pr
+from kerngen.ops import permute as pm
 from kerngen.ops import routing as rt
 
 E, K = 896, 16   # kimi-k3
@@ -32,7 +33,7 @@ def test_model_fills_the_constants_and_the_workspace():
     assert p.max_tokens == pr.DEFAULT_MAX_TOKENS == 8 and p.local_experts == (0, E) and p.tile == 16
     ws = p.workspace
     assert isinstance(ws, kerngen.RoutingWorkspace) and ws.max_tokens == 8 and ws.tile == 16
-    assert ws.ids.shape == (8, K) and ws.max_rows == rt.max_rows(8, K, E, 16)
+    assert ws.ids.shape == (8, K) and ws.max_rows == pm.max_rows(8, K, E, 16)
     assert p.event is None   # no CUDA event for an object built for the CPU
 
 
@@ -41,7 +42,7 @@ def test_explicit_constants_and_an_expert_parallel_range():
                            routed_scaling_factor=2.5, tile=128, local_experts=(32, 32), max_tokens=4,
                            weights_dtype=torch.bfloat16, device="cpu")
     assert (p.n_group, p.topk_group, p.local_experts, p.weights_dtype) == (8, 4, (32, 32), torch.bfloat16)
-    assert p.workspace.weights.dtype == torch.bfloat16 and p.workspace.max_rows == rt.max_rows(4, 8, 32, 128)
+    assert p.workspace.weights.dtype == torch.bfloat16 and p.workspace.max_rows == pm.max_rows(4, 8, 32, 128)
 
 
 BAD_CONSTRUCTOR = [
@@ -237,7 +238,7 @@ def test_a_shape_is_pre_routed_only_after_a_take_routed_it():
     calls, r = step(p, x, b)
     assert calls == [("route", True, 16, 4), ("record", None), ("wait", None)]    # then: launch routes
     assert r.topk_ids.data_ptr() == p.workspace.ids.data_ptr() and r.topk_ids.shape == (4, K)
-    assert r.permuted_to_token.shape == (rt.max_rows(4, K, E, 16),)
+    assert r.permuted_to_token.shape == (pm.max_rows(4, K, E, 16),)
     ids, _ = rt.reference(x, K, "sigmoid_bias", b, routed_scaling_factor=2.5)
     assert torch.equal(r.topk_ids, ids)
     x2 = logits(4)   # another step, new logits of the same shape
@@ -280,7 +281,7 @@ def test_another_tile_routes_itself_into_its_own_workspace():
     step(p, x, b)
     calls, r = step(p, x, b, tile=128)
     assert calls == [("route", True, 16, 4), ("record", None), ("wait", None), ("route", False, 128, 4)]
-    assert r.permuted_to_token.shape == (rt.max_rows(4, K, E, 128),) and 128 in p._own
+    assert r.permuted_to_token.shape == (pm.max_rows(4, K, E, 128),) and 128 in p._own
     calls, r = step(p, logits(4), b, tile=None)            # a tile change is a fallback, not an error
     assert calls[-1] == ("route", False, None, 4) and r.permuted_to_token is None
 

@@ -6,8 +6,9 @@ import kerngen
 from kerngen import jit, tiers
 from kerngen.cache import DiskCache
 from kerngen.errors import InputError, TierError
+from kerngen.ops import permute as pm
 from kerngen.ops import routing as rt
-from tests.helpers import assert_no_spills, load_tool
+from tests.helpers import assert_no_spills
 
 
 def all_routing_specs():
@@ -30,7 +31,7 @@ def all_routing_specs():
             if s not in specs:
                 specs.append(s)
     for E, K in ((2048, 32), (1, 1), (1000, 3)):
-        s = rt.permute_spec(E, K, 100, "sm_90a", t)
+        s = pm.spec(E, K, 100, "sm_90a", t)
         if s not in specs:
             specs.append(s)
     return specs
@@ -73,7 +74,7 @@ def test_onepass_permute_rules_fit_in_shared_memory():
         E = r.ranges.get("num_experts", (1, tiers.MAX_EXPERTS))[1]
         K = min(r.ranges.get("top_k", (1, tiers.MAX_TOPK))[1], E)
         T = r.ranges["tokens"][1]
-        assert rt.onepass_smem_bytes(E, K, T) <= rt.MAX_DYNAMIC_SMEM, r
+        assert pm.onepass_smem_bytes(E, K, T) <= pm.MAX_DYNAMIC_SMEM, r
 
 
 def test_a_onepass_rule_too_large_for_shared_memory_is_a_tier_error():
@@ -82,7 +83,7 @@ def test_a_onepass_rule_too_large_for_shared_memory_is_a_tier_error():
     big = tiers.Rule(op="permute", variant="onepass", ranges={}, params={"ctas": 8, "threads": 256})
     t = dataclasses.replace(t, rules=(big,) + t.rules)
     with pytest.raises(TierError, match="shared memory"):
-        rt._Permute(896, 16, 4096, 0, t, "sm_90a")
+        pm.Permute(896, 16, 4096, 0, t, "sm_90a")
 
 
 def test_explain_routing_names_the_fused_tier(capsys):
@@ -246,7 +247,7 @@ def test_permutation_reference_invariants(tile, local):
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
     ids[:5] = ids[:5] % 8                                     # crowd a few experts
     ids[:5] = torch.stack([torch.randperm(8, generator=g)[:K] for _ in range(5)]).int()
-    p = rt.permute_reference(ids, E, tile, local)
+    p = pm.permute_reference(ids, E, tile, local)
     ls, nl = local or (0, E)
     x = ids.flatten().long() - ls
     is_local = (x >= 0) & (x < nl)
@@ -277,7 +278,7 @@ def test_permutation_reference_invariants(tile, local):
 @pytest.mark.parametrize("T,E,K,tile,local", [(1, 896, 16, 128, None), (3, 7, 3, 8, (2, 3)), (5, 256, 8, 1, (0, 5))])
 def test_workspace_views_are_16_byte_aligned(T, E, K, tile, local):
     """finalize and moe_tail load expanded_to_permuted with 128-bit loads: every view must start aligned."""
-    ws = rt.RoutingWorkspace(T, E, K, tile, local_experts=local, device="cpu")
+    ws = pm.RoutingWorkspace(T, E, K, tile, local_experts=local, device="cpu")
     for name in ("ids", "weights", "counts", "offsets", "e2p", "p2t", "t2e", "num_rows", "hist", "ticket"):
         assert getattr(ws, name).data_ptr() % 16 == 0, name
     assert (ws.p2t == -1).all() and (ws.num_rows == -1).all() and (ws.ticket == 0).all()
@@ -300,11 +301,11 @@ def test_fused_parameters_out_of_range_fail_to_compile_with_the_reason(bad, mess
 
 @pytest.mark.parametrize("name,T", [("kimi-k3", 1), ("kimi-k3", 8), ("deepseek-v3", 8), ("qwen3-next-80b", 16)])
 def test_phase_probe_instruments_the_fused_kernel(name, T):
-    """tools/routing_phases.py finds every phase boundary in the fused kernel of the shipped tiers and the
+    """tools/diagnose/routing_phases.py finds every phase boundary in the fused kernel of the shipped tiers and the
     instrumented source compiles for sm_90a (its anchors are template text: this fails when they drift)."""
     from kerngen.compile import nvrtc_compile
     from kerngen.render import render
-    probe = load_tool("routing_phases")
+    from tools.diagnose import routing_phases as probe
     m = tiers.load().model(name)
     s = rt.spec(m.num_experts, m.top_k, m.routing, T, "sm_90a", n_group=m.n_group, topk_group=m.topk_group,
                      renormalize=m.renormalize, bdtype="float32" if "bias" in m.routing else "none")

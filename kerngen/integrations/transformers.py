@@ -40,6 +40,7 @@ import kerngen
 from kerngen.errors import KerngenError
 from kerngen.ops import experts as _ex
 from kerngen.ops import finalize as _fin
+from kerngen.ops import permute as _pm
 from kerngen.ops import routing as _rt
 
 NAME = "kerngen"
@@ -168,7 +169,7 @@ def _route(logits: torch.Tensor, kw: dict, bias, weights_dtype: torch.dtype, til
         return r if r.topk_weights.dtype == weights_dtype else _with_weights(r, r.topk_weights.to(weights_dtype))
     ids, w = _rt.reference(logits, kw["top_k"], kw["method"], bias, kw.get("n_group", 1), kw.get("topk_group", 1),
                            kw.get("routed_scaling_factor", 1.0), kw.get("renormalize", True))
-    return kerngen.Routing(ids, w.to(weights_dtype), **_rt.permute_reference(ids, logits.shape[1], tile))
+    return kerngen.Routing(ids, w.to(weights_dtype), **_pm.permute_reference(ids, logits.shape[1], tile))
 
 
 def _with_weights(r: kerngen.Routing, w: torch.Tensor) -> kerngen.Routing:
@@ -227,7 +228,7 @@ def _permutation(experts: nn.Module, top_k_index: torch.Tensor, tile: int) -> ke
     if ids.is_cuda:
         return kerngen.permute(ids, num_experts=experts.num_experts, tile=tile)
     return kerngen.Routing(ids, ids.new_empty((ids.shape[0], 0), dtype=torch.float32),
-                           **_rt.permute_reference(ids, experts.num_experts, tile))
+                           **_pm.permute_reference(ids, experts.num_experts, tile))
 
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -26,6 +26,24 @@ def check_tensor(op: str, name: str, t, *, dtypes=None, ndim=None, device=None, 
         raise InputError(op, name, "contiguous", f"strides {t.stride()}")
 
 
+def check_int(op: str, name: str, v, lo: int, hi: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise InputError(op, name, f"an integer in [{lo}, {hi}]", repr(v))
+
+
+def check_local(op: str, local_experts, E: int) -> tuple[int, int]:
+    """An expert-parallel range (local_start, num_local) inside [0, E), or all E experts for None."""
+    if local_experts is None:
+        return 0, E
+    if (not isinstance(local_experts, (tuple, list)) or len(local_experts) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in local_experts)):
+        raise InputError(op, "local_experts", "a pair (local_start, num_local) of integers", repr(local_experts))
+    ls, nl = local_experts
+    if ls < 0 or nl < 1 or ls + nl > E:
+        raise InputError(op, "local_experts", f"a range inside [0, {E}) with num_local >= 1", repr(local_experts))
+    return ls, nl
+
+
 def require_gpu(what: str) -> None:
     """A kerngen error, not torch's, when `what` needs a CUDA GPU and torch sees none."""
     if torch.cuda.is_available():

@@ -16,7 +16,8 @@ from ..errors import DeviceError, InputError
 from ..launch import current_stream
 from ..tiers import MAX_EXPERTS
 from . import routing as rt
-from ._common import require_gpu, table
+from ._common import check_int, check_local, require_gpu, table
+from .permute import Routing, RoutingWorkspace
 
 OP = "PreRouting"
 LAUNCH, TAKE = "PreRouting.launch", "PreRouting.take"
@@ -95,13 +96,13 @@ class PreRouting:
                 raise InputError(OP, e.arg, e.expected, e.got) from None
         if num_experts is None:
             raise InputError(OP, "num_experts", "given (or model=)", "None")
-        rt._check_int(OP, "num_experts", num_experts, 1, MAX_EXPERTS)
+        check_int(OP, "num_experts", num_experts, 1, MAX_EXPERTS)
         try:   # route's own checks of the constants, on a CPU stand-in for the logits
             rt.check_args(torch.empty((1, num_experts)), top_k, method, None, n_group, topk_group, renormalize,
                           tile, local_experts, routed_scaling_factor, cuda=False)
         except InputError as e:
             raise InputError(OP, e.arg, e.expected, e.got) from None
-        rt._check_int(OP, "max_tokens", max_tokens, 1, 1 << 24)
+        check_int(OP, "max_tokens", max_tokens, 1, 1 << 24)
         if not isinstance(weights_dtype, torch.dtype) or weights_dtype not in _WEIGHTS:
             raise InputError(OP, "weights_dtype", "torch.float32 or torch.bfloat16", repr(weights_dtype))
         try:   # an index names a GPU even where torch sees none (torch.device(0) would ask for one)
@@ -116,7 +117,7 @@ class PreRouting:
         self.model, self.num_experts, self.top_k, self.method = model, num_experts, top_k, method
         self.n_group, self.topk_group, self.renormalize = n_group, topk_group, renormalize
         self.routed_scaling_factor, self.tile, self.max_tokens = float(routed_scaling_factor), tile, max_tokens
-        self.local_experts = rt._check_local(OP, local_experts, num_experts)
+        self.local_experts = check_local(OP, local_experts, num_experts)
         self.weights_dtype = weights_dtype
         try:
             self.workspace = self._new_workspace(max_tokens, tile, dev)
@@ -142,14 +143,14 @@ class PreRouting:
         self._record(dev)
         self._recorded = capture
 
-    def take(self, logits: torch.Tensor, bias: torch.Tensor | None = None, *, tile=_OWN_TILE) -> rt.Routing:
+    def take(self, logits: torch.Tensor, bias: torch.Tensor | None = None, *, tile=_OWN_TILE) -> Routing:
         """The routing of logits [T, E] at `tile` (default the object's) for the current stream: the pre-routed
         result after waiting on the launch's event, or kerngen.route's on this stream (see the class doc)."""
         shape = self._check(TAKE, logits, bias)
         if tile is _OWN_TILE:
             tile = self.tile
         elif tile is not None:
-            rt._check_int(TAKE, "tile", tile, 1, 1024)
+            check_int(TAKE, "tile", tile, 1, 1024)
         dev = self._gpu(TAKE)
         capture = self._capture(dev)
         pending, recorded = self._pending, self._recorded
@@ -182,13 +183,13 @@ class PreRouting:
         return self._route(logits, bias, tile, ws)
 
     # ------------------------------------------------------------------------------------------- helpers
-    def _route(self, logits, bias, tile, ws) -> rt.Routing:
+    def _route(self, logits, bias, tile, ws) -> Routing:
         return rt.route(logits, top_k=self.top_k, method=self.method, bias=bias, n_group=self.n_group,
                         topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
                         renormalize=self.renormalize, tile=tile, local_experts=self.local_experts, workspace=ws)
 
-    def _new_workspace(self, tokens, tile, device) -> rt.RoutingWorkspace:
-        return rt.RoutingWorkspace(tokens, self.num_experts, self.top_k, tile, local_experts=self.local_experts,
+    def _new_workspace(self, tokens, tile, device) -> RoutingWorkspace:
+        return RoutingWorkspace(tokens, self.num_experts, self.top_k, tile, local_experts=self.local_experts,
                                    weights_dtype=self.weights_dtype, device=device)
 
     def _check(self, op, logits, bias) -> tuple:

@@ -1,4 +1,4 @@
-"""routing: top-k expert selection (MISSION §2) and the permutation a grouped GEMM consumes.
+"""routing: top-k expert selection (MISSION §2), and with a tile the permutation of kerngen/ops/permute.py.
 
 Semantics every kernel matches (and `reference` computes in plain torch):
 - All math in fp32; a NaN logit counts as -inf.
@@ -21,168 +21,28 @@ Semantics every kernel matches (and `reference` computes in plain torch):
   (lower group index on ties) keep their keys, the others get -inf; a -inf expert is picked only when the kept
   groups hold fewer than K finite keys (transformers and vLLM score such a group -inf and drop it).
 
-Permutation (tile given) over the local experts [local_start, local_start + num_local): MISSION §2, with
-rows of one expert in ascending expanded index e = t*K + k (deterministic, compared exactly).
-`expert_offsets` has num_local + 1 entries (the last is num_permuted_rows); `tile_to_expert` holds local
-expert indices. permuted_to_token has T*K + num_local*(tile-1) rows (the worst case, so no host sync is
-needed) and tile_to_expert that many rows / tile; everything past num_permuted_rows is -1.
+With `tile` the same call permutes (kerngen/ops/permute.py states the layout): the fused variant in its own
+kernel, the topk variant through permute's launches.
 """
 from __future__ import annotations
-
-import dataclasses
-from dataclasses import dataclass
 
 import torch
 
 from .. import plan as plan_mod
-from ..errors import InputError, TierError
+from ..errors import InputError
 from ..launch import Launcher, current_stream
 from ..tiers import MAX_EXPERTS, MAX_TOPK, METHODS, Model, Table
-from ._common import SHORT, DTYPE_NAMES, arch, check_tensor, require_gpu, resolve, table
+from . import permute as permute_op
+from ._common import SHORT, DTYPE_NAMES, arch, check_int, check_local, check_tensor, resolve, table
+from .permute import Permute, Routing, RoutingWorkspace, check_layout, check_workspace, with_align
 
 OP = "routing"
-PERMUTE_OP = "permute"
 _LOGITS = (torch.float32, torch.bfloat16)
 _BIAS = (torch.float32, torch.bfloat16)
-_WEIGHTS = (torch.float32, torch.bfloat16)
 _SIGMOID_BIAS = ("sigmoid_bias", "grouped_sigmoid_bias")
 _SHORT_METHOD = {"softmax_topk": "smk", "topk_softmax": "tks", "sigmoid_bias": "sgb",
                  "grouped_sigmoid_bias": "gsb", "top1_sigmoid": "t1s"}
-MIN_TOKENS_PER_BLOCK = 16          # permute tiers: the histogram scratch is sized for this
 ROUTE_FMT = "10Qf6i4x"
-PERMUTE_FMT = "9Q5i4x"
-MAX_DYNAMIC_SMEM = 226 * 1024        # onepass permute: sm_90 gives a CTA 227 KiB, less its static arrays
-
-
-# ----------------------------------------------------------------------------------------------- results
-@dataclass(frozen=True)
-class Routing:
-    """topk_ids [T,K] int32, topk_weights [T,K]; the permutation fields are None without a tile."""
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    expert_counts: torch.Tensor | None = None          # [num_local] int32
-    expert_offsets: torch.Tensor | None = None         # [num_local + 1] int32, rows
-    expanded_to_permuted: torch.Tensor | None = None   # [T, K] int32, -1 for non-local experts
-    permuted_to_token: torch.Tensor | None = None      # [T*K + num_local*(tile-1)] int32, -1 padding/tail
-    tile_to_expert: torch.Tensor | None = None         # [len(permuted_to_token) // tile] int32, -1 unused
-    num_permuted_rows: torch.Tensor | None = None      # [] int32 on the device
-    # layout="align": vLLM / SGLang moe_align_block_size's outputs (block_size = tile), see align_reference
-    sorted_token_ids: torch.Tensor | None = None       # [T*K + E*(tile-1)] int32, expanded indices, pad T*K
-    expert_ids: torch.Tensor | None = None             # [ceil(len(sorted_token_ids) / tile)] int32
-    num_tokens_post_padded: torch.Tensor | None = None  # [1] int32 on the device
-
-    @property
-    def grouped_mm_offs(self) -> torch.Tensor | None:
-        """torch._grouped_mm's `offs` over the permuted rows: each local expert's cumulative end row (int32,
-        on the device; a view, no computation). With tile 1 the groups are unpadded."""
-        return None if self.expert_offsets is None else self.expert_offsets[1:]
-
-
-def max_rows(tokens: int, top_k: int, num_local: int, tile: int) -> int:
-    """Worst-case num_permuted_rows: every local expert's last tile is padded."""
-    return tokens * top_k + num_local * (tile - 1)
-
-
-def align_rows(tokens: int, top_k: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False) -> int:
-    """vLLM's max_num_tokens_padded, the length of sorted_token_ids (whole blocks with pad_sorted_ids); its
-    expert_ids has ceil(align_rows / block_size) entries."""
-    rows = max_rows(tokens, top_k, num_experts, block_size)
-    return -(-rows // block_size) * block_size if pad_sorted_ids else rows
-
-
-LAYOUTS = ("kerngen", "align")   # align: moe_align_block_size's sorted_token_ids / expert_ids (vLLM, SGLang)
-
-
-def _check_layout(op: str, layout) -> bool:
-    if layout not in LAYOUTS:
-        raise InputError(op, "layout", f"one of {', '.join(LAYOUTS)}", repr(layout))
-    return layout == "align"
-
-
-class RoutingWorkspace:
-    """Every output of `route` / `permute` for up to max_tokens tokens, allocated once.
-
-    Pass it as `workspace=` to write into it (no allocation: CUDA graphs, a router stream). Results are
-    views of it, valid until the next call that uses the same workspace.
-    """
-
-    def __init__(self, max_tokens: int, num_experts: int, top_k: int, tile: int | None = None, *,
-                 local_experts: tuple[int, int] | None = None, weights_dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | int | None = None, layout: str = "kerngen", separate: bool = False):
-        _check_int("RoutingWorkspace", "max_tokens", max_tokens, 1, 1 << 24)
-        _check_int("RoutingWorkspace", "num_experts", num_experts, 1, MAX_EXPERTS)
-        _check_int("RoutingWorkspace", "top_k", top_k, 1, min(MAX_TOPK, num_experts))
-        if tile is not None:
-            _check_int("RoutingWorkspace", "tile", tile, 1, 1024)
-        if weights_dtype not in _WEIGHTS:
-            raise InputError("RoutingWorkspace", "weights_dtype", "torch.float32 or torch.bfloat16", str(weights_dtype))
-        ls, nl = _check_local("RoutingWorkspace", local_experts, num_experts)
-        align = _check_layout("RoutingWorkspace", layout)
-        if align and tile is None:
-            raise InputError("RoutingWorkspace", "tile", "the block size (an integer) for layout 'align'", "None")
-        try:
-            dev = torch.device("cuda") if device is None else torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise InputError("RoutingWorkspace", "device", "a CUDA device (e.g. 'cuda', 'cuda:1' or an index)",
-                             repr(device)) from e
-        if dev.type not in ("cuda", "cpu"):   # a CPU workspace holds reference results
-            raise InputError("RoutingWorkspace", "device", "a CUDA device (or 'cpu')", repr(device))
-        if dev.type == "cuda":
-            require_gpu("kerngen.RoutingWorkspace")
-        if dev.type == "cuda" and dev.index is not None and not 0 <= dev.index < torch.cuda.device_count():
-            raise InputError("RoutingWorkspace", "device", f"one of the {torch.cuda.device_count()} visible GPUs",
-                             repr(device))
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        T, K = max_tokens, top_k
-        self.max_tokens, self.num_experts, self.top_k, self.tile = T, num_experts, K, tile
-        self.local_experts, self.weights_dtype, self.device, self.layout = (ls, nl), weights_dtype, dev, layout
-        sizes = {"ids": T * K}
-        if weights_dtype == torch.float32:
-            sizes["weights"] = T * K
-        if tile is not None:
-            # align: the permutation runs over all experts (the range only marks other experts' blocks -1), and
-            # the rows are rounded up to whole blocks, room for pad_sorted_ids
-            pn = num_experts if align else nl
-            self.max_rows = align_rows(T, K, pn, tile, pad_sorted_ids=True) if align else max_rows(T, K, pn, tile)
-            sizes.update(counts=pn, offsets=pn + 1, e2p=T * K, p2t=self.max_rows, t2e=self.max_rows // tile,
-                         num_rows=1, hist=-(-T // MIN_TOKENS_PER_BLOCK) * pn, ticket=1)
-        # One allocation, one fill: -1 everywhere (num_rows = -1 reads as "no previous call") but the ticket;
-        # ids and weights alone need no fill.
-        # every view starts 16-byte aligned, so ids / e2p feed the 128-bit loads of finalize and moe_tail
-        # (separate=True: one allocation a view, for outputs that may not alias each other, as a custom op's)
-        pad = {name: -(-n // 4) * 4 for name, n in sizes.items()}
-        fill = (lambda n: torch.full((n,), -1, dtype=torch.int32, device=dev)) if tile is not None else (
-            lambda n: torch.empty((n,), dtype=torch.int32, device=dev))
-        views, at = {}, 0
-        self.buffer = None if separate else fill(sum(pad.values()))
-        for name, n in sizes.items():
-            views[name] = fill(n) if separate else self.buffer[at:at + n]
-            at += pad[name]
-        self.ids = views["ids"].view(T, K)
-        self.weights = (views["weights"].view(torch.float32).view(T, K) if "weights" in views
-                        else torch.empty((T, K), dtype=weights_dtype, device=dev))
-        if tile is not None:
-            self.counts, self.offsets = views["counts"], views["offsets"]
-            self.e2p = views["e2p"].view(T, K)
-            self.p2t, self.t2e, self.hist = views["p2t"], views["t2e"], views["hist"]
-            self.num_rows = views["num_rows"]
-            self.ticket = views["ticket"]
-            self.ticket.zero_()   # permute_place leaves it 0 again after each call
-
-    def result(self, tokens: int, num_local: int, pad_sorted_ids: bool = False) -> Routing:
-        ids, w = self.ids[:tokens], self.weights[:tokens]
-        if self.tile is None:
-            return Routing(ids, w)
-        if self.layout == "align":   # vLLM's buffer sizes: max_num_tokens_padded, max_num_m_blocks
-            E, tile = self.num_experts, self.tile
-            rows = align_rows(tokens, self.top_k, E, tile, pad_sorted_ids)
-            return Routing(ids, w, self.counts[:E], self.offsets[:E + 1], self.e2p[:tokens],
-                           num_permuted_rows=self.num_rows[0], sorted_token_ids=self.p2t[:rows],
-                           expert_ids=self.t2e[:-(-rows // tile)], num_tokens_post_padded=self.num_rows[:1])
-        rows = max_rows(tokens, self.top_k, num_local, self.tile)
-        return Routing(ids, w, self.counts[:num_local], self.offsets[:num_local + 1], self.e2p[:tokens],
-                       self.p2t[:rows], self.t2e[:rows // self.tile], self.num_rows[0])
 
 
 # --------------------------------------------------------------------------------------------- reference
@@ -243,64 +103,6 @@ def reference(logits: torch.Tensor, top_k: int, method: str, bias: torch.Tensor 
     return ids.to(torch.int32), w.float()
 
 
-def permute_reference(topk_ids: torch.Tensor, num_experts: int, tile: int,
-                      local_experts: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
-    """MISSION §2 permutation in plain torch, rows of one expert in ascending expanded index."""
-    T, K = topk_ids.shape
-    ls, nl = local_experts or (0, num_experts)
-    dev = topk_ids.device
-    x = topk_ids.reshape(-1).long() - ls
-    local = (x >= 0) & (x < nl)
-    cnt = torch.bincount(x[local], minlength=nl)
-    ntile = (cnt + tile - 1) // tile
-    tile_off = torch.cumsum(ntile, 0) - ntile
-    rows = int(ntile.sum()) * tile
-    offsets = torch.cat([tile_off * tile, torch.tensor([rows], device=dev)])
-    group = torch.where(local, x, torch.full_like(x, nl))
-    order = torch.sort(group, stable=True).indices                       # by expert, then ascending e
-    first = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long, device=dev), cnt]), 0)
-    sorted_x = group[order]
-    keep = sorted_x < nl
-    e_sorted, x_sorted = order[keep], sorted_x[keep]
-    rank = torch.arange(e_sorted.numel(), device=dev) - first[x_sorted]
-    e2p = torch.full((T * K,), -1, dtype=torch.long, device=dev)
-    e2p[e_sorted] = offsets[x_sorted] + rank
-    cap = max_rows(T, K, nl, tile)
-    p2t = torch.full((cap,), -1, dtype=torch.long, device=dev)
-    p2t[e2p[e_sorted]] = e_sorted // K
-    t2e = torch.full((cap // tile,), -1, dtype=torch.long, device=dev)
-    nt = int(ntile.sum())
-    t2e[:nt] = torch.repeat_interleave(torch.arange(nl, device=dev), ntile)
-    i32 = torch.int32
-    return {"expert_counts": cnt.to(i32), "expert_offsets": offsets.to(i32),
-            "expanded_to_permuted": e2p.view(T, K).to(i32), "permuted_to_token": p2t.to(i32),
-            "tile_to_expert": t2e.to(i32), "num_permuted_rows": torch.tensor(rows, dtype=i32, device=dev)}
-
-
-def align_reference(topk_ids: torch.Tensor, block_size: int, num_experts: int,
-                    local_experts: tuple[int, int] | None = None, pad_sorted_ids: bool = False):
-    """moe_align_block_size's outputs in plain torch, from kerngen's permutation over all experts:
-    (sorted_token_ids, expert_ids, num_tokens_post_padded [1]). Expanded indices e = t*K + k in expert order
-    (ascending e within an expert), each expert padded to block_size with T*K, T*K after the last block;
-    expert_ids the block's expert as a local index, -1 outside local_experts, and past the used blocks what
-    vLLM's zero-filled, expert_map-mapped buffer holds (expert 0 mapped: 0 if it is local, else -1). Ids outside
-    [0, num_experts) are skipped."""
-    T, K = topk_ids.shape
-    ls, nl = local_experts or (0, num_experts)
-    p = permute_reference(topk_ids, num_experts, block_size)
-    rows = align_rows(T, K, num_experts, block_size, pad_sorted_ids)
-    sorted_ids = torch.full((rows,), T * K, dtype=torch.int32, device=topk_ids.device)
-    e2p = p["expanded_to_permuted"].flatten().long()
-    valid = e2p >= 0
-    sorted_ids[e2p[valid]] = torch.arange(T * K, device=topk_ids.device, dtype=torch.int32)[valid]
-    unused = 0 if ls == 0 else -1
-    blocks = torch.full((-(-rows // block_size),), unused, dtype=torch.int32, device=topk_ids.device)
-    used = int(p["num_permuted_rows"]) // block_size
-    x = p["tile_to_expert"][:used].long()
-    blocks[:used] = torch.where((x >= ls) & (x < ls + nl), x - ls, torch.full_like(x, -1)).to(torch.int32)
-    return sorted_ids, blocks, p["num_permuted_rows"].reshape(1)
-
-
 # ----------------------------------------------------------------------------------------------- planning
 def _constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype, align=False):
     renorm = bool(renormalize) if method in ("softmax_topk", *_SIGMOID_BIAS) else True
@@ -311,12 +113,7 @@ def _constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, w
     tag = (f"E{E}-K{K}-{_SHORT_METHOD[method]}" + (f"-g{n_group}x{topk_group}" if grouped else "")
            + ("" if renorm else "-norenorm") + f"-{SHORT[ldtype]}"
            + (f"-b{SHORT[consts['BDTYPE']]}" if consts["BDTYPE"] != "none" else "") + f"-w{SHORT[wdtype]}")
-    return _with_align(tag, consts, align)
-
-
-def _with_align(tag: str, consts: dict, align: bool) -> tuple[str, dict]:
-    """The align layout is a build of its own (ALIGN only in its constants: kerngen-layout builds unchanged)."""
-    return (f"{tag}-align", {**consts, "ALIGN": True}) if align else (tag, consts)
+    return with_align(tag, consts, align)
 
 
 def spec(E: int, K: int, method: str, tokens: int, arch_: str, *, n_group: int = 1, topk_group: int = 1,
@@ -324,12 +121,6 @@ def spec(E: int, K: int, method: str, tokens: int, arch_: str, *, n_group: int =
          tbl: Table | None = None) -> plan_mod.KernelSpec:
     tag, consts = _constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype)
     return plan_mod.plan(tbl or table(), OP, {"num_experts": E, "top_k": K, "tokens": tokens}, tag, consts, arch_)
-
-
-def permute_spec(E: int, K: int, tokens: int, arch_: str, tbl: Table | None = None,
-                 align: bool = False) -> plan_mod.KernelSpec:
-    return plan_mod.plan(tbl or table(), PERMUTE_OP, {"num_experts": E, "top_k": K, "tokens": tokens},
-                         *_with_align(f"E{E}-K{K}", {"E": E, "K": K}, align), arch_)
 
 
 def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpec]:
@@ -343,9 +134,7 @@ def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpe
             tag, consts = _constants(E, K, model.routing, model.n_group, model.topk_group, model.renormalize,
                                      ldtype, "float32", model.weights_dtype)
             out.append(plan_mod.spec_for(rule, tag, consts, arch_))
-    for rule in tbl.rules_for(PERMUTE_OP, shape, model.tokens):
-        out.append(plan_mod.spec_for(rule, f"E{E}-K{K}", {"E": E, "K": K}, arch_))
-    return out
+    return out + permute_op.model_specs(model, tbl, arch_)
 
 
 def explain_spec(args, tbl: Table, arch_: str) -> plan_mod.KernelSpec:
@@ -389,62 +178,13 @@ class _Route:
             self.topk = Launcher(resolve(s), "routing_topk", dev, (max(1, -(-T // groups)), 1, 1),
                                  (warps * 32, 1, 1), ROUTE_FMT, pdl=True)
             self.ids_only = self.topk
-            self.permute = (_Permute(consts["E"], consts["K"], T, dev, tbl, arch_, consts.get("ALIGN", False))
+            self.permute = (Permute(consts["E"], consts["K"], T, dev, tbl, arch_, consts.get("ALIGN", False))
                             if permute else None)
         else:
             raise InputError(OP, "tier variant", "fused or topk", s.variant)
 
 
-class _Permute:
-    """The permutation launches for T tokens: one kernel (onepass) or three (histogram), as the tier says."""
-
-    def __init__(self, E: int, K: int, T: int, dev: int, tbl: Table, arch_: str, align: bool = False):
-        s = permute_spec(E, K, max(T, 1), arch_, tbl, align)
-        p = dict(s.params)
-        if s.variant == "onepass":
-            threads, ctas = int(p.get("threads", 1024)), int(p.get("ctas", 1))
-            if threads % 32 or not 32 <= threads <= 1024 or not 1 <= ctas <= 132:
-                raise InputError(PERMUTE_OP, "tier params", "threads a multiple of 32 in [32, 1024], ctas in [1, 132]",
-                                 str(s.params))
-            smem = onepass_smem_bytes(E, K, T)
-            if smem > MAX_DYNAMIC_SMEM:
-                raise TierError(f"permute rule {s.variant} {s.params} at E={E}, K={K}, T={T} needs {smem} bytes of "
-                                f"shared memory, more than {MAX_DYNAMIC_SMEM}: give these tokens a histogram rule")
-            self.launches = [Launcher(resolve(s), "permute_onepass", dev, (ctas, 1, 1), (threads, 1, 1), PERMUTE_FMT,
-                                      smem=smem, pdl=True)]
-            self.first_needs_tokens = False
-            return
-        if s.variant != "histogram":
-            raise InputError(PERMUTE_OP, "tier variant", "onepass or histogram", s.variant)
-        c = int(p["tokens_per_block"])
-        if c < MIN_TOKENS_PER_BLOCK:
-            raise InputError(PERMUTE_OP, "tier params", f"tokens_per_block >= {MIN_TOKENS_PER_BLOCK}", str(s.params))
-        mod = resolve(s)
-        nb = -(-T // c)
-        place = -(-E // 8) + -(-T * K // 256)   # layout CTAs (a warp per expert), then a thread per entry
-        self.launches = [
-            Launcher(mod, "permute_block_rank", dev, (nb, 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True),
-            Launcher(mod, "permute_offsets", dev, (-(-E // 32), 1, 1), (1024, 1, 1), PERMUTE_FMT, pdl=True),
-            Launcher(mod, "permute_place", dev, (place, 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True)]
-        self.first_needs_tokens = True   # permute_block_rank has no CTA at T = 0
-
-    def __call__(self, stream, ids_ptr, ws: RoutingWorkspace, T: int, tile: int, ls: int, nl: int):
-        args = (ids_ptr, ws.counts.data_ptr(), ws.offsets.data_ptr(), ws.e2p.data_ptr(), ws.p2t.data_ptr(),
-                ws.t2e.data_ptr(), ws.num_rows.data_ptr(), ws.hist.data_ptr(), ws.ticket.data_ptr(), T, tile, ls, nl,
-                ws.max_rows)
-        for i, launch in enumerate(self.launches):
-            if T or i or not self.first_needs_tokens:
-                launch(stream, *args)
-
-
-def onepass_smem_bytes(E: int, K: int, T: int) -> int:
-    """Dynamic shared memory of permute_onepass (templates/permute/onepass.cu.j2): counts and first tiles of
-    every expert, ids and tile padding rows of every entry, a token bitmask per expert."""
-    return 4 * (2 * (-(-E // 4) * 4) + 2 * T * K + -(-T // 32) * E)
-
-
 _routes: dict[tuple, _Route] = {}
-_permutes: dict[tuple, _Permute] = {}
 _models: dict[tuple, tuple] = {}
 _models_E: dict[str, int] = {}   # model name -> its expert count, which the logits must match
 
@@ -485,10 +225,11 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
                              "experts)", f"shape {tuple(logits.shape)}")
         check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local_experts,
                    routed_scaling_factor)
-        if workspace is not None and not isinstance(workspace, RoutingWorkspace):
-            raise InputError(OP, "workspace", "a kerngen.RoutingWorkspace", type(workspace).__name__)
-        if _check_layout(OP, layout) and tile is None:
+        if check_layout(OP, layout) and tile is None:
             raise InputError(OP, "tile", "the block size (an integer) for layout 'align'", "None")
+        if workspace is not None:   # before any kernel is built for it
+            check_workspace(OP, workspace, T, E, top_k, tile, check_local(OP, local_experts, E)[1], logits.device,
+                            layout)
         wdt = workspace.weights_dtype if workspace is not None else torch.float32
         key = _route_key(logits, bias, workspace, T, E, top_k, method, n_group, topk_group, renormalize, tile, dev,
                          layout)
@@ -502,16 +243,12 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
             s = plan_mod.plan(tbl, OP, {"num_experts": E, "top_k": top_k, "tokens": max(T, 1)}, *tag_consts, a)
             r = _Route(tag_consts[1], s, T, dev, tile is not None, tbl, a)
             _routes[key] = r
-    if not (isinstance(routed_scaling_factor, (int, float)) and 0 < routed_scaling_factor < float("inf")):
-        raise InputError(OP, "routed_scaling_factor", "a positive finite number", repr(routed_scaling_factor))
-    ls, nl = (0, E) if local_experts is None else _check_local(OP, local_experts, E)
-    if tile is not None and (type(tile) is not int or not 1 <= tile <= 1024):
-        _check_int(OP, "tile", tile, 1, 1024)
+    ls, nl = _check_unkeyed(tile, local_experts, routed_scaling_factor, E)
     if workspace is None:
         workspace = RoutingWorkspace(max(T, 1), E, top_k, tile, local_experts=(ls, nl), device=logits.device,
                                      layout=layout)
     else:
-        _check_workspace(OP, workspace, T, E, top_k, tile, nl, logits.device, layout)
+        check_workspace(OP, workspace, T, E, top_k, tile, nl, logits.device, layout)
     ws = workspace
     _launch(r, logits, bias, ws, T, tile, ls, nl, float(routed_scaling_factor), current_stream(dev))
     return ws.result(T, nl)
@@ -542,125 +279,7 @@ def _launch(r: _Route, logits, bias, ws: RoutingWorkspace, T: int, tile: int | N
         r.permute(stream, ws.ids.data_ptr(), ws, T, tile, ls, nl)
 
 
-def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_experts: tuple[int, int] | None = None,
-            workspace: RoutingWorkspace | None = None, layout: str = "kerngen",
-            pad_sorted_ids: bool = False) -> Routing:
-    """The permutation of top-k ids computed elsewhere ([T, K] int32, contiguous); same outputs as route.
-
-    Ids outside the local range are skipped (-1 in expanded_to_permuted). A token may name an expert more than
-    once; its entries then take consecutive rows in ascending k (exact, but the one-pass kernel takes a slower
-    path for the whole call). The returned Routing's topk_ids is `topk_ids` itself and topk_weights is empty
-    ([T, 0]). layout="align" writes moe_align_block_size's outputs (route's docstring; pad_sorted_ids rounds
-    sorted_token_ids' length up to whole blocks, as vLLM's flag does).
-    """
-    T, K, ls, nl = check_ids(PERMUTE_OP, topk_ids, num_experts, "tile", tile, local_experts)
-    align = _check_layout(PERMUTE_OP, layout)
-    if not isinstance(pad_sorted_ids, bool):
-        raise InputError(PERMUTE_OP, "pad_sorted_ids", "True or False", repr(pad_sorted_ids))
-    check_tensor(PERMUTE_OP, "topk_ids", topk_ids)
-    dev = topk_ids.get_device()
-    if workspace is None:
-        workspace = RoutingWorkspace(max(T, 1), num_experts, K, tile, local_experts=(ls, nl), device=topk_ids.device,
-                                     layout=layout)
-    else:
-        _check_workspace(PERMUTE_OP, workspace, T, num_experts, K, tile, nl, topk_ids.device, layout)
-    key = (num_experts, K, T, dev, align)
-    p = _permutes.get(key)
-    if p is None:
-        p = _permutes[key] = _Permute(num_experts, K, T, dev, table(), arch(dev), align)
-    p(current_stream(dev), topk_ids.data_ptr(), workspace, T, tile, ls, nl)
-    res = workspace.result(T, nl, pad_sorted_ids)
-    return dataclasses.replace(res, topk_ids=topk_ids, topk_weights=topk_ids.new_empty((T, 0), dtype=torch.float32))
-
-
-class _AlignTarget:
-    """The align layout written straight into caller buffers (sorted_token_ids, expert_ids, num_tokens_post_pad,
-    as vLLM's op takes them); counts, offsets and rows come from a scratch workspace."""
-
-    def __init__(self, ws: RoutingWorkspace, sorted_ids, expert_ids, num_post_pad):
-        self.counts, self.offsets, self.e2p, self.hist, self.ticket = ws.counts, ws.offsets, ws.e2p, ws.hist, ws.ticket
-        self.p2t, self.t2e, self.num_rows, self.max_rows = sorted_ids, expert_ids, num_post_pad, sorted_ids.shape[0]
-
-
-_scratch: dict[tuple, RoutingWorkspace] = {}
-
-
-def permute_align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int, sorted_token_ids: torch.Tensor,
-                       expert_ids: torch.Tensor, num_tokens_post_pad: torch.Tensor,
-                       local_experts: tuple[int, int] | None = None) -> None:
-    """The align layout of `permute` written into the given buffers (one launch; no copies), vLLM's
-    `ops.moe_align_block_size(topk_ids, num_experts, block_size, sorted_ids, expert_ids, num_tokens_post_pad)`:
-    sorted_token_ids int32 [>= T*K + E*(block_size-1)] (every entry is written), expert_ids int32
-    [>= ceil(len(sorted_token_ids) / block_size)], num_tokens_post_pad int32 [1]; all 16-byte aligned."""
-    op = "moe_align_block_size"
-    T, K, ls, nl = check_ids(op, topk_ids, num_experts, "block_size", block_size, local_experts)
-    check_tensor(op, "topk_ids", topk_ids)
-    need = max_rows(T, K, num_experts, block_size)
-    for name, t, n in (("sorted_token_ids", sorted_token_ids, need), ("num_tokens_post_pad", num_tokens_post_pad, 1),
-                       ("expert_ids", expert_ids, -(-sorted_token_ids.shape[0] // block_size)
-                        if isinstance(sorted_token_ids, torch.Tensor) and sorted_token_ids.dim() == 1 else 1)):
-        check_tensor(op, name, t, dtypes=(torch.int32,), ndim=1, device=topk_ids.device, contiguous=True)
-        if t.shape[0] < n:
-            raise InputError(op, name, f"of length >= {n}", f"length {t.shape[0]}")
-        if t.data_ptr() % 16:
-            raise InputError(op, name, "16-byte aligned (the kernel's vector stores)", f"offset {t.data_ptr() % 16}")
-    dev = topk_ids.get_device()
-    skey = (num_experts, K, block_size, dev)
-    ws = _scratch.get(skey)
-    if ws is None or ws.max_tokens < T:
-        ws = _scratch[skey] = RoutingWorkspace(max(T, 1), num_experts, K, block_size, device=topk_ids.device,
-                                               layout="align")
-    key = (num_experts, K, T, dev, True)
-    p = _permutes.get(key)
-    if p is None:
-        p = _permutes[key] = _Permute(num_experts, K, T, dev, table(), arch(dev), True)
-    p(current_stream(dev), topk_ids.data_ptr(), _AlignTarget(ws, sorted_token_ids, expert_ids, num_tokens_post_pad),
-      T, block_size, ls, nl)
-
-
 # ----------------------------------------------------------------------------------------------- checks
-def check_ids(op, topk_ids, num_experts, tile_name, tile, local_experts) -> tuple[int, int, int, int]:
-    """Top-k ids computed elsewhere ([T, K] int32, contiguous; any device: the caller checks it is CUDA) with
-    their expert count, tile and local range; returns (T, K, local_start, num_local)."""
-    check_tensor(op, "topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, contiguous=True,
-                 device=getattr(topk_ids, "device", None))
-    _check_int(op, "num_experts", num_experts, 1, MAX_EXPERTS)
-    T, K = topk_ids.shape
-    _check_int(op, "topk_ids.shape[1]", K, 1, min(MAX_TOPK, num_experts))
-    _check_int(op, tile_name, tile, 1, 1024)
-    return (T, K, *_check_local(op, local_experts, num_experts))
-
-
-def _check_int(op, name, v, lo, hi):
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise InputError(op, name, f"an integer in [{lo}, {hi}]", repr(v))
-
-
-def _check_local(op, local_experts, E):
-    if local_experts is None:
-        return 0, E
-    if (not isinstance(local_experts, (tuple, list)) or len(local_experts) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in local_experts)):
-        raise InputError(op, "local_experts", "a pair (local_start, num_local) of integers", repr(local_experts))
-    ls, nl = local_experts
-    if ls < 0 or nl < 1 or ls + nl > E:
-        raise InputError(op, "local_experts", f"a range inside [0, {E}) with num_local >= 1", repr(local_experts))
-    return ls, nl
-
-
-def _check_workspace(op, ws, T, E, K, tile, nl, device, layout="kerngen"):
-    if not isinstance(ws, RoutingWorkspace):
-        raise InputError(op, "workspace", "a kerngen.RoutingWorkspace", type(ws).__name__)
-    if ws.layout != layout:
-        raise InputError(op, "workspace", f"built for layout={layout!r}", f"layout={ws.layout!r}")
-    if ws.num_experts != E or ws.top_k != K or ws.tile != tile or ws.device != device:
-        raise InputError(op, "workspace", f"built for num_experts={E}, top_k={K}, tile={tile} on {device}",
-                         f"num_experts={ws.num_experts}, top_k={ws.top_k}, tile={ws.tile} on {ws.device}")
-    if T > ws.max_tokens or nl > ws.local_experts[1]:
-        raise InputError(op, "workspace", f"room for {T} tokens and {nl} local experts",
-                         f"max_tokens={ws.max_tokens}, num_local={ws.local_experts[1]}")
-
-
 def check_args(logits, K, method, bias=None, n_group=1, topk_group=1, renormalize=True, tile=None,
                local_experts=None, rsf=1.0, *, cuda: bool = True) -> None:
     """Every check of `route`'s arguments, naming the argument; shape and scalar checks come before the device
@@ -673,13 +292,13 @@ def check_args(logits, K, method, bias=None, n_group=1, topk_group=1, renormaliz
         raise InputError(OP, "logits", f"[T, E] with 1 <= E <= {MAX_EXPERTS}", f"E = {E}")
     if method not in METHODS:
         raise InputError(OP, "method", f"one of {', '.join(METHODS)} (or give model=)", repr(method))
-    _check_int(OP, "top_k", K, 1, min(MAX_TOPK, E))
+    check_int(OP, "top_k", K, 1, min(MAX_TOPK, E))
     if method == "top1_sigmoid" and K != 1:
         raise InputError(OP, "top_k", "1 for method 'top1_sigmoid'", repr(K))
-    _check_int(OP, "n_group", n_group, 1, E)
+    check_int(OP, "n_group", n_group, 1, E)
     if E % n_group:
         raise InputError(OP, "n_group", f"a divisor of the expert count {E}", repr(n_group))
-    _check_int(OP, "topk_group", topk_group, 1, n_group)
+    check_int(OP, "topk_group", topk_group, 1, n_group)
     if method == "grouped_sigmoid_bias":
         if K > topk_group * (E // n_group):
             raise InputError(OP, "top_k", f"at most topk_group * E / n_group = {topk_group * (E // n_group)}", repr(K))
@@ -694,15 +313,21 @@ def check_args(logits, K, method, bias=None, n_group=1, topk_group=1, renormaliz
         check_tensor(OP, "bias", bias, dtypes=_BIAS, ndim=1, device=logits.device, contiguous=True)
         if bias.shape[0] != E:
             raise InputError(OP, "bias", f"of length {E} (one per expert)", f"length {bias.shape[0]}")
-    if tile is not None:
-        _check_int(OP, "tile", tile, 1, 1024)
-    _check_local(OP, local_experts, E)
-    if not (isinstance(rsf, (int, float)) and not isinstance(rsf, bool) and 0 < rsf < float("inf")):
-        raise InputError(OP, "routed_scaling_factor", "a positive finite number", repr(rsf))
+    _check_unkeyed(tile, local_experts, rsf, E)
     if T * K >= 2**31 - 1:
         raise InputError(OP, "logits", "fewer than 2**31 / K tokens", f"T = {T}")
     if cuda:
         check_tensor(OP, "logits", logits)
+
+
+def _check_unkeyed(tile, local_experts, rsf, E) -> tuple[int, int]:
+    """The arguments route's kernel cache does not key on, so checked on every call; (local_start, num_local)."""
+    if tile is not None and (type(tile) is not int or not 1 <= tile <= 1024):
+        check_int(OP, "tile", tile, 1, 1024)
+    ls_nl = (0, E) if local_experts is None else check_local(OP, local_experts, E)
+    if not (isinstance(rsf, (int, float)) and not isinstance(rsf, bool) and 0 < rsf < float("inf")):
+        raise InputError(OP, "routed_scaling_factor", "a positive finite number", repr(rsf))
+    return ls_nl
 
 
 def _from_model(name, top_k, method, n_group, topk_group, rsf, renormalize):

@@ -7,6 +7,7 @@ import torch
 import kerngen
 import kerngen.torch_ops  # noqa: F401
 from kerngen import adapters, tiers
+from kerngen.ops import permute as pm
 from kerngen.ops import routing as rt
 from tests.test_engine_layouts import vllm_align
 
@@ -76,7 +77,7 @@ def test_route_layout_align_from_the_routing_kernels(name, T):
 
 def test_align_inside_a_cuda_graph_through_changing_inputs():
     E, K, bs, T = 256, 8, 16, 8
-    ws = rt.RoutingWorkspace(T, E, K, bs, layout="align")
+    ws = pm.RoutingWorkspace(T, E, K, bs, layout="align")
     ids = ids_for(T, E, K, 0)
     kerngen.permute(ids, num_experts=E, tile=bs, workspace=ws, layout="align")
     torch.cuda.synchronize()

@@ -4,6 +4,7 @@ import torch
 
 import kerngen
 from kerngen import tiers
+from kerngen.ops import permute as pm
 from kerngen.ops import routing as rt
 from kerngen.ops.finalize import reference as finalize_reference
 
@@ -62,7 +63,7 @@ def check(logits, kw, *, bias=None, tile=None, local=None, workspace=None):
 
 
 def check_permutation(r, ids, E, tile, local):
-    ref = rt.permute_reference(ids, E, tile, local)
+    ref = pm.permute_reference(ids, E, tile, local)
     for f in PERM_FIELDS:
         got = getattr(r, f)
         assert got.shape == ref[f].shape and torch.equal(got, ref[f]), f
@@ -220,9 +221,9 @@ def test_onepass_permute_any_grid_distinct_and_repeated_ids(params, E, K):
     g = torch.Generator(device="cuda").manual_seed(E + K)
     for tile, local in ((1, None), (8, (E // 3, E - E // 3)), (128, None)):
         ls, nl = local or (0, E)
-        ws = rt.RoutingWorkspace(333, E, K, tile, local_experts=(ls, nl))
+        ws = pm.RoutingWorkspace(333, E, K, tile, local_experts=(ls, nl))
         for T in (333, 0, 1, 31, 32, 33, 200, 5):
-            p = rt._Permute(E, K, T, dev, tbl, target_arch(dev))
+            p = pm.Permute(E, K, T, dev, tbl, target_arch(dev))
             for repeated in (False, True):
                 if repeated:   # random ids in [-2, E + 2): repeats within a token, and ids outside the range
                     ids = torch.randint(-2, E + 2, (T, K), device="cuda", generator=g, dtype=torch.int32)
@@ -285,7 +286,7 @@ def test_fused_configurations_any_tier_may_pick(name, params):
         r = rt._Route(consts, spec, T, dev, True, tiers.load(), target_arch(dev))
         logits = make(T, E, seed=T)
         bias = make_bias(E, m.routing, T)
-        ws = rt.RoutingWorkspace(T, E, K, 16)
+        ws = pm.RoutingWorkspace(T, E, K, 16)
         for _ in range(2):   # the second call also clears what the first left beyond its rows
             rt._launch(r, logits, bias, ws, T, 16, 0, E, float(m.routed_scaling_factor), current_stream(dev))
         ids, _ = rt.reference(logits, K, m.routing, bias, m.n_group, m.topk_group, m.routed_scaling_factor,

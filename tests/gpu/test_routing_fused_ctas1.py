@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kerngen import tiers
+from kerngen.ops import permute as pm
 from kerngen.ops import routing as rt
 from tests.gpu.test_routing import check, make, make_bias, model_args
 
@@ -48,10 +49,10 @@ def test_fused_on_plain_ctas_matches_the_reference_at_2_to_16_tokens(ctas1_tiers
     m, kw = model_args(name)
     E = m.num_experts
     bias = make_bias(E, m.routing)
-    ws = rt.RoutingWorkspace(16, E, m.top_k, tile)
+    ws = pm.RoutingWorkspace(16, E, m.top_k, tile)
     for T in range(2, 17):
         rule = tiers.load().rule("routing", {"num_experts": E, "top_k": m.top_k, "tokens": T})
         assert (rule.variant, rule.params["ctas"]) == ("fused", 1), rule
         for rep in range(REPEATS):
-            # ids and weights against rt.reference, the permutation against rt.permute_reference, every field
+            # ids and weights against rt.reference, the permutation against pm.permute_reference, every field
             check(make(T, E, seed=1000 * T + rep), kw, bias=bias, tile=tile, workspace=ws)

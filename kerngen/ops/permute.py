@@ -1,0 +1,397 @@
+"""permute: the permutation a grouped GEMM consumes, and the Routing / RoutingWorkspace that route and permute fill.
+
+Over the local experts [local_start, local_start + num_local), with tile given: MISSION §2, with rows of one
+expert in ascending expanded index e = t*K + k (deterministic, compared exactly).
+`expert_offsets` has num_local + 1 entries (the last is num_permuted_rows); `tile_to_expert` holds local
+expert indices. permuted_to_token has T*K + num_local*(tile-1) rows (the worst case, so no host sync is
+needed) and tile_to_expert that many rows / tile; everything past num_permuted_rows is -1.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .. import plan as plan_mod
+from ..errors import InputError, TierError
+from ..launch import Launcher, current_stream
+from ..tiers import MAX_EXPERTS, MAX_TOPK, Model, Table
+from ._common import arch, check_int, check_local, check_tensor, require_gpu, resolve, table
+
+OP = "permute"
+_WEIGHTS = (torch.float32, torch.bfloat16)
+MIN_TOKENS_PER_BLOCK = 16          # permute tiers: the histogram scratch is sized for this
+PERMUTE_FMT = "9Q5i4x"
+MAX_DYNAMIC_SMEM = 226 * 1024        # onepass permute: sm_90 gives a CTA 227 KiB, less its static arrays
+
+# ----------------------------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class Routing:
+    """topk_ids [T,K] int32, topk_weights [T,K]; the permutation fields are None without a tile."""
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    expert_counts: torch.Tensor | None = None          # [num_local] int32
+    expert_offsets: torch.Tensor | None = None         # [num_local + 1] int32, rows
+    expanded_to_permuted: torch.Tensor | None = None   # [T, K] int32, -1 for non-local experts
+    permuted_to_token: torch.Tensor | None = None      # [T*K + num_local*(tile-1)] int32, -1 padding/tail
+    tile_to_expert: torch.Tensor | None = None         # [len(permuted_to_token) // tile] int32, -1 unused
+    num_permuted_rows: torch.Tensor | None = None      # [] int32 on the device
+    # layout="align": vLLM / SGLang moe_align_block_size's outputs (block_size = tile), see align_reference
+    sorted_token_ids: torch.Tensor | None = None       # [T*K + E*(tile-1)] int32, expanded indices, pad T*K
+    expert_ids: torch.Tensor | None = None             # [ceil(len(sorted_token_ids) / tile)] int32
+    num_tokens_post_padded: torch.Tensor | None = None  # [1] int32 on the device
+
+    @property
+    def grouped_mm_offs(self) -> torch.Tensor | None:
+        """torch._grouped_mm's `offs` over the permuted rows: each local expert's cumulative end row (int32,
+        on the device; a view, no computation). With tile 1 the groups are unpadded."""
+        return None if self.expert_offsets is None else self.expert_offsets[1:]
+
+
+def max_rows(tokens: int, top_k: int, num_local: int, tile: int) -> int:
+    """Worst-case num_permuted_rows: every local expert's last tile is padded."""
+    return tokens * top_k + num_local * (tile - 1)
+
+
+def align_rows(tokens: int, top_k: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False) -> int:
+    """vLLM's max_num_tokens_padded, the length of sorted_token_ids (whole blocks with pad_sorted_ids); its
+    expert_ids has ceil(align_rows / block_size) entries."""
+    rows = max_rows(tokens, top_k, num_experts, block_size)
+    return -(-rows // block_size) * block_size if pad_sorted_ids else rows
+
+
+LAYOUTS = ("kerngen", "align")   # align: moe_align_block_size's sorted_token_ids / expert_ids (vLLM, SGLang)
+
+
+def check_layout(op: str, layout) -> bool:
+    if layout not in LAYOUTS:
+        raise InputError(op, "layout", f"one of {', '.join(LAYOUTS)}", repr(layout))
+    return layout == "align"
+
+
+class RoutingWorkspace:
+    """Every output of `route` / `permute` for up to max_tokens tokens, allocated once.
+
+    Pass it as `workspace=` to write into it (no allocation: CUDA graphs, a router stream). Results are
+    views of it, valid until the next call that uses the same workspace.
+    """
+
+    def __init__(self, max_tokens: int, num_experts: int, top_k: int, tile: int | None = None, *,
+                 local_experts: tuple[int, int] | None = None, weights_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | int | None = None, layout: str = "kerngen", separate: bool = False):
+        check_int("RoutingWorkspace", "max_tokens", max_tokens, 1, 1 << 24)
+        check_int("RoutingWorkspace", "num_experts", num_experts, 1, MAX_EXPERTS)
+        check_int("RoutingWorkspace", "top_k", top_k, 1, min(MAX_TOPK, num_experts))
+        if tile is not None:
+            check_int("RoutingWorkspace", "tile", tile, 1, 1024)
+        if weights_dtype not in _WEIGHTS:
+            raise InputError("RoutingWorkspace", "weights_dtype", "torch.float32 or torch.bfloat16", str(weights_dtype))
+        ls, nl = check_local("RoutingWorkspace", local_experts, num_experts)
+        align = check_layout("RoutingWorkspace", layout)
+        if align and tile is None:
+            raise InputError("RoutingWorkspace", "tile", "the block size (an integer) for layout 'align'", "None")
+        try:
+            dev = torch.device("cuda") if device is None else torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise InputError("RoutingWorkspace", "device", "a CUDA device (e.g. 'cuda', 'cuda:1' or an index)",
+                             repr(device)) from e
+        if dev.type not in ("cuda", "cpu"):   # a CPU workspace holds reference results
+            raise InputError("RoutingWorkspace", "device", "a CUDA device (or 'cpu')", repr(device))
+        if dev.type == "cuda":
+            require_gpu("kerngen.RoutingWorkspace")
+        if dev.type == "cuda" and dev.index is not None and not 0 <= dev.index < torch.cuda.device_count():
+            raise InputError("RoutingWorkspace", "device", f"one of the {torch.cuda.device_count()} visible GPUs",
+                             repr(device))
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        T, K = max_tokens, top_k
+        self.max_tokens, self.num_experts, self.top_k, self.tile = T, num_experts, K, tile
+        self.local_experts, self.weights_dtype, self.device, self.layout = (ls, nl), weights_dtype, dev, layout
+        sizes = {"ids": T * K}
+        if weights_dtype == torch.float32:
+            sizes["weights"] = T * K
+        if tile is not None:
+            # align: the permutation runs over all experts (the range only marks other experts' blocks -1), and
+            # the rows are rounded up to whole blocks, room for pad_sorted_ids
+            pn = num_experts if align else nl
+            self.max_rows = align_rows(T, K, pn, tile, pad_sorted_ids=True) if align else max_rows(T, K, pn, tile)
+            sizes.update(counts=pn, offsets=pn + 1, e2p=T * K, p2t=self.max_rows, t2e=self.max_rows // tile,
+                         num_rows=1, hist=-(-T // MIN_TOKENS_PER_BLOCK) * pn, ticket=1)
+        # One allocation, one fill: -1 everywhere (num_rows = -1 reads as "no previous call") but the ticket;
+        # ids and weights alone need no fill.
+        # every view starts 16-byte aligned, so ids / e2p feed the 128-bit loads of finalize and moe_tail
+        # (separate=True: one allocation a view, for outputs that may not alias each other, as a custom op's)
+        pad = {name: -(-n // 4) * 4 for name, n in sizes.items()}
+        fill = (lambda n: torch.full((n,), -1, dtype=torch.int32, device=dev)) if tile is not None else (
+            lambda n: torch.empty((n,), dtype=torch.int32, device=dev))
+        views, at = {}, 0
+        self.buffer = None if separate else fill(sum(pad.values()))
+        for name, n in sizes.items():
+            views[name] = fill(n) if separate else self.buffer[at:at + n]
+            at += pad[name]
+        self.ids = views["ids"].view(T, K)
+        self.weights = (views["weights"].view(torch.float32).view(T, K) if "weights" in views
+                        else torch.empty((T, K), dtype=weights_dtype, device=dev))
+        if tile is not None:
+            self.counts, self.offsets = views["counts"], views["offsets"]
+            self.e2p = views["e2p"].view(T, K)
+            self.p2t, self.t2e, self.hist = views["p2t"], views["t2e"], views["hist"]
+            self.num_rows = views["num_rows"]
+            self.ticket = views["ticket"]
+            self.ticket.zero_()   # permute_place leaves it 0 again after each call
+
+    def result(self, tokens: int, num_local: int, pad_sorted_ids: bool = False) -> Routing:
+        ids, w = self.ids[:tokens], self.weights[:tokens]
+        if self.tile is None:
+            return Routing(ids, w)
+        if self.layout == "align":   # vLLM's buffer sizes: max_num_tokens_padded, max_num_m_blocks
+            E, tile = self.num_experts, self.tile
+            rows = align_rows(tokens, self.top_k, E, tile, pad_sorted_ids)
+            return Routing(ids, w, self.counts[:E], self.offsets[:E + 1], self.e2p[:tokens],
+                           num_permuted_rows=self.num_rows[0], sorted_token_ids=self.p2t[:rows],
+                           expert_ids=self.t2e[:-(-rows // tile)], num_tokens_post_padded=self.num_rows[:1])
+        rows = max_rows(tokens, self.top_k, num_local, self.tile)
+        return Routing(ids, w, self.counts[:num_local], self.offsets[:num_local + 1], self.e2p[:tokens],
+                       self.p2t[:rows], self.t2e[:rows // self.tile], self.num_rows[0])
+
+
+
+# --------------------------------------------------------------------------------------------- reference
+def permute_reference(topk_ids: torch.Tensor, num_experts: int, tile: int,
+                      local_experts: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """MISSION §2 permutation in plain torch, rows of one expert in ascending expanded index."""
+    T, K = topk_ids.shape
+    ls, nl = local_experts or (0, num_experts)
+    dev = topk_ids.device
+    x = topk_ids.reshape(-1).long() - ls
+    local = (x >= 0) & (x < nl)
+    cnt = torch.bincount(x[local], minlength=nl)
+    ntile = (cnt + tile - 1) // tile
+    tile_off = torch.cumsum(ntile, 0) - ntile
+    rows = int(ntile.sum()) * tile
+    offsets = torch.cat([tile_off * tile, torch.tensor([rows], device=dev)])
+    group = torch.where(local, x, torch.full_like(x, nl))
+    order = torch.sort(group, stable=True).indices                       # by expert, then ascending e
+    first = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long, device=dev), cnt]), 0)
+    sorted_x = group[order]
+    keep = sorted_x < nl
+    e_sorted, x_sorted = order[keep], sorted_x[keep]
+    rank = torch.arange(e_sorted.numel(), device=dev) - first[x_sorted]
+    e2p = torch.full((T * K,), -1, dtype=torch.long, device=dev)
+    e2p[e_sorted] = offsets[x_sorted] + rank
+    cap = max_rows(T, K, nl, tile)
+    p2t = torch.full((cap,), -1, dtype=torch.long, device=dev)
+    p2t[e2p[e_sorted]] = e_sorted // K
+    t2e = torch.full((cap // tile,), -1, dtype=torch.long, device=dev)
+    nt = int(ntile.sum())
+    t2e[:nt] = torch.repeat_interleave(torch.arange(nl, device=dev), ntile)
+    i32 = torch.int32
+    return {"expert_counts": cnt.to(i32), "expert_offsets": offsets.to(i32),
+            "expanded_to_permuted": e2p.view(T, K).to(i32), "permuted_to_token": p2t.to(i32),
+            "tile_to_expert": t2e.to(i32), "num_permuted_rows": torch.tensor(rows, dtype=i32, device=dev)}
+
+
+def align_reference(topk_ids: torch.Tensor, block_size: int, num_experts: int,
+                    local_experts: tuple[int, int] | None = None, pad_sorted_ids: bool = False):
+    """moe_align_block_size's outputs in plain torch, from kerngen's permutation over all experts:
+    (sorted_token_ids, expert_ids, num_tokens_post_padded [1]). Expanded indices e = t*K + k in expert order
+    (ascending e within an expert), each expert padded to block_size with T*K, T*K after the last block;
+    expert_ids the block's expert as a local index, -1 outside local_experts, and past the used blocks what
+    vLLM's zero-filled, expert_map-mapped buffer holds (expert 0 mapped: 0 if it is local, else -1). Ids outside
+    [0, num_experts) are skipped."""
+    T, K = topk_ids.shape
+    ls, nl = local_experts or (0, num_experts)
+    p = permute_reference(topk_ids, num_experts, block_size)
+    rows = align_rows(T, K, num_experts, block_size, pad_sorted_ids)
+    sorted_ids = torch.full((rows,), T * K, dtype=torch.int32, device=topk_ids.device)
+    e2p = p["expanded_to_permuted"].flatten().long()
+    valid = e2p >= 0
+    sorted_ids[e2p[valid]] = torch.arange(T * K, device=topk_ids.device, dtype=torch.int32)[valid]
+    unused = 0 if ls == 0 else -1
+    blocks = torch.full((-(-rows // block_size),), unused, dtype=torch.int32, device=topk_ids.device)
+    used = int(p["num_permuted_rows"]) // block_size
+    x = p["tile_to_expert"][:used].long()
+    blocks[:used] = torch.where((x >= ls) & (x < ls + nl), x - ls, torch.full_like(x, -1)).to(torch.int32)
+    return sorted_ids, blocks, p["num_permuted_rows"].reshape(1)
+
+
+
+# ----------------------------------------------------------------------------------------------- planning
+def with_align(tag: str, consts: dict, align: bool) -> tuple[str, dict]:
+    """The align layout is a build of its own (ALIGN only in its constants: kerngen-layout builds unchanged)."""
+    return (f"{tag}-align", {**consts, "ALIGN": True}) if align else (tag, consts)
+
+
+
+def spec(E: int, K: int, tokens: int, arch_: str, tbl: Table | None = None,
+                 align: bool = False) -> plan_mod.KernelSpec:
+    return plan_mod.plan(tbl or table(), OP, {"num_experts": E, "top_k": K, "tokens": tokens},
+                         *with_align(f"E{E}-K{K}", {"E": E, "K": K}, align), arch_)
+
+
+
+def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpec]:
+    """Every permute kernel `model` can dispatch to over its token range."""
+    E, K = model.num_experts, model.top_k
+    shape = {"num_experts": E, "top_k": K, "hidden": model.hidden, "arch": arch_}
+    return [plan_mod.spec_for(rule, f"E{E}-K{K}", {"E": E, "K": K}, arch_)
+            for rule in tbl.rules_for(OP, shape, model.tokens)]
+
+
+# ----------------------------------------------------------------------------------------------- launching
+class Permute:
+    """The permutation launches for T tokens: one kernel (onepass) or three (histogram), as the tier says."""
+
+    def __init__(self, E: int, K: int, T: int, dev: int, tbl: Table, arch_: str, align: bool = False):
+        s = spec(E, K, max(T, 1), arch_, tbl, align)
+        p = dict(s.params)
+        if s.variant == "onepass":
+            threads, ctas = int(p.get("threads", 1024)), int(p.get("ctas", 1))
+            if threads % 32 or not 32 <= threads <= 1024 or not 1 <= ctas <= 132:
+                raise InputError(OP, "tier params", "threads a multiple of 32 in [32, 1024], ctas in [1, 132]",
+                                 str(s.params))
+            smem = onepass_smem_bytes(E, K, T)
+            if smem > MAX_DYNAMIC_SMEM:
+                raise TierError(f"permute rule {s.variant} {s.params} at E={E}, K={K}, T={T} needs {smem} bytes of "
+                                f"shared memory, more than {MAX_DYNAMIC_SMEM}: give these tokens a histogram rule")
+            self.launches = [Launcher(resolve(s), "permute_onepass", dev, (ctas, 1, 1), (threads, 1, 1), PERMUTE_FMT,
+                                      smem=smem, pdl=True)]
+            self.first_needs_tokens = False
+            return
+        if s.variant != "histogram":
+            raise InputError(OP, "tier variant", "onepass or histogram", s.variant)
+        c = int(p["tokens_per_block"])
+        if c < MIN_TOKENS_PER_BLOCK:
+            raise InputError(OP, "tier params", f"tokens_per_block >= {MIN_TOKENS_PER_BLOCK}", str(s.params))
+        mod = resolve(s)
+        nb = -(-T // c)
+        place = -(-E // 8) + -(-T * K // 256)   # layout CTAs (a warp per expert), then a thread per entry
+        self.launches = [
+            Launcher(mod, "permute_block_rank", dev, (nb, 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True),
+            Launcher(mod, "permute_offsets", dev, (-(-E // 32), 1, 1), (1024, 1, 1), PERMUTE_FMT, pdl=True),
+            Launcher(mod, "permute_place", dev, (place, 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True)]
+        self.first_needs_tokens = True   # permute_block_rank has no CTA at T = 0
+
+    def __call__(self, stream, ids_ptr, ws: RoutingWorkspace, T: int, tile: int, ls: int, nl: int):
+        args = (ids_ptr, ws.counts.data_ptr(), ws.offsets.data_ptr(), ws.e2p.data_ptr(), ws.p2t.data_ptr(),
+                ws.t2e.data_ptr(), ws.num_rows.data_ptr(), ws.hist.data_ptr(), ws.ticket.data_ptr(), T, tile, ls, nl,
+                ws.max_rows)
+        for i, launch in enumerate(self.launches):
+            if T or i or not self.first_needs_tokens:
+                launch(stream, *args)
+
+
+def onepass_smem_bytes(E: int, K: int, T: int) -> int:
+    """Dynamic shared memory of permute_onepass (templates/permute/onepass.cu.j2): counts and first tiles of
+    every expert, ids and tile padding rows of every entry, a token bitmask per expert."""
+    return 4 * (2 * (-(-E // 4) * 4) + 2 * T * K + -(-T // 32) * E)
+
+
+
+_permutes: dict[tuple, Permute] = {}
+
+
+def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_experts: tuple[int, int] | None = None,
+            workspace: RoutingWorkspace | None = None, layout: str = "kerngen",
+            pad_sorted_ids: bool = False) -> Routing:
+    """The permutation of top-k ids computed elsewhere ([T, K] int32, contiguous); same outputs as route.
+
+    Ids outside the local range are skipped (-1 in expanded_to_permuted). A token may name an expert more than
+    once; its entries then take consecutive rows in ascending k (exact, but the one-pass kernel takes a slower
+    path for the whole call). The returned Routing's topk_ids is `topk_ids` itself and topk_weights is empty
+    ([T, 0]). layout="align" writes moe_align_block_size's outputs (route's docstring; pad_sorted_ids rounds
+    sorted_token_ids' length up to whole blocks, as vLLM's flag does).
+    """
+    T, K, ls, nl = check_ids(OP, topk_ids, num_experts, "tile", tile, local_experts)
+    align = check_layout(OP, layout)
+    if not isinstance(pad_sorted_ids, bool):
+        raise InputError(OP, "pad_sorted_ids", "True or False", repr(pad_sorted_ids))
+    check_tensor(OP, "topk_ids", topk_ids)
+    dev = topk_ids.get_device()
+    if workspace is None:
+        workspace = RoutingWorkspace(max(T, 1), num_experts, K, tile, local_experts=(ls, nl), device=topk_ids.device,
+                                     layout=layout)
+    else:
+        check_workspace(OP, workspace, T, num_experts, K, tile, nl, topk_ids.device, layout)
+    key = (num_experts, K, T, dev, align)
+    p = _permutes.get(key)
+    if p is None:
+        p = _permutes[key] = Permute(num_experts, K, T, dev, table(), arch(dev), align)
+    p(current_stream(dev), topk_ids.data_ptr(), workspace, T, tile, ls, nl)
+    res = workspace.result(T, nl, pad_sorted_ids)
+    return dataclasses.replace(res, topk_ids=topk_ids, topk_weights=topk_ids.new_empty((T, 0), dtype=torch.float32))
+
+
+class _AlignTarget:
+    """The align layout written straight into caller buffers (sorted_token_ids, expert_ids, num_tokens_post_pad,
+    as vLLM's op takes them); counts, offsets and rows come from a scratch workspace."""
+
+    def __init__(self, ws: RoutingWorkspace, sorted_ids, expert_ids, num_post_pad):
+        self.counts, self.offsets, self.e2p, self.hist, self.ticket = ws.counts, ws.offsets, ws.e2p, ws.hist, ws.ticket
+        self.p2t, self.t2e, self.num_rows, self.max_rows = sorted_ids, expert_ids, num_post_pad, sorted_ids.shape[0]
+
+
+_scratch: dict[tuple, RoutingWorkspace] = {}
+
+
+def permute_align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int, sorted_token_ids: torch.Tensor,
+                       expert_ids: torch.Tensor, num_tokens_post_pad: torch.Tensor,
+                       local_experts: tuple[int, int] | None = None) -> None:
+    """The align layout of `permute` written into the given buffers (one launch; no copies), vLLM's
+    `ops.moe_align_block_size(topk_ids, num_experts, block_size, sorted_ids, expert_ids, num_tokens_post_pad)`:
+    sorted_token_ids int32 [>= T*K + E*(block_size-1)] (every entry is written), expert_ids int32
+    [>= ceil(len(sorted_token_ids) / block_size)], num_tokens_post_pad int32 [1]; all 16-byte aligned."""
+    op = "moe_align_block_size"
+    T, K, ls, nl = check_ids(op, topk_ids, num_experts, "block_size", block_size, local_experts)
+    check_tensor(op, "topk_ids", topk_ids)
+    need = max_rows(T, K, num_experts, block_size)
+    for name, t, n in (("sorted_token_ids", sorted_token_ids, need), ("num_tokens_post_pad", num_tokens_post_pad, 1),
+                       ("expert_ids", expert_ids, -(-sorted_token_ids.shape[0] // block_size)
+                        if isinstance(sorted_token_ids, torch.Tensor) and sorted_token_ids.dim() == 1 else 1)):
+        check_tensor(op, name, t, dtypes=(torch.int32,), ndim=1, device=topk_ids.device, contiguous=True)
+        if t.shape[0] < n:
+            raise InputError(op, name, f"of length >= {n}", f"length {t.shape[0]}")
+        if t.data_ptr() % 16:
+            raise InputError(op, name, "16-byte aligned (the kernel's vector stores)", f"offset {t.data_ptr() % 16}")
+    dev = topk_ids.get_device()
+    skey = (num_experts, K, block_size, dev)
+    ws = _scratch.get(skey)
+    if ws is None or ws.max_tokens < T:
+        ws = _scratch[skey] = RoutingWorkspace(max(T, 1), num_experts, K, block_size, device=topk_ids.device,
+                                               layout="align")
+    key = (num_experts, K, T, dev, True)
+    p = _permutes.get(key)
+    if p is None:
+        p = _permutes[key] = Permute(num_experts, K, T, dev, table(), arch(dev), True)
+    p(current_stream(dev), topk_ids.data_ptr(), _AlignTarget(ws, sorted_token_ids, expert_ids, num_tokens_post_pad),
+      T, block_size, ls, nl)
+
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def check_ids(op, topk_ids, num_experts, tile_name, tile, local_experts) -> tuple[int, int, int, int]:
+    """Top-k ids computed elsewhere ([T, K] int32, contiguous; any device: the caller checks it is CUDA) with
+    their expert count, tile and local range; returns (T, K, local_start, num_local)."""
+    check_tensor(op, "topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, contiguous=True,
+                 device=getattr(topk_ids, "device", None))
+    check_int(op, "num_experts", num_experts, 1, MAX_EXPERTS)
+    T, K = topk_ids.shape
+    check_int(op, "topk_ids.shape[1]", K, 1, min(MAX_TOPK, num_experts))
+    check_int(op, tile_name, tile, 1, 1024)
+    return (T, K, *check_local(op, local_experts, num_experts))
+
+
+
+def check_workspace(op, ws, T, E, K, tile, nl, device, layout="kerngen"):
+    if not isinstance(ws, RoutingWorkspace):
+        raise InputError(op, "workspace", "a kerngen.RoutingWorkspace", type(ws).__name__)
+    if ws.layout != layout:
+        raise InputError(op, "workspace", f"built for layout={layout!r}", f"layout={ws.layout!r}")
+    if ws.num_experts != E or ws.top_k != K or ws.tile != tile or ws.device != device:
+        raise InputError(op, "workspace", f"built for num_experts={E}, top_k={K}, tile={tile} on {device}",
+                         f"num_experts={ws.num_experts}, top_k={ws.top_k}, tile={ws.tile} on {ws.device}")
+    if T > ws.max_tokens or nl > ws.local_experts[1]:
+        raise InputError(op, "workspace", f"room for {T} tokens and {nl} local experts",
+                         f"max_tokens={ws.max_tokens}, num_local={ws.local_experts[1]}")
+
