@@ -13,6 +13,7 @@ from .ops.prerouting import PreRouting
 from .ops.tail import moe_tail
 from .plan import VERSION as __version__
 from . import torch_ops  # noqa: F401,E402  (registers torch.ops.kerngen.*)
+from . import jit as _jit
 
 __all__ = ["route", "experts", "permute", "Routing", "RoutingWorkspace", "PreRouting", "finalize", "finalize_prepare", "moe_tail", "select_experts", "models", "preload", "strict",
            "KerngenError", "InputError", "TierError", "CompileError", "CacheMissError", "DeviceError", "CacheError",
@@ -33,7 +34,15 @@ def preload(model: str, **kw) -> dict:
     return _preload(model, **kw)
 
 
+def _miss_command(spec) -> str:
+    from .warmup import warmup_command
+    return warmup_command(spec)
+
+
 def strict(on: bool | None = True) -> None:
     """Serving mode: a kernel missing from the cache raises CacheMissError instead of compiling."""
     from . import jit
     jit.set_strict(on)
+
+
+_jit.set_miss_command(_miss_command)   # strict-mode misses name the model's warmup (jit never imports warmup)

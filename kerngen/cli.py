@@ -44,7 +44,7 @@ def cmd_warmup(args) -> int:
     arches = _arches(args.arch) if not args.spec else []
     for arch in arches:
         if args.op:  # one shape's kernel, e.g. the one a strict-mode miss names
-            specs.append(_shape_spec("warmup", args, tbl, arch))
+            specs.append(_shape_spec("warmup", args, tbl, arch)[0])
             continue
         for name in names:
             specs += warmup.model_specs(tbl.model(name), tbl, arch, ops)
@@ -77,42 +77,51 @@ def _report(results, names, arches, secs, root) -> int:
     return 1 if n["failed"] or lost else 0
 
 
+def _shape(args, tbl: tiers.Table) -> dict:
+    """The shape flags as plain values (a --model fills experts, top_k and hidden from the tier table)."""
+    model = args.model[0] if isinstance(args.model, list) else args.model
+    shape = {"experts": args.experts, "top_k": args.topk, "hidden": args.hidden, "tokens": args.tokens,
+             "dtype": args.dtype, "weights_dtype": args.weights_dtype, "model": model}
+    if model:
+        m = tbl.model(model)
+        shape.update(experts=m.num_experts, top_k=m.top_k, hidden=m.hidden)
+    return shape
+
+
 def _shape_spec(cmd: str, args, tbl: tiers.Table, arch: str):
-    """The one kernel a shape given on the command line (or a model's shape at --tokens) dispatches to."""
-    if args.model:
-        if isinstance(args.model, list):
-            args.model = args.model[0]
-        m = tbl.model(args.model)
-        args.experts, args.topk, args.hidden = m.num_experts, m.top_k, m.hidden
-    _check_shape(cmd, args)
-    return warmup._op_module(args.op).explain_spec(args, tbl, arch)
+    """The one kernel a shape given on the command line (or a model's shape at --tokens) dispatches to, and
+    that shape."""
+    shape = _shape(args, tbl)
+    _check_shape(cmd, args.op, shape)
+    return warmup.op_module(args.op).explain_spec(tbl, arch, **shape), shape
 
 
-def _check_shape(cmd: str, args) -> None:
+def _check_shape(cmd: str, op: str, shape: dict) -> None:
     """The shape flags, checked as the op checks its tensors: a shape the op would reject is not compiled."""
-    op, where = args.op, f"{cmd} --op {args.op}"
-    if args.topk is None:
+    where, topk, experts, hidden, tokens = (f"{cmd} --op {op}", shape["top_k"], shape["experts"], shape["hidden"],
+                                            shape["tokens"])
+    if topk is None:
         raise InputError(where, "--topk", "given (or --model NAME), with --experts / --hidden as the op needs", "none")
-    max_k = getattr(warmup._op_module(op), "MAX_K", tiers.MAX_TOPK)
-    if not 1 <= args.topk <= max_k:
-        raise InputError(where, "--topk", f"an integer in [1, {max_k}]", str(args.topk))
+    max_k = getattr(warmup.op_module(op), "MAX_K", tiers.MAX_TOPK)
+    if not 1 <= topk <= max_k:
+        raise InputError(where, "--topk", f"an integer in [1, {max_k}]", str(topk))
     if op == "routing":
-        if not args.topk <= args.experts <= tiers.MAX_EXPERTS:
-            raise InputError(where, "--experts", f"an integer in [--topk = {args.topk}, {tiers.MAX_EXPERTS}]",
-                             str(args.experts))
-    elif args.hidden < 8 or args.hidden % 8 or args.hidden > tiers.INT32_MAX:
+        if not topk <= experts <= tiers.MAX_EXPERTS:
+            raise InputError(where, "--experts", f"an integer in [--topk = {topk}, {tiers.MAX_EXPERTS}]",
+                             str(experts))
+    elif hidden < 8 or hidden % 8 or hidden > tiers.INT32_MAX:
         raise InputError(where, "--hidden", "a multiple of 8, at least 8 (rows are read in 16-byte vectors)",
-                         str(args.hidden))
-    if not 1 <= args.tokens <= tiers.INT32_MAX:
-        raise InputError(where, "--tokens", f"an integer in [1, {tiers.INT32_MAX}]", str(args.tokens))
+                         str(hidden))
+    if not 1 <= tokens <= tiers.INT32_MAX:
+        raise InputError(where, "--tokens", f"an integer in [1, {tiers.INT32_MAX}]", str(tokens))
 
 
 def cmd_explain(args) -> int:
     tbl = _table(args)
     arch = _arches(args.arch)[0]
-    spec = _shape_spec("explain", args, tbl, arch)
-    rule = tbl.rule(args.op, {"num_experts": args.experts or 0, "top_k": args.topk, "hidden": args.hidden,
-                              "tokens": args.tokens, "arch": arch})
+    spec, shape = _shape_spec("explain", args, tbl, arch)
+    rule = tbl.rule(args.op, {"num_experts": shape["experts"] or 0, "top_k": shape["top_k"], "hidden": shape["hidden"],
+                              "tokens": shape["tokens"], "arch": arch})
     key = jit.key_of(spec)
     store = cache_mod.default()
     cached = store.get(key, (jit.BACKENDS[spec.backend].artifact,)) is not None

@@ -63,19 +63,19 @@ def _prepared(spec: KernelSpec) -> tuple[str, str]:
     return source, spec.key(source, toolchain(spec.backend))
 
 
-def warmup_command(spec: KernelSpec) -> str:
-    """The exact command that builds `spec`: a model's warmup when a shipped/user model needs it (with the
-    user tiers file the model or its rules come from)."""
-    from . import tiers, warmup
-    try:
-        tbl = tiers.load()
-        user = "".join(f" --tiers {shlex.quote(f)}" for f in tbl.files[1:])
-        for name, model in sorted(tbl.models.items()):
-            if spec in warmup.model_specs(model, tbl, spec.arch):
-                return f"kerngen warmup --model {shlex.quote(name)} --arch {spec.arch}{user}"
-    except Exception:  # a broken tiers file must not hide the miss itself
-        pass
+def spec_command(spec: KernelSpec) -> str:
+    """The exact command that builds `spec` alone."""
     return f"kerngen warmup --spec {shlex.quote(spec.to_json())}"
+
+
+_miss_command = spec_command
+
+
+def set_miss_command(fn) -> None:
+    """How a strict-mode miss words its fix: fn(spec) -> command. The package sets warmup's model-aware one
+    (kerngen/__init__.py), so this module never imports the layers above it."""
+    global _miss_command
+    _miss_command = fn
 
 
 def _compile(spec: KernelSpec, source: str, key: str, store: cache_mod.DiskCache) -> dict[str, bytes]:
@@ -111,7 +111,7 @@ def build(spec: KernelSpec, store: cache_mod.DiskCache | None = None, strict: bo
     reason = _miss_reason(store, spec, key)
     if is_strict() if strict is None else strict:
         log.warning("kerngen: strict mode, kernel %s is not cached (%s)", key, reason)
-        raise CacheMissError(key, command or warmup_command(spec))
+        raise CacheMissError(key, command or _miss_command(spec))
     t0 = time.perf_counter()
     with store.lock(key):
         waited = time.perf_counter() - t0

@@ -43,7 +43,7 @@ def _time_finalize(model: tiers.Model, T: int, variant: str, params: dict) -> fl
     rule = tiers.Rule(op="finalize", variant=variant, ranges={}, params=params)
     spec = spec_for(rule, *fin.tag_constants(H, K, model.dtype, model.weights_dtype), target_arch(dev))
     g, e2p, w, out = _moe_inputs(model, T)
-    run = fin.bound(fin._launcher(spec, T, dev), g, e2p, w, out, H)
+    run = fin.bound(fin.kernel(spec, T, dev), g, e2p, w, out, H)
     call = lambda: run(current_stream(dev))
     return _checked_time(call, lambda: torch.equal(out.view(torch.int16), fin.reference(g, e2p, w).view(torch.int16)),
                          f"finalize {variant} {params}", T)
@@ -84,7 +84,7 @@ def _time_tail(model: tiers.Model, T: int, variant: str, params: dict) -> float:
     dt = out.dtype
     nw, sh, res = torch.rand(H, device="cuda").to(dt), torch.randn(T, H, device="cuda").to(dt), torch.randn(
         T, H, device="cuda").to(dt)
-    fn = tail._function(spec)
+    fn = tail.kernel(spec)
     call = lambda: fn(g, e2p, w, sh, res, nw, out, None, None, 1e-6)
     return _checked_time(call, lambda: torch.allclose(
         out.float(), tail.reference(g, e2p, w, nw, shared=sh, residual=res)[0].float(), rtol=2e-2, atol=2e-2),
@@ -110,20 +110,21 @@ def _time_routing(model: tiers.Model, T: int, variant: str, params: dict) -> flo
     """route(..., tile=128) with fp32 logits (and an fp32 bias for the bias methods); ids checked exactly."""
     from .launch import current_stream
     from .ops import routing as rt
+    from .ops.permute import RoutingWorkspace
     if variant == "fused" and T > params["max_tokens"]:
         return float("inf")
     E, K, dev = model.num_experts, model.top_k, torch.cuda.current_device()
     has_bias = model.routing in ("sigmoid_bias", "grouped_sigmoid_bias")
-    tag, consts = rt._constants(E, K, model.routing, model.n_group, model.topk_group, model.renormalize, "float32",
-                                "float32" if has_bias else "none", "float32")
+    tag, consts = rt.tag_constants(E, K, model.routing, model.n_group, model.topk_group, model.renormalize,
+                                   "float32", "float32" if has_bias else "none", "float32")
     arch = target_arch(dev)
     spec = spec_for(tiers.Rule(op="routing", variant=variant, ranges={}, params=params), tag, consts, arch)
-    r = rt._Route(consts, spec, T, dev, True, tiers.load(), arch)
+    r = rt.kernel(spec, T, dev, tbl=tiers.load())
     logits = torch.randn(T, E, device="cuda")
     bias = torch.randn(E, device="cuda") * 0.05 if has_bias else None
-    ws = rt.RoutingWorkspace(T, E, K, ROUTING_TILE)
+    ws = RoutingWorkspace(T, E, K, ROUTING_TILE)
     rsf = float(model.routed_scaling_factor)
-    call = lambda: rt._launch(r, logits, bias, ws, T, ROUTING_TILE, 0, E, rsf, current_stream(dev))
+    call = lambda: r.run(current_stream(dev), logits, bias, ws, T, ROUTING_TILE, 0, E, rsf)
     ref_ids, _ = rt.reference(logits, K, model.routing, bias=bias, n_group=model.n_group,
                               topk_group=model.topk_group, renormalize=model.renormalize, routed_scaling_factor=rsf)
     return _checked_time(call, lambda: torch.equal(ws.ids[:T].cpu(), ref_ids.int().cpu()),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shlex
 import signal
 import threading
 import time
@@ -17,7 +18,9 @@ from .tiers import Model, Table
 OPS = ("routing", "finalize", "tail", "experts")  # ops with kernels; each module provides model_specs()
 
 
-def _op_module(op: str):
+def op_module(op: str):
+    """kerngen.ops.<op>: its model_specs, explain_spec, kernel and clear are the seam used here, in the CLI
+    and in the tuner."""
     from importlib import import_module
     return import_module(f".ops.{op}", __package__)
 
@@ -27,10 +30,23 @@ def model_specs(model: Model, tbl: Table, arch: str, ops=OPS) -> list[KernelSpec
     op modules that list a kernel twice, give one spec)."""
     specs: dict[KernelSpec, None] = {}
     for op in ops:
-        mod = _op_module(op)
-        if hasattr(mod, "model_specs"):
-            specs.update(dict.fromkeys(mod.model_specs(model, tbl, arch)))
+        specs.update(dict.fromkeys(op_module(op).model_specs(model, tbl, arch)))
     return list(specs)
+
+
+def warmup_command(spec: KernelSpec) -> str:
+    """The exact command that builds `spec`: a model's warmup when a shipped/user model needs it (with the
+    user tiers file the model or its rules come from), else the spec's own."""
+    from . import tiers
+    try:
+        tbl = tiers.load()
+        user = "".join(f" --tiers {shlex.quote(f)}" for f in tbl.files[1:])
+        for name, model in sorted(tbl.models.items()):
+            if spec in model_specs(model, tbl, spec.arch):
+                return f"kerngen warmup --model {shlex.quote(name)} --arch {spec.arch}{user}"
+    except Exception:  # a broken tiers file must not hide the miss itself
+        pass
+    return jit.spec_command(spec)
 
 
 @dataclass
@@ -131,7 +147,7 @@ def preload(model: str, *, tiers_file=None, device: int | None = None) -> dict:
     compiled = 0
     for spec in specs:
         if spec.backend == "cute":
-            _op_module(spec.op)._function(spec)
+            op_module(spec.op).kernel(spec, 1, dev)
         else:
             _common.resolve(spec).load(dev)
         compiled += jit.last_status.get(spec) == "compiled"

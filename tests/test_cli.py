@@ -112,11 +112,17 @@ def test_warmup_that_stores_nothing_says_so_and_fails(tmp_path):
 
 
 def test_strict_mode_command_for_a_user_model_names_its_tiers_file(tmp_path, monkeypatch):
-    from kerngen import jit, tiers, warmup
+    from kerngen import tiers, warmup
     user = tmp_path / "mine.toml"
     user.write_text('schema = 1\n[models.tiny]\nnum_experts = 16\ntop_k = 2\nhidden = 256\n'
                     'routing = "softmax_topk"\ntokens = [1, 64]\n')
     monkeypatch.setenv("KERNGEN_TIERS", str(user))
     tbl = tiers.load()
     spec = warmup.model_specs(tbl.model("tiny"), tbl, "sm_90a")[0]
-    assert jit.warmup_command(spec) == f"kerngen warmup --model tiny --arch sm_90a --tiers {user}"
+    assert warmup.warmup_command(spec) == f"kerngen warmup --model tiny --arch sm_90a --tiers {user}"
+    # jit words the miss through the command kerngen/__init__.py hands it (jit never imports warmup)
+    import kerngen
+    from kerngen.cache import DiskCache
+    from kerngen.jit import build
+    with pytest.raises(kerngen.CacheMissError, match="kerngen warmup --model tiny --arch sm_90a"):
+        build(spec, store=DiskCache(tmp_path / "cache"), strict=True)

@@ -147,8 +147,8 @@ def align_specs():
             s = pm.spec(m.num_experts, m.top_k, T, "sm_90a", tbl, align=True)
             if s not in out:
                 out.append(s)
-            tag, consts = rt._constants(m.num_experts, m.top_k, m.routing, m.n_group, m.topk_group, m.renormalize,
-                                        "float32", "float32", m.weights_dtype, True)
+            tag, consts = rt.tag_constants(m.num_experts, m.top_k, m.routing, m.n_group, m.topk_group,
+                                           m.renormalize, "float32", "float32", m.weights_dtype, True)
             rule = tbl.rule("routing", {"num_experts": m.num_experts, "top_k": m.top_k, "tokens": T})
             if rule.variant == "fused":
                 from kerngen import plan

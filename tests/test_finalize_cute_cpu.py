@@ -54,12 +54,12 @@ def test_the_cute_variant_needs_the_cute_backend():
     spec = spec_for(tiers.Rule(op="finalize", variant="small_batch", ranges={}, params={"backend": "cute"}),
                     "H64-K2-bfloat16-wfloat32", {"H": 64, "K": 2, "DTYPE": "bfloat16", "WDTYPE": "float32"}, "sm_90a")
     with pytest.raises(fin.InputError, match="tier variant"):
-        fin._launcher(spec, 1, 0)
+        fin.kernel(spec, 1, 0)
 
 
 def test_top_k_beyond_32_is_refused_by_name():
     with pytest.raises(fin.InputError, match="argument 'top_k'"):
-        fin._launcher(cute_spec(1024, 33), 1, 0)
+        fin.kernel(cute_spec(1024, 33), 1, 0)
 
 
 def test_every_shipped_model_builds_the_cute_variant_without_spills(cache_dir, tmp_path):

@@ -61,8 +61,8 @@ def fused_ctas1_specs():
     specs = [(s, True) for s in shipped("fused", lambda s: dict(s.params)["ctas"] == 1 and "-f32-" in s.tag)]
     for name in ("kimi-k3", "mixtral-8x7b"):
         m = tiers.load().model(name)
-        tag, consts = rt._constants(m.num_experts, m.top_k, m.routing, m.n_group, m.topk_group, m.renormalize,
-                                    "float32", "float32", m.weights_dtype)
+        tag, consts = rt.tag_constants(m.num_experts, m.top_k, m.routing, m.n_group, m.topk_group, m.renormalize,
+                                       "float32", "float32", m.weights_dtype)
         specs += [(spec_for(tiers.Rule(op="routing", variant="fused", ranges={}, params=p), tag, consts, "sm_90a"),
                    False) for p in FUSED_CTAS1_CONFIGS]
     return specs

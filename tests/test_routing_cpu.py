@@ -59,7 +59,7 @@ def test_every_shipped_model_has_routing_and_permute_tiers():
 
 
 def test_fused_rules_cover_their_token_range_with_max_tokens():
-    """The fused kernel sizes its shared memory for max_tokens; _Route refuses more tokens at run time."""
+    """The fused kernel sizes its shared memory for max_tokens; routing.Route refuses more tokens at run time."""
     rules = [r for r in tiers.load().rules if r.op == "routing" and r.variant == "fused"]
     assert rules
     for r in rules:
@@ -83,7 +83,7 @@ def test_a_onepass_rule_too_large_for_shared_memory_is_a_tier_error():
     big = tiers.Rule(op="permute", variant="onepass", ranges={}, params={"ctas": 8, "threads": 256})
     t = dataclasses.replace(t, rules=(big,) + t.rules)
     with pytest.raises(TierError, match="shared memory"):
-        pm.Permute(896, 16, 4096, 0, t, "sm_90a")
+        pm.kernel(pm.spec(896, 16, 4096, "sm_90a", t), 4096, 0)
 
 
 def test_explain_routing_names_the_fused_tier(capsys):
@@ -291,7 +291,7 @@ def test_workspace_views_are_16_byte_aligned(T, E, K, tile, local):
 ])
 def test_fused_parameters_out_of_range_fail_to_compile_with_the_reason(bad, message, tmp_path):
     params = {**dict(warps=16, warps_per_token=8, ctas=8, clusters=4, max_tokens=16), **bad}
-    tag, consts = rt._constants(896, 16, "sigmoid_bias", 1, 1, True, "float32", "float32", "float32")
+    tag, consts = rt.tag_constants(896, 16, "sigmoid_bias", 1, 1, True, "float32", "float32", "float32")
     s = kerngen.plan.spec_for(tiers.Rule(op="routing", variant="fused", ranges={}, params=params), tag, consts,
                               "sm_90a")
     with pytest.raises(kerngen.CompileError, match=message) as e:

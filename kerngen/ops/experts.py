@@ -192,6 +192,11 @@ class Kernels:
         return out
 
 
+def kernel(s: plan_mod.KernelSpec, tiles: int, device: int) -> Kernels:
+    """The launches of experts spec `s` over `tiles` routing tiles (the grid follows the tiles, not the tokens)."""
+    return Kernels(s, tiles, device)
+
+
 _kernels: dict[tuple, Kernels | None] = {}
 
 
@@ -202,7 +207,7 @@ def _kernel(H, I, tile, activation, T, tiles, dev) -> Kernels | None:
         k = None
         try:
             if tile <= MAX_TILE:
-                k = Kernels(spec(H, I, tile, activation, T, arch(dev)), tiles, dev)
+                k = kernel(spec(H, I, tile, activation, T, arch(dev)), tiles, dev)
         except TierError:
             k = None
         _kernels[key] = k

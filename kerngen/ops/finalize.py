@@ -58,9 +58,10 @@ def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpe
     return out
 
 
-def explain_spec(args, tbl: Table, arch_: str) -> plan_mod.KernelSpec:
-    """The kernel `kerngen explain/warmup --op finalize` names (args: topk, hidden, tokens, dtype, weights_dtype)."""
-    return spec(args.hidden, args.topk, args.dtype, args.weights_dtype, args.tokens, arch_, tbl)
+def explain_spec(tbl: Table, arch_: str, *, hidden: int, top_k: int, tokens: int, dtype: str = "bfloat16",
+                 weights_dtype: str = "float32", **_shape) -> plan_mod.KernelSpec:
+    """The kernel `kerngen explain/warmup --op finalize` names; other shape keywords (experts, model) do not apply."""
+    return spec(hidden, top_k, dtype, weights_dtype, tokens, arch_, tbl)
 
 
 class _Cute:
@@ -79,7 +80,7 @@ class _Cute:
             self.fn(g if g.shape[1] == H else g[:, :H], e2p, w, out)
 
 
-def _launcher(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | _Cute:
+def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | _Cute:
     """The kernel of spec `s` for `tokens` tokens: a driver Launcher (CUDA C++) or a CuTe DSL function."""
     c = dict(s.constants)
     if s.backend == "cute":
@@ -102,6 +103,12 @@ def _launcher(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | _C
     if block[0] * block[1] > 1024:
         raise InputError(OP, "tier params", "a block of at most 1024 threads", f"{block} from {s.params}")
     return Launcher(resolve(s), f"{OP}_{s.variant}", device, grid, block, FMT, pdl=bool(p.get("pdl", False)))
+
+
+def clear() -> None:
+    """Forget the kernels chosen per shape and input signature (after the tier table or the cache changed)."""
+    _launchers.clear()
+    _fast.clear()
 
 
 _launchers: dict[tuple, Launcher] = {}  # kernel per (dtype, H, K, T, device)
@@ -193,7 +200,7 @@ def _prepare(g, e2p, w, hidden) -> tuple:
     key = (g.dtype, w.dtype, H, K, T, dev)
     launcher = _launchers.get(key)
     if launcher is None:
-        launcher = _launcher(spec(H, K, DTYPE_NAMES[g.dtype], DTYPE_NAMES[w.dtype], T, arch(dev)), T, dev)
+        launcher = kernel(spec(H, K, DTYPE_NAMES[g.dtype], DTYPE_NAMES[w.dtype], T, arch(dev)), T, dev)
         _launchers[key] = launcher
     return launcher, T, H, g.stride(0), g.shape[0], dev
 

@@ -243,9 +243,8 @@ def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpe
 class Permute:
     """The permutation launches for T tokens: one kernel (onepass) or three (histogram), as the tier says."""
 
-    def __init__(self, E: int, K: int, T: int, dev: int, tbl: Table, arch_: str, align: bool = False):
-        s = spec(E, K, max(T, 1), arch_, tbl, align)
-        p = dict(s.params)
+    def __init__(self, s: plan_mod.KernelSpec, T: int, dev: int):
+        p, E, K = dict(s.params), dict(s.constants)["E"], dict(s.constants)["K"]
         if s.variant == "onepass":
             threads, ctas = int(p.get("threads", 1024)), int(p.get("ctas", 1))
             if threads % 32 or not 32 <= threads <= 1024 or not 1 <= ctas <= 132:
@@ -289,6 +288,25 @@ def onepass_smem_bytes(E: int, K: int, T: int) -> int:
 
 
 
+def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Permute:
+    """The launches of permute spec `s` for `tokens` tokens on `device`."""
+    return Permute(s, tokens, device)
+
+
+def clear() -> None:
+    """Forget the planned launches and scratch workspaces (after the tier table or the cache changed)."""
+    _permutes.clear()
+    _scratch.clear()
+
+
+def _planned(E: int, K: int, T: int, dev: int, align: bool) -> Permute:
+    key = (E, K, T, dev, align)
+    p = _permutes.get(key)
+    if p is None:
+        p = _permutes[key] = Permute(spec(E, K, max(T, 1), arch(dev), table(), align), T, dev)
+    return p
+
+
 _permutes: dict[tuple, Permute] = {}
 
 
@@ -314,11 +332,7 @@ def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_expert
                                      layout=layout)
     else:
         check_workspace(OP, workspace, T, num_experts, K, tile, nl, topk_ids.device, layout)
-    key = (num_experts, K, T, dev, align)
-    p = _permutes.get(key)
-    if p is None:
-        p = _permutes[key] = Permute(num_experts, K, T, dev, table(), arch(dev), align)
-    p(current_stream(dev), topk_ids.data_ptr(), workspace, T, tile, ls, nl)
+    _planned(num_experts, K, T, dev, align)(current_stream(dev), topk_ids.data_ptr(), workspace, T, tile, ls, nl)
     res = workspace.result(T, nl, pad_sorted_ids)
     return dataclasses.replace(res, topk_ids=topk_ids, topk_weights=topk_ids.new_empty((T, 0), dtype=torch.float32))
 
@@ -360,12 +374,8 @@ def permute_align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int
     if ws is None or ws.max_tokens < T:
         ws = _scratch[skey] = RoutingWorkspace(max(T, 1), num_experts, K, block_size, device=topk_ids.device,
                                                layout="align")
-    key = (num_experts, K, T, dev, True)
-    p = _permutes.get(key)
-    if p is None:
-        p = _permutes[key] = Permute(num_experts, K, T, dev, table(), arch(dev), True)
-    p(current_stream(dev), topk_ids.data_ptr(), _AlignTarget(ws, sorted_token_ids, expert_ids, num_tokens_post_pad),
-      T, block_size, ls, nl)
+    target = _AlignTarget(ws, sorted_token_ids, expert_ids, num_tokens_post_pad)
+    _planned(num_experts, K, T, dev, True)(current_stream(dev), topk_ids.data_ptr(), target, T, block_size, ls, nl)
 
 
 

@@ -90,7 +90,7 @@ class PreRouting:
                                  repr(num_experts))
             num_experts = m.num_experts
             try:
-                top_k, method, n_group, topk_group, routed_scaling_factor, renormalize = rt._from_model(
+                top_k, method, n_group, topk_group, routed_scaling_factor, renormalize = rt.model_args(
                     model, top_k, method, n_group, topk_group, routed_scaling_factor, renormalize)
             except InputError as e:
                 raise InputError(OP, e.arg, e.expected, e.got) from None

@@ -34,7 +34,7 @@ from ..launch import Launcher, current_stream
 from ..tiers import MAX_EXPERTS, MAX_TOPK, METHODS, Model, Table
 from . import permute as permute_op
 from ._common import SHORT, DTYPE_NAMES, arch, check_int, check_local, check_tensor, resolve, table
-from .permute import Permute, Routing, RoutingWorkspace, check_layout, check_workspace, with_align
+from .permute import Routing, RoutingWorkspace, check_layout, check_workspace, with_align
 
 OP = "routing"
 _LOGITS = (torch.float32, torch.bfloat16)
@@ -104,7 +104,9 @@ def reference(logits: torch.Tensor, top_k: int, method: str, bias: torch.Tensor 
 
 
 # ----------------------------------------------------------------------------------------------- planning
-def _constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype, align=False):
+def tag_constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype,
+                  align=False) -> tuple[str, dict]:
+    """The readable tag and compile-time constants of a routing kernel (the rule adds its params)."""
     renorm = bool(renormalize) if method in ("softmax_topk", *_SIGMOID_BIAS) else True
     grouped = method == "grouped_sigmoid_bias"
     consts = {"E": E, "K": K, "METHOD": method, "N_GROUP": n_group if grouped else 1,
@@ -119,7 +121,7 @@ def _constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, w
 def spec(E: int, K: int, method: str, tokens: int, arch_: str, *, n_group: int = 1, topk_group: int = 1,
          renormalize: bool = True, ldtype: str = "float32", bdtype: str = "none", wdtype: str = "float32",
          tbl: Table | None = None) -> plan_mod.KernelSpec:
-    tag, consts = _constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype)
+    tag, consts = tag_constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype)
     return plan_mod.plan(tbl or table(), OP, {"num_experts": E, "top_k": K, "tokens": tokens}, tag, consts, arch_)
 
 
@@ -131,30 +133,29 @@ def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpe
     out: list[plan_mod.KernelSpec] = []
     for rule in tbl.rules_for(OP, shape, model.tokens):
         for ldtype in ("float32", "bfloat16"):
-            tag, consts = _constants(E, K, model.routing, model.n_group, model.topk_group, model.renormalize,
-                                     ldtype, "float32", model.weights_dtype)
+            tag, consts = tag_constants(E, K, model.routing, model.n_group, model.topk_group, model.renormalize,
+                                        ldtype, "float32", model.weights_dtype)
             out.append(plan_mod.spec_for(rule, tag, consts, arch_))
     return out + permute_op.model_specs(model, tbl, arch_)
 
 
-def explain_spec(args, tbl: Table, arch_: str) -> plan_mod.KernelSpec:
-    """The routing kernel `kerngen explain --op routing` shows (fp32 logits, fp32 bias)."""
-    if not args.experts or not args.topk:
-        raise InputError("explain", "--experts/--topk", "given (or --model)", f"{args.experts}/{args.topk}")
-    m = tbl.model(args.model) if args.model else None
+def explain_spec(tbl: Table, arch_: str, *, experts: int, top_k: int, tokens: int, model: str | None = None,
+                 **_shape) -> plan_mod.KernelSpec:
+    """The routing kernel `kerngen explain --op routing` shows (fp32 logits, fp32 bias; the method and its
+    constants from `model`, else softmax_topk). Other shape keywords (hidden, dtype) do not apply."""
+    m = tbl.model(model) if model else None
     method = m.routing if m else "softmax_topk"
-    return spec(args.experts, args.topk, method, args.tokens, arch_, n_group=m.n_group if m else 1,
+    return spec(experts, top_k, method, tokens, arch_, n_group=m.n_group if m else 1,
                 topk_group=m.topk_group if m else 1, renormalize=m.renormalize if m else True,
                 bdtype="float32", wdtype=m.weights_dtype if m else "float32", tbl=tbl)
 
 
 # ----------------------------------------------------------------------------------------------- launching
-class _Route:
+class Route:
     """The launches of one (shape, method, dtypes, T, permutation on/off) on one device."""
 
-    def __init__(self, consts: dict, s: plan_mod.KernelSpec, T: int, dev: int, permute: bool, tbl: Table,
-                 arch_: str):
-        p = dict(s.params)
+    def __init__(self, s: plan_mod.KernelSpec, T: int, dev: int, permute: bool, tbl: Table):
+        p, consts = dict(s.params), dict(s.constants)
         warps, wpt = int(p.get("warps", 4)), int(p.get("warps_per_token", 1))
         if warps < 1 or wpt < 1 or warps % wpt or warps * 32 > 1024:
             raise InputError(OP, "tier params", "warps in [1, 32], a multiple of warps_per_token", str(s.params))
@@ -178,13 +179,45 @@ class _Route:
             self.topk = Launcher(resolve(s), "routing_topk", dev, (max(1, -(-T // groups)), 1, 1),
                                  (warps * 32, 1, 1), ROUTE_FMT, pdl=True)
             self.ids_only = self.topk
-            self.permute = (Permute(consts["E"], consts["K"], T, dev, tbl, arch_, consts.get("ALIGN", False))
+            self.permute = (permute_op.kernel(permute_op.spec(consts["E"], consts["K"], max(T, 1), s.arch, tbl,
+                                                              consts.get("ALIGN", False)), T, dev)
                             if permute else None)
         else:
             raise InputError(OP, "tier variant", "fused or topk", s.variant)
 
+    def run(self, stream: int, logits, bias, ws: RoutingWorkspace, T: int, tile: int | None, ls: int, nl: int,
+            rsf: float) -> None:
+        """The launches of one routing call (checked inputs; the tuner times candidates through it too)."""
+        bias_ptr = 0 if bias is None else bias.data_ptr()
+        if tile is None:
+            self.ids_only(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), 0, 0, 0, 0, 0,
+                          0, rsf, T, logits.stride(0), 0, ls, nl, 0)
+        elif self.fused:
+            self.topk(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(),
+                      ws.counts.data_ptr(), ws.offsets.data_ptr(), ws.e2p.data_ptr(), ws.p2t.data_ptr(),
+                      ws.t2e.data_ptr(), ws.num_rows.data_ptr(), rsf, T, logits.stride(0), tile, ls, nl, ws.max_rows)
+        else:
+            if T:
+                self.topk(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), 0, 0, 0, 0,
+                          0, 0, rsf, T, logits.stride(0), 0, ls, nl, 0)
+            self.permute(stream, ws.ids.data_ptr(), ws, T, tile, ls, nl)
 
-_routes: dict[tuple, _Route] = {}
+
+def kernel(s: plan_mod.KernelSpec, tokens: int, device: int, *, permute: bool = True,
+           tbl: Table | None = None) -> Route:
+    """The launches of routing spec `s` for `tokens` tokens on `device`; with `permute` (a tile given) the topk
+    variant also gets permute's launches, planned from `tbl` (default the active table)."""
+    return Route(s, tokens, device, permute, tbl or table())
+
+
+def clear() -> None:
+    """Forget the planned launches and model lookups (after the tier table or the cache changed)."""
+    _routes.clear()
+    _models.clear()
+    _models_E.clear()
+
+
+_routes: dict[tuple, Route] = {}
 _models: dict[tuple, tuple] = {}
 _models_E: dict[str, int] = {}   # model name -> its expert count, which the logits must match
 
@@ -203,7 +236,7 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
     num_tokens_post_padded from the same launch instead of permuted_to_token / tile_to_expert (align_reference).
     """
     if model is not None:
-        top_k, method, n_group, topk_group, routed_scaling_factor, renormalize = _from_model(
+        top_k, method, n_group, topk_group, routed_scaling_factor, renormalize = model_args(
             model, top_k, method, n_group, topk_group, routed_scaling_factor, renormalize)
     if type(logits) is not torch.Tensor or logits.dim() != 2:
         check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local_experts,
@@ -237,11 +270,11 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
         if r is None:
             tbl = table()
             a = arch(dev)
-            tag_consts = _constants(E, top_k, method, n_group, topk_group, renormalize, DTYPE_NAMES[logits.dtype],
+            tag_consts = tag_constants(E, top_k, method, n_group, topk_group, renormalize, DTYPE_NAMES[logits.dtype],
                                     "none" if bias is None else DTYPE_NAMES[bias.dtype], DTYPE_NAMES[wdt],
                                     layout == "align")
             s = plan_mod.plan(tbl, OP, {"num_experts": E, "top_k": top_k, "tokens": max(T, 1)}, *tag_consts, a)
-            r = _Route(tag_consts[1], s, T, dev, tile is not None, tbl, a)
+            r = Route(s, T, dev, tile is not None, tbl)
             _routes[key] = r
     ls, nl = _check_unkeyed(tile, local_experts, routed_scaling_factor, E)
     if workspace is None:
@@ -250,7 +283,7 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
     else:
         check_workspace(OP, workspace, T, E, top_k, tile, nl, logits.device, layout)
     ws = workspace
-    _launch(r, logits, bias, ws, T, tile, ls, nl, float(routed_scaling_factor), current_stream(dev))
+    r.run(current_stream(dev), logits, bias, ws, T, tile, ls, nl, float(routed_scaling_factor))
     return ws.result(T, nl)
 
 
@@ -259,24 +292,6 @@ def _route_key(logits, bias, workspace, T, E, top_k, method, n_group, topk_group
     return (logits.dtype, None if bias is None else bias.dtype,
             workspace.weights_dtype if workspace is not None else torch.float32, T, E, top_k, method, n_group,
             topk_group, renormalize, tile is not None, dev, layout)
-
-
-def _launch(r: _Route, logits, bias, ws: RoutingWorkspace, T: int, tile: int | None, ls: int, nl: int,
-            rsf: float, stream: int) -> None:
-    """The launches of one routing call (checked inputs; the tuner times candidates through it too)."""
-    bias_ptr = 0 if bias is None else bias.data_ptr()
-    if tile is None:
-        r.ids_only(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), 0, 0, 0, 0, 0, 0,
-               rsf, T, logits.stride(0), 0, ls, nl, 0)
-    elif r.fused:
-        r.topk(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), ws.counts.data_ptr(),
-               ws.offsets.data_ptr(), ws.e2p.data_ptr(), ws.p2t.data_ptr(), ws.t2e.data_ptr(),
-               ws.num_rows.data_ptr(), rsf, T, logits.stride(0), tile, ls, nl, ws.max_rows)
-    else:
-        if T:
-            r.topk(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), 0, 0, 0, 0, 0, 0,
-                   rsf, T, logits.stride(0), 0, ls, nl, 0)
-        r.permute(stream, ws.ids.data_ptr(), ws, T, tile, ls, nl)
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -330,7 +345,9 @@ def _check_unkeyed(tile, local_experts, rsf, E) -> tuple[int, int]:
     return ls_nl
 
 
-def _from_model(name, top_k, method, n_group, topk_group, rsf, renormalize):
+def model_args(name, top_k, method, n_group, topk_group, rsf, renormalize) -> tuple:
+    """route's (top_k, method, n_group, topk_group, routed_scaling_factor, renormalize) from model `name` of
+    the tier table; an explicit value that disagrees with the model is an InputError."""
     key = (name, top_k, method, n_group, topk_group, rsf, renormalize)
     try:
         hit = _models.get(key)

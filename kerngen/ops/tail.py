@@ -126,23 +126,32 @@ def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpe
             for rule in tbl.rules_for(OP, shape, model.tokens) for flags in WARMUP_FLAGS]
 
 
-def explain_spec(args, tbl: Table, arch_: str) -> plan_mod.KernelSpec:
-    """`kerngen explain --op tail`: the shared + residual kernel (no residual_out) of that shape."""
-    return spec(args.hidden, args.topk, args.dtype, args.weights_dtype, args.dtype, (True, True, False),
-                args.tokens, arch_, tbl)
+def explain_spec(tbl: Table, arch_: str, *, hidden: int, top_k: int, tokens: int, dtype: str = "bfloat16",
+                 weights_dtype: str = "float32", **_shape) -> plan_mod.KernelSpec:
+    """`kerngen explain --op tail`: the shared + residual kernel (no residual_out) of that shape, output in
+    `dtype`; other shape keywords (experts, model) do not apply."""
+    return spec(hidden, top_k, dtype, weights_dtype, dtype, (True, True, False), tokens, arch_, tbl)
 
 
 _functions: dict[plan_mod.KernelSpec, object] = {}
 _fast: dict[tuple, tuple] = {}   # input signature -> (function, T, H, out dtype, g stand-in, device, fp8 blocks)
 
 
-def _function(s: plan_mod.KernelSpec):
+def kernel(s: plan_mod.KernelSpec, tokens: int = 0, device: int | None = None):
+    """The CuTe DSL function of spec `s` (TVM-FFI, on tensors of any token count, torch's current stream);
+    `tokens` and `device` complete the ops' common signature and change nothing here."""
     fn = _functions.get(s)
     if fn is None:
         built = jit.build(s)
         fn = cute_backend.load(built.files, built.key)
         _functions[s] = fn
     return fn
+
+
+def clear() -> None:
+    """Forget the loaded functions and input signatures (after the tier table or the cache changed)."""
+    _functions.clear()
+    _fast.clear()
 
 
 def _sig(t):
@@ -231,7 +240,7 @@ def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
     s = spec(H, K, _NAMES[g.dtype], _NAMES[w.dtype], _NAMES[odt], flags, max(T, 1), arch(dev))
     # the kernel loads row 0 for skipped slots (no branch around loads): give it a row when gemm2_out has none
     g_arg = torch.zeros(1, H, dtype=g.dtype, device=g.device) if not g.shape[0] else (True if g.shape[1] != H else None)
-    return _function(s), T, H, odt, g_arg, dev, H // FP8_BLOCK if odt == FP8 else 0
+    return kernel(s), T, H, odt, g_arg, dev, H // FP8_BLOCK if odt == FP8 else 0
 
 
 def _slow_checks(g, e2p, w, nw, shared, residual, residual_out, out_dtype):

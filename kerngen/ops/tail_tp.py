@@ -44,6 +44,17 @@ def allreduce_params(tokens: int, hidden: int, world: int, tbl: Table | None = N
     return p
 
 
+def model_specs(model, tbl: Table, arch_: str) -> list:
+    """No kernels of its own: the tensor-parallel tail runs finalize's and tail's, which warmup builds."""
+    return []
+
+
+def clear() -> None:
+    """Forget the symmetric buffers and identity rows (the symmetric buffers are exchanged again on next use)."""
+    _symm.clear()
+    _identity.clear()
+
+
 _symm: dict[tuple, torch.Tensor] = {}        # (group name, H, dtype, device) -> symmetric [max_tokens, H] buffer
 _identity: dict[tuple, tuple] = {}           # (T, device) -> (arange(T) [T, 1] int32, ones [T, 1] fp32)
 

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import kerngen
+from kerngen import jit
 from kerngen.ops.finalize import reference
 from tests.helpers import CUTE_FINALIZE_TIERS
 
@@ -187,15 +188,17 @@ def cute_tiers(tmp_path, monkeypatch):
     path = tmp_path / "cute.toml"
     path.write_text(CUTE_FINALIZE_TIERS)
     monkeypatch.setenv("KERNGEN_TIERS", str(path))
-    fin._launchers.clear()
-    fin._fast.clear()
+    fin.clear()
+    jit.last_status.clear()
     yield fin
-    fin._launchers.clear()
-    fin._fast.clear()
+    fin.clear()
 
 
 def uses_cute(fin):
-    return fin._launchers and all(type(v).__name__ == "_Cute" for v in fin._launchers.values())
+    """The finalize kernels loaded since the last clear are CuTe DSL builds (a CuTe finalize builds on every
+    kernel() call; a CUDA C++ one only on its first, so after a clear it may load none)."""
+    built = [s for s in jit.last_status if s.op == "finalize"]
+    return bool(built) and all(s.backend == "cute" for s in built)
 
 
 @pytest.mark.parametrize("K", [1, 4, 8, 16, 22, 32])
@@ -220,8 +223,8 @@ def test_cute_variant_matches_the_cuda_kernels_and_skips_bad_rows(cute_tiers, mo
     e2p[0, 0], e2p[1, 3] = gemm2.shape[0], 1 << 30   # out of range: skipped, never a fault
     got = kerngen.finalize(gemm2, e2p, w)
     assert uses_cute(cute_tiers)
-    cute_tiers._launchers.clear()
-    cute_tiers._fast.clear()
+    cute_tiers.clear()
+    jit.last_status.clear()
     monkeypatch.delenv("KERNGEN_TIERS")   # the shipped CUDA C++ rules
     cuda = kerngen.finalize(gemm2, e2p, w)
     assert not uses_cute(cute_tiers)

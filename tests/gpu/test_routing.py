@@ -223,7 +223,7 @@ def test_onepass_permute_any_grid_distinct_and_repeated_ids(params, E, K):
         ls, nl = local or (0, E)
         ws = pm.RoutingWorkspace(333, E, K, tile, local_experts=(ls, nl))
         for T in (333, 0, 1, 31, 32, 33, 200, 5):
-            p = pm.Permute(E, K, T, dev, tbl, target_arch(dev))
+            p = pm.kernel(pm.spec(E, K, max(T, 1), target_arch(dev), tbl), T, dev)
             for repeated in (False, True):
                 if repeated:   # random ids in [-2, E + 2): repeats within a token, and ids outside the range
                     ids = torch.randint(-2, E + 2, (T, K), device="cuda", generator=g, dtype=torch.int32)
@@ -279,16 +279,16 @@ def test_fused_configurations_any_tier_may_pick(name, params):
     from kerngen.plan import spec_for, target_arch
     m, kw = model_args(name)
     E, K, dev = m.num_experts, m.top_k, torch.cuda.current_device()
-    tag, consts = rt._constants(E, K, m.routing, m.n_group, m.topk_group, m.renormalize, "float32",
-                                "float32" if "sigmoid_bias" in m.routing else "none", "float32")
+    tag, consts = rt.tag_constants(E, K, m.routing, m.n_group, m.topk_group, m.renormalize, "float32",
+                                   "float32" if "sigmoid_bias" in m.routing else "none", "float32")
     spec = spec_for(tiers.Rule(op="routing", variant="fused", ranges={}, params=params), tag, consts, target_arch(dev))
     for T in sorted({1, 7, params["max_tokens"] // 2 + 1, params["max_tokens"]}):
-        r = rt._Route(consts, spec, T, dev, True, tiers.load(), target_arch(dev))
+        r = rt.kernel(spec, T, dev, tbl=tiers.load())
         logits = make(T, E, seed=T)
         bias = make_bias(E, m.routing, T)
         ws = pm.RoutingWorkspace(T, E, K, 16)
         for _ in range(2):   # the second call also clears what the first left beyond its rows
-            rt._launch(r, logits, bias, ws, T, 16, 0, E, float(m.routed_scaling_factor), current_stream(dev))
+            r.run(current_stream(dev), logits, bias, ws, T, 16, 0, E, float(m.routed_scaling_factor))
         ids, _ = rt.reference(logits, K, m.routing, bias, m.n_group, m.topk_group, m.routed_scaling_factor,
                               m.renormalize)
         assert torch.equal(ws.ids[:T], ids), (T, params)

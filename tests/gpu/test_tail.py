@@ -330,7 +330,7 @@ def tail_function(H, K, params, odtype="bfloat16", flags=(True, True, True)):
     from kerngen.ops import tail
     from kerngen.plan import target_arch
     params = {"backend": "cute", "cluster": 1, "max_loads": 32, "pdl": True, **params}
-    return tail._function(tail.params_spec(params, H, K, "bfloat16", "float32", odtype, flags, target_arch()))
+    return tail.kernel(tail.params_spec(params, H, K, "bfloat16", "float32", odtype, flags, target_arch()))
 
 
 @pytest.mark.parametrize("params", SPLIT_CONFIGS,
