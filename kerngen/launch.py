@@ -2,15 +2,21 @@
 
 Every CUDA C++ kernel of kerngen takes one by-value parameter struct (`__grid_constant__ const Params p`),
 so a launch packs its arguments into one preallocated buffer with `struct.pack_into` and hands the driver a
-pointer to it: no per-argument Python objects. The driver copies the parameters at launch (and at graph
+pointer to it: no per-argument Python objects. A `Params` names that struct's fields in order; it gives the
+packing (C's natural alignment) and the by-name launch, and tests/test_params_layout.py checks it against the
+C struct. The driver copies the parameters at launch (and at graph
 capture), so the buffer may be reused at once; it is per thread. Launch goes through ctypes to the
 driver's cuLaunchKernelEx with prebuilt C structs: most of a launch's host cost is then the driver's own.
 """
 from __future__ import annotations
 
 import ctypes
+import itertools
+import keyword
+import re
 import struct
 import threading
+from types import MethodType
 
 import torch
 
@@ -34,6 +40,51 @@ def _ok(result, what: str):
         name = drv.cuGetErrorName(err)[1]
         raise DeviceError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
     return result[1] if isinstance(result, tuple) and len(result) > 1 else None
+
+
+C_TYPES = {"ptr": "Q", "int": "i", "unsigned": "I", "float": "f"}   # field type -> struct code (size = alignment)
+
+
+class Params:
+    """One kernel's by-value `struct Params`, as its ordered (name, C type) fields ("ptr", "int", "unsigned",
+    "float"). Every field sits at a multiple of its size and the struct's size is a multiple of the largest,
+    as C lays it out; `format` is that packing for the struct module, `offsets` each field's byte offset."""
+
+    def __init__(self, *fields: tuple[str, str]):
+        for name, ctype in fields:
+            if not re.fullmatch(r"[a-z_][a-z0-9_]*", name) or keyword.iskeyword(name) or ctype not in C_TYPES:
+                raise ValueError(f"Params field {name!r} of type {ctype!r}: a C identifier of one of {list(C_TYPES)}")
+        self.fields, self.names = tuple(fields), tuple(n for n, _ in fields)
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"Params fields named twice: {self.names}")
+        # the C names: a trailing '_' marks a C field named as a Python keyword (finalize's `in`)
+        self.c_names = tuple(n[:-1] if n.endswith("_") and keyword.iskeyword(n[:-1]) else n for n in self.names)
+        codes, offsets, at, align = [], {}, 0, 1
+        for name, ctype in fields:
+            size = struct.calcsize(C_TYPES[ctype])
+            codes += ["x"] * (-at % size)
+            at += -at % size
+            offsets[name], at, align = at, at + size, max(align, size)
+            codes.append(C_TYPES[ctype])
+        codes += ["x"] * (-at % align)
+        self.offsets, self.size = offsets, at + -at % align
+        runs = [(code, len(list(run))) for code, run in itertools.groupby(codes)]
+        self.format = "".join(f"{n}{code}" if n > 1 else code for code, n in runs)   # e.g. "10Qf6i4x"
+        # by-name launch and bind, generated once per struct (as Triton derives its launcher from the signature):
+        # keyword arguments straight into pack_into, no per-call dict; a field left out packs as 0
+        sig, names = ", ".join(f"{n}=0" for n in self.names), ", ".join(self.names)
+        code = (f"def launch(self, stream, *, {sig}):\n"
+                f"    st = self._states.get(get_ident()) or self._state()\n"
+                f"    self.pack.pack_into(st.buf, 0, {names})\n"
+                f"    st.cfg.stream = stream\n"
+                f"    err = self._launch(st.cfg_p, self._fn_p, st.argv_p, None)\n"
+                f"    if err:\n"
+                f"        self._failed(err)\n"
+                f"def bind(self, *, {sig}):\n"
+                f"    return self._bound({names})\n")
+        scope = {"get_ident": threading.get_ident}
+        exec(code, scope)
+        self.launch, self.bind = scope["launch"], scope["bind"]
 
 
 class Module:
@@ -97,19 +148,23 @@ def _launch_fn():
 
 
 class Launcher:
-    """One kernel at one grid/block on one device; `launcher(stream, *args)` packs args and launches.
+    """One kernel at one grid/block on one device; `launcher.launch(stream, field=value, ...)` packs the
+    fields of its `Params` by name (0 for a field left out) and launches; `launcher(stream, *values)` takes
+    them in field order.
 
-    `fmt` is the struct-module format of the kernel's Params struct (pointers 'Q', int32 'i', float 'f',
-    explicit 'x' padding), native alignment disabled ('<'): the C struct must be laid out to match.
+    `params` is the kernel's Params (or a bare struct-module format: positional calls only).
     With `pdl`, the launch allows programmatic dependent launch (the kernel must griddepcontrol.wait
     before reading anything its predecessors wrote).
     """
 
-    def __init__(self, module: Module, name: str, device: int, grid, block, fmt: str, smem: int = 0,
+    def __init__(self, module: Module, name: str, device: int, grid, block, params: Params | str, smem: int = 0,
                  pdl: bool = False):
         drv = _drv()
         self.fn = module.function(name, device)
-        self.pack = struct.Struct("<" + fmt)
+        self.params = params if isinstance(params, Params) else None
+        self.pack = struct.Struct("<" + (params.format if self.params else params))
+        if self.params:
+            self.launch, self.bind = MethodType(params.launch, self), MethodType(params.bind, self)
         self.grid, self.block, self.smem, self.pdl = tuple(grid), tuple(block), smem, pdl
         self.name = name
         self._fn_p = ctypes.c_void_p(int(self.fn))
@@ -139,10 +194,14 @@ class Launcher:
         st.cfg.stream = stream
         err = self._launch(st.cfg_p, self._fn_p, st.argv_p, None)
         if err:
-            _ok(_drv().CUresult(err), f"launching {self.name} grid={self.grid} block={self.block}")
+            self._failed(err)
 
-    def bind(self, *args) -> "BoundLaunch":
-        """These arguments packed once: the returned call costs the stream lookup and the driver launch."""
+    def _failed(self, err: int):
+        _ok(_drv().CUresult(err), f"launching {self.name} grid={self.grid} block={self.block}")
+
+    def _bound(self, *args) -> "BoundLaunch":
+        """These arguments packed once (`bind(field=value, ...)`): the returned call costs the stream lookup
+        and the driver launch."""
         st = self._state(register=False)
         self.pack.pack_into(st.buf, 0, *args)
         return BoundLaunch(self, st)

@@ -191,4 +191,4 @@ def test_python_packing_matches_the_params_struct():
     t = tiers.load()
     if not any(r.op == "experts" for r in t.rules):
         pytest.skip("no experts rule in tiers.toml")
-    check_layout("experts stream", render.render(ex.spec(2048, 768, 8, "silu", 1, "sm_90a", t)), ex.FMT)
+    check_layout("experts stream", render.render(ex.spec(2048, 768, 8, "silu", 1, "sm_90a", t)), ex.PARAMS)

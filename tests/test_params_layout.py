@@ -1,29 +1,20 @@
-"""Every CUDA kernel takes one by-value `struct Params` that Python packs with a struct-module format. A field
-added on one side only would shift every later field: the kernel would read garbage, silently. Here each
-field's offset and the struct's size, as Python packs them, are checked by the compiler (static_assert on
-__builtin_offsetof / sizeof) against the rendered source of every kernel family."""
+"""Every CUDA kernel takes one by-value `struct Params` that Python packs from the op's field list (a
+`kerngen.launch.Params`). A field added on one side only would shift every later field: the kernel would read
+garbage, silently. Here the field names must match the C struct's in order, and each field's offset and the
+struct's size, as the field list packs them, are checked by the compiler (static_assert on __builtin_offsetof /
+sizeof) against the rendered source of every kernel family."""
 import re
-import struct
 
 import pytest
 
 from kerngen import render, tiers
 from kerngen.compile import nvrtc_compile
 from kerngen.errors import CompileError
+from kerngen.launch import Params
+from kerngen.ops import experts as ex
 from kerngen.ops import finalize as fin
 from kerngen.ops import permute as pm
 from kerngen.ops import routing as rt
-
-
-def packed_fields(fmt: str) -> list[int]:
-    """Byte offset of each non-padding field of the little-endian, unaligned format `fmt`."""
-    offsets, at = [], 0
-    for count, code in re.findall(r"(\d*)([a-zA-Z?])", fmt):
-        for _ in range(int(count or 1)):
-            if code != "x":
-                offsets.append(at)
-            at += struct.calcsize("<" + code)
-    return offsets
 
 
 def struct_fields(source: str) -> list[str]:
@@ -41,31 +32,66 @@ def struct_fields(source: str) -> list[str]:
 def families():
     t = tiers.load()
     m = t.model("kimi-k3")
-    yield "finalize small_batch", fin.spec(3584, 16, "bfloat16", "float32", 1, "sm_90a", tbl=t), fin.FMT
-    yield "finalize large_batch", fin.spec(3584, 16, "bfloat16", "float32", 1024, "sm_90a", tbl=t), fin.FMT
+    yield "finalize small_batch", fin.spec(3584, 16, "bfloat16", "float32", 1, "sm_90a", tbl=t), fin.PARAMS
+    yield "finalize large_batch", fin.spec(3584, 16, "bfloat16", "float32", 1024, "sm_90a", tbl=t), fin.PARAMS
     for T in (1, 4096):   # fused, then topk
-        yield f"routing T={T}", rt.spec(m.num_experts, m.top_k, m.routing, T, "sm_90a", tbl=t), rt.ROUTE_FMT
-    yield "permute", pm.spec(m.num_experts, m.top_k, 4096, "sm_90a", t), pm.PERMUTE_FMT
+        yield f"routing T={T}", rt.spec(m.num_experts, m.top_k, m.routing, T, "sm_90a", tbl=t), rt.PARAMS
+    yield "permute histogram", pm.spec(m.num_experts, m.top_k, 4096, "sm_90a", t), pm.PARAMS
+    yield "permute onepass", pm.spec(m.num_experts, m.top_k, 1, "sm_90a", t), pm.PARAMS
+    yield "experts mma", ex.spec(7168, 2048, 8, "silu", 1, "sm_90a", t), ex.PARAMS
 
 
-def check_layout(name, src, fmt):
-    fields, offsets = struct_fields(src), packed_fields(fmt)
-    assert len(fields) == len(offsets), (name, fields, fmt)
-    checks = [f'static_assert(sizeof(Params) == {struct.calcsize("<" + fmt)}, "sizeof(Params) vs {fmt}");']
-    checks += [f'static_assert(__builtin_offsetof(Params, {f}) == {o}, "offset of {f} vs {fmt}");'
-               for f, o in zip(fields, offsets)]
+def check_layout(name, src, params: Params):
+    fields = struct_fields(src)
+    assert fields == list(params.c_names), (name, fields, params.c_names)
+    checks = [f'static_assert(sizeof(Params) == {params.size}, "sizeof(Params) vs {params.format}");']
+    checks += [f'static_assert(__builtin_offsetof(Params, {c}) == {params.offsets[n]}, "offset of {c} vs '
+               f'{params.format}");' for n, c in zip(params.names, params.c_names)]
     nvrtc_compile(src + "\n" + "\n".join(checks) + "\n", "layout", "sm_90a", f"layout-{name}", None)
 
 
-@pytest.mark.parametrize("name, spec, fmt", list(families()), ids=lambda v: v if isinstance(v, str) else "")
-def test_python_packing_matches_the_kernel_params_struct(name, spec, fmt):
-    check_layout(name, render.render(spec), fmt)
+@pytest.mark.parametrize("name, spec, params", list(families()), ids=lambda v: v if isinstance(v, str) else "")
+def test_python_packing_matches_the_kernel_params_struct(name, spec, params):
+    assert spec.backend == "nvrtc"
+    check_layout(name, render.render(spec), params)
+
+
+def test_field_lists_pack_as_c_lays_out():
+    """Natural alignment: a pointer after an int starts at the next multiple of 8, the size rounds up to 8."""
+    assert (rt.PARAMS.format, pm.PARAMS.format, fin.PARAMS.format, ex.PARAMS.format) == (
+        "10Qf6i4x", "9Q5i4x", "4Q3i4x", "11Q4i2f")
+    p = Params(("a", "int"), ("b", "ptr"), ("c", "float"))
+    assert (p.format, p.offsets, p.size) == ("i4xQf4x", {"a": 0, "b": 8, "c": 16}, 24)
+    assert fin.PARAMS.c_names[0] == "in" and fin.PARAMS.names[0] == "in_"
 
 
 def test_a_field_python_packs_elsewhere_fails_to_compile():
-    """The permute format with the ticket packed as an int plus padding and the next field as a pointer: same
-    field count, same size, later fields at other offsets, which only the offset checks see."""
+    """The permute fields with the ticket an int and the next field a pointer: same names, same size, later
+    fields at other offsets, which only the offset checks see."""
     src = render.render(pm.spec(896, 16, 4096, "sm_90a", tiers.load()))
-    assert pm.PERMUTE_FMT == "9Q5i4x"
+    shuffled = Params(*[(n, "int" if n == "ticket" else "ptr" if n == "tokens" else t) for n, t in pm.PARAMS.fields])
+    assert shuffled.size == pm.PARAMS.size and shuffled.names == pm.PARAMS.names
     with pytest.raises(CompileError, match="offset of"):
-        check_layout("permute-shuffled", src, "8Qi4xQ4i")
+        check_layout("permute-shuffled", src, shuffled)
+
+
+def test_a_launch_by_name_packs_fields_in_order_and_zero_for_the_rest():
+    """Params.launch / bind (what Launcher.launch and .bind are) on a stand-in launcher: no GPU needed."""
+    import ctypes
+    import struct
+    import threading
+    from types import SimpleNamespace
+
+    launched = []
+    st = SimpleNamespace(buf=ctypes.create_string_buffer(pm.PARAMS.size), cfg=SimpleNamespace(stream=None),
+                         cfg_p=1, argv_p=2)
+    stub = SimpleNamespace(_states={threading.get_ident(): st}, _state=None, _fn_p=3, _failed=None,
+                           pack=struct.Struct("<" + pm.PARAMS.format),
+                           _launch=lambda *a: launched.append(a) or 0, _bound=lambda *values: values)
+    pm.PARAMS.launch(stub, 7, ids=11, ticket=19, tokens=5, max_rows=96)
+    want = (11, 0, 0, 0, 0, 0, 0, 0, 19, 5, 0, 0, 0, 96)
+    assert st.buf.raw == struct.pack("<" + pm.PARAMS.format, *want) and st.cfg.stream == 7
+    assert launched == [(1, 3, 2, None)]
+    assert rt.PARAMS.bind(stub, tokens=3, rsf=0.5, logits=1) == (1,) + (0,) * 9 + (0.5, 3) + (0,) * 5
+    with pytest.raises(TypeError):
+        fin.PARAMS.launch(stub, 0, in_=1, idx=2, wrong=3)   # a name the struct does not have

@@ -21,14 +21,17 @@ import torch.nn.functional as F
 from .. import plan as plan_mod
 from .. import tiers
 from ..errors import InputError, TierError
-from ..launch import Launcher, current_stream
+from ..launch import Launcher, Params, current_stream
 from ._common import arch, check_aligned, check_tensor, resolve, sm_count, table
 
 OP = "experts"
 ACTIVATIONS = tiers.EXPERT_ACTIVATIONS
 VARIANTS = ("mma",)
 MAX_TILE = 16   # rows of a tile the kernels take (two 8-row n-blocks of mma accumulators)
-FMT = "11Qiiiiff"
+# struct Params of templates/experts/mma.cu.j2 (both kernels)
+PARAMS = Params(("x", "ptr"), ("w13", "ptr"), ("b13", "ptr"), ("inw", "ptr"), ("w2", "ptr"), ("b2", "ptr"),
+                ("p2t", "ptr"), ("t2e", "ptr"), ("nrows", "ptr"), ("act", "ptr"), ("out", "ptr"), ("tokens", "int"),
+                ("experts", "int"), ("interleaved", "int"), ("tiles", "int"), ("a0", "float"), ("a1", "float"))
 _BF16 = (torch.bfloat16,)
 
 
@@ -171,8 +174,8 @@ class Kernels:
         pdl = bool(p.get("pdl", False))
         ctas = p.get("blocks_per_sm", 4) * sm_count(device)
         grid1, grid2 = (min(ctas, tiles * -(-I // 8)), 1, 1), (min(ctas, tiles * -(-H // 16)), 1, 1)
-        self.gemm1 = Launcher(mod, "experts_gemm1", device, grid1, (32 * warps, 1, 1), FMT, pdl=pdl)
-        self.gemm2 = Launcher(mod, "experts_gemm2", device, grid2, (32 * warps, 1, 1), FMT, pdl=pdl)
+        self.gemm1 = Launcher(mod, "experts_gemm1", device, grid1, (32 * warps, 1, 1), PARAMS, pdl=pdl)
+        self.gemm2 = Launcher(mod, "experts_gemm2", device, grid2, (32 * warps, 1, 1), PARAMS, pdl=pdl)
         self.device = device
 
     def __call__(self, x, routing, w13, w2, out, act, *, interleaved=False, b13=None, b2=None, input_weights=None,
@@ -182,13 +185,14 @@ class Kernels:
         T = x.shape[0]
         inw = None if input_weights is None else input_weights.float().reshape(T).contiguous()
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        args = (x.data_ptr(), w13.data_ptr(), ptr(b13), ptr(inw), w2.data_ptr(), ptr(b2),
-                routing.permuted_to_token.data_ptr(), routing.tile_to_expert.data_ptr(),
-                routing.num_permuted_rows.data_ptr(), act.data_ptr(), out.data_ptr(), T, w13.shape[0],
-                int(interleaved), routing.tile_to_expert.shape[0], float(a0), float(a1))
+        args = dict(x=x.data_ptr(), w13=w13.data_ptr(), b13=ptr(b13), inw=ptr(inw), w2=w2.data_ptr(), b2=ptr(b2),
+                    p2t=routing.permuted_to_token.data_ptr(), t2e=routing.tile_to_expert.data_ptr(),
+                    nrows=routing.num_permuted_rows.data_ptr(), act=act.data_ptr(), out=out.data_ptr(), tokens=T,
+                    experts=w13.shape[0], interleaved=int(interleaved), tiles=routing.tile_to_expert.shape[0],
+                    a0=float(a0), a1=float(a1))
         stream = current_stream(self.device)
-        self.gemm1(stream, *args)
-        self.gemm2(stream, *args)
+        self.gemm1.launch(stream, **args)
+        self.gemm2.launch(stream, **args)
         return out
 
 

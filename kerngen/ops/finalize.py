@@ -8,7 +8,7 @@ import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError
-from ..launch import Launcher, current_stream
+from ..launch import Launcher, Params, current_stream
 from ..tiers import Model, Table
 from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
                       resolve, table)
@@ -18,7 +18,9 @@ MAX_K = 64
 CUTE_MAX_K = 32   # templates/finalize/cute.py keeps a token's indices and weights in registers
 _ACT = (torch.bfloat16, torch.float16)
 _W = (torch.float32, torch.bfloat16)
-FMT = "QQQQiii4x"
+# struct Params of templates/finalize/_finalize.cuh.j2 (`in_`: the C field `in`, a Python keyword)
+PARAMS = Params(("in_", "ptr"), ("idx", "ptr"), ("w", "ptr"), ("out", "ptr"), ("ld", "int"), ("rows", "int"),
+                ("tokens", "int"))
 
 
 def reference(gemm2_out, expanded_to_permuted, topk_weights, hidden=None):
@@ -102,7 +104,7 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | _Cute
         raise InputError(OP, "tier variant", "small_batch, large_batch or cute", s.variant)
     if block[0] * block[1] > 1024:
         raise InputError(OP, "tier params", "a block of at most 1024 threads", f"{block} from {s.params}")
-    return Launcher(resolve(s), f"{OP}_{s.variant}", device, grid, block, FMT, pdl=bool(p.get("pdl", False)))
+    return Launcher(resolve(s), f"{OP}_{s.variant}", device, grid, block, PARAMS, pdl=bool(p.get("pdl", False)))
 
 
 def clear() -> None:
@@ -146,7 +148,8 @@ def finalize(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
         check_buffer(OP, "out", out, g.dtype, (T, H), g.device, align=16)
     if T:
         if type(launcher) is Launcher:
-            launcher(current_stream(dev), g_ptr, e2p.data_ptr(), w.data_ptr(), out.data_ptr(), ld, rows, T)
+            launcher.launch(current_stream(dev), in_=g_ptr, idx=e2p.data_ptr(), w=w.data_ptr(), out=out.data_ptr(),
+                            ld=ld, rows=rows, tokens=T)
         else:
             launcher.run(g, e2p, w, out, H)
     return out
@@ -156,8 +159,8 @@ def bound(launcher: Launcher | _Cute, g, e2p, w, out, H: int):
     """A call of `launcher` on these tensors with nothing left to check: `call(stream)` (the stream is
     torch's current one for a CuTe function, whatever is passed)."""
     if type(launcher) is Launcher:
-        return launcher.bind(g.data_ptr(), e2p.data_ptr(), w.data_ptr(), out.data_ptr(), g.stride(0), g.shape[0],
-                             e2p.shape[0])
+        return launcher.bind(in_=g.data_ptr(), idx=e2p.data_ptr(), w=w.data_ptr(), out=out.data_ptr(), ld=g.stride(0),
+                             rows=g.shape[0], tokens=e2p.shape[0])
     return lambda stream: launcher.run(g, e2p, w, out, H)
 
 

@@ -15,14 +15,17 @@ import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError, TierError
-from ..launch import Launcher, current_stream
+from ..launch import Launcher, Params, current_stream
 from ..tiers import MAX_EXPERTS, MAX_TOPK, Model, Table
 from ._common import arch, check_int, check_local, check_tensor, require_gpu, resolve, table
 
 OP = "permute"
 _WEIGHTS = (torch.float32, torch.bfloat16)
 MIN_TOKENS_PER_BLOCK = 16          # permute tiers: the histogram scratch is sized for this
-PERMUTE_FMT = "9Q5i4x"
+# struct Params of templates/permute/histogram.cu.j2 and onepass.cu.j2 (hist and ticket unused by onepass)
+PARAMS = Params(("ids", "ptr"), ("counts", "ptr"), ("offsets", "ptr"), ("e2p", "ptr"), ("p2t", "ptr"), ("t2e", "ptr"),
+                ("num_rows", "ptr"), ("hist", "ptr"), ("ticket", "ptr"), ("tokens", "int"), ("tile", "int"),
+                ("local_start", "int"), ("num_local", "int"), ("max_rows", "int"))
 MAX_DYNAMIC_SMEM = 226 * 1024        # onepass permute: sm_90 gives a CTA 227 KiB, less its static arrays
 
 # ----------------------------------------------------------------------------------------------- results
@@ -254,7 +257,7 @@ class Permute:
             if smem > MAX_DYNAMIC_SMEM:
                 raise TierError(f"permute rule {s.variant} {s.params} at E={E}, K={K}, T={T} needs {smem} bytes of "
                                 f"shared memory, more than {MAX_DYNAMIC_SMEM}: give these tokens a histogram rule")
-            self.launches = [Launcher(resolve(s), "permute_onepass", dev, (ctas, 1, 1), (threads, 1, 1), PERMUTE_FMT,
+            self.launches = [Launcher(resolve(s), "permute_onepass", dev, (ctas, 1, 1), (threads, 1, 1), PARAMS,
                                       smem=smem, pdl=True)]
             self.first_needs_tokens = False
             return
@@ -267,18 +270,19 @@ class Permute:
         nb = -(-T // c)
         place = -(-E // 8) + -(-T * K // 256)   # layout CTAs (a warp per expert), then a thread per entry
         self.launches = [
-            Launcher(mod, "permute_block_rank", dev, (nb, 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True),
-            Launcher(mod, "permute_offsets", dev, (-(-E // 32), 1, 1), (1024, 1, 1), PERMUTE_FMT, pdl=True),
-            Launcher(mod, "permute_place", dev, (place, 1, 1), (256, 1, 1), PERMUTE_FMT, pdl=True)]
+            Launcher(mod, "permute_block_rank", dev, (nb, 1, 1), (256, 1, 1), PARAMS, pdl=True),
+            Launcher(mod, "permute_offsets", dev, (-(-E // 32), 1, 1), (1024, 1, 1), PARAMS, pdl=True),
+            Launcher(mod, "permute_place", dev, (place, 1, 1), (256, 1, 1), PARAMS, pdl=True)]
         self.first_needs_tokens = True   # permute_block_rank has no CTA at T = 0
 
     def __call__(self, stream, ids_ptr, ws: RoutingWorkspace, T: int, tile: int, ls: int, nl: int):
-        args = (ids_ptr, ws.counts.data_ptr(), ws.offsets.data_ptr(), ws.e2p.data_ptr(), ws.p2t.data_ptr(),
-                ws.t2e.data_ptr(), ws.num_rows.data_ptr(), ws.hist.data_ptr(), ws.ticket.data_ptr(), T, tile, ls, nl,
-                ws.max_rows)
-        for i, launch in enumerate(self.launches):
+        counts, offsets, e2p, p2t = ws.counts.data_ptr(), ws.offsets.data_ptr(), ws.e2p.data_ptr(), ws.p2t.data_ptr()
+        t2e, num_rows, hist, ticket = ws.t2e.data_ptr(), ws.num_rows.data_ptr(), ws.hist.data_ptr(), ws.ticket.data_ptr()
+        for i, launcher in enumerate(self.launches):
             if T or i or not self.first_needs_tokens:
-                launch(stream, *args)
+                launcher.launch(stream, ids=ids_ptr, counts=counts, offsets=offsets, e2p=e2p, p2t=p2t, t2e=t2e,
+                                num_rows=num_rows, hist=hist, ticket=ticket, tokens=T, tile=tile, local_start=ls,
+                                num_local=nl, max_rows=ws.max_rows)
 
 
 def onepass_smem_bytes(E: int, K: int, T: int) -> int:

@@ -30,7 +30,7 @@ import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError
-from ..launch import Launcher, current_stream
+from ..launch import Launcher, Params, current_stream
 from ..tiers import MAX_EXPERTS, MAX_TOPK, METHODS, Model, Table
 from . import permute as permute_op
 from ._common import SHORT, DTYPE_NAMES, arch, check_int, check_local, check_tensor, resolve, table
@@ -42,7 +42,11 @@ _BIAS = (torch.float32, torch.bfloat16)
 _SIGMOID_BIAS = ("sigmoid_bias", "grouped_sigmoid_bias")
 _SHORT_METHOD = {"softmax_topk": "smk", "topk_softmax": "tks", "sigmoid_bias": "sgb",
                  "grouped_sigmoid_bias": "gsb", "top1_sigmoid": "t1s"}
-ROUTE_FMT = "10Qf6i4x"
+# struct Params of templates/routing/_routing.cuh.j2 (topk and fused kernels)
+PARAMS = Params(("logits", "ptr"), ("bias", "ptr"), ("ids", "ptr"), ("weights", "ptr"), ("counts", "ptr"),
+                ("offsets", "ptr"), ("e2p", "ptr"), ("p2t", "ptr"), ("t2e", "ptr"), ("num_rows", "ptr"),
+                ("rsf", "float"), ("tokens", "int"), ("ld", "int"), ("tile", "int"), ("local_start", "int"),
+                ("num_local", "int"), ("max_rows", "int"))
 
 
 # --------------------------------------------------------------------------------------------- reference
@@ -168,16 +172,16 @@ class Route:
                 raise InputError(OP, "tier params", "ctas in [1, 8] (a portable cluster), ctas * clusters <= 132",
                                  str(s.params))
             mod = resolve(s)
-            self.topk = Launcher(mod, "routing_fused", dev, (ctas * clusters, 1, 1), (warps * 32, 1, 1), ROUTE_FMT,
+            self.topk = Launcher(mod, "routing_fused", dev, (ctas * clusters, 1, 1), (warps * 32, 1, 1), PARAMS,
                                  pdl=True)
             # ids and weights only: one cluster (the others exist to share the permutation's stores)
-            self.ids_only = Launcher(mod, "routing_fused", dev, (ctas, 1, 1), (warps * 32, 1, 1), ROUTE_FMT,
+            self.ids_only = Launcher(mod, "routing_fused", dev, (ctas, 1, 1), (warps * 32, 1, 1), PARAMS,
                                      pdl=True)
             self.permute = None
         elif s.variant == "topk":
             groups = warps // wpt
             self.topk = Launcher(resolve(s), "routing_topk", dev, (max(1, -(-T // groups)), 1, 1),
-                                 (warps * 32, 1, 1), ROUTE_FMT, pdl=True)
+                                 (warps * 32, 1, 1), PARAMS, pdl=True)
             self.ids_only = self.topk
             self.permute = (permute_op.kernel(permute_op.spec(consts["E"], consts["K"], max(T, 1), s.arch, tbl,
                                                               consts.get("ALIGN", False)), T, dev)
@@ -189,17 +193,21 @@ class Route:
             rsf: float) -> None:
         """The launches of one routing call (checked inputs; the tuner times candidates through it too)."""
         bias_ptr = 0 if bias is None else bias.data_ptr()
-        if tile is None:
-            self.ids_only(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), 0, 0, 0, 0, 0,
-                          0, rsf, T, logits.stride(0), 0, ls, nl, 0)
+        if tile is None:   # tile 0: ids and weights only, the permutation's fields unused
+            self.ids_only.launch(stream, logits=logits.data_ptr(), bias=bias_ptr, ids=ws.ids.data_ptr(),
+                                 weights=ws.weights.data_ptr(), rsf=rsf, tokens=T, ld=logits.stride(0),
+                                 local_start=ls, num_local=nl)
         elif self.fused:
-            self.topk(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(),
-                      ws.counts.data_ptr(), ws.offsets.data_ptr(), ws.e2p.data_ptr(), ws.p2t.data_ptr(),
-                      ws.t2e.data_ptr(), ws.num_rows.data_ptr(), rsf, T, logits.stride(0), tile, ls, nl, ws.max_rows)
+            self.topk.launch(stream, logits=logits.data_ptr(), bias=bias_ptr, ids=ws.ids.data_ptr(),
+                             weights=ws.weights.data_ptr(), counts=ws.counts.data_ptr(), offsets=ws.offsets.data_ptr(),
+                             e2p=ws.e2p.data_ptr(), p2t=ws.p2t.data_ptr(), t2e=ws.t2e.data_ptr(),
+                             num_rows=ws.num_rows.data_ptr(), rsf=rsf, tokens=T, ld=logits.stride(0), tile=tile,
+                             local_start=ls, num_local=nl, max_rows=ws.max_rows)
         else:
             if T:
-                self.topk(stream, logits.data_ptr(), bias_ptr, ws.ids.data_ptr(), ws.weights.data_ptr(), 0, 0, 0, 0,
-                          0, 0, rsf, T, logits.stride(0), 0, ls, nl, 0)
+                self.topk.launch(stream, logits=logits.data_ptr(), bias=bias_ptr, ids=ws.ids.data_ptr(),
+                                 weights=ws.weights.data_ptr(), rsf=rsf, tokens=T, ld=logits.stride(0),
+                                 local_start=ls, num_local=nl)
             self.permute(stream, ws.ids.data_ptr(), ws, T, tile, ls, nl)
 
 
