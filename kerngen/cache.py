@@ -346,9 +346,9 @@ class DiskCache:
         return (self.root / MARKER).is_file()
 
     # ----------------------------------------------------------------- write
-    def put(self, key: str, files: dict[str, bytes], meta: dict, extra: dict[str, bytes] | None = None) -> bool:
-        """Store artifact `files` (checksummed) and `extra` files (e.g. the source), meta.json last. False when
-        nothing was stored: the directory is not written to (write_error says why) or the name is taken."""
+    def put(self, key: str, files: dict[str, bytes], meta: dict) -> bool:
+        """Store artifact `files` (checksummed), meta.json last. False when nothing was stored: the directory is
+        not written to (write_error says why) or the name is taken."""
         check_key(key)
         if not self.writable or self.distrust():
             return False
@@ -357,7 +357,7 @@ class DiskCache:
             entry = self._entry_dir(key)
             if entry is None:
                 return False
-            for name, data in {**(extra or {}), **files}.items():
+            for name, data in files.items():
                 _write(entry / name, data)
             meta = {**meta, "key": key, "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}
             _write(entry / META, json.dumps(meta, indent=1, sort_keys=True).encode())

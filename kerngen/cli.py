@@ -124,7 +124,7 @@ def cmd_explain(args) -> int:
                               "tokens": shape["tokens"], "arch": arch})
     key = jit.key_of(spec)
     store = cache_mod.default()
-    cached = store.get(key, (jit.BACKENDS[spec.backend].artifact,)) is not None
+    cached = store.get(key, (tiers.BACKENDS[spec.backend].artifact,)) is not None
     print(f"op        {args.op}\ntier      {rule.source}\nvariant   {spec.variant} ({spec.backend})\n"
           f"params    {dict(spec.params)}\nconstants {dict(spec.constants)}\narch      {arch}\nkey       {key}\n"
           f"cached    {'yes' if cached else 'no'} ({store.root / key})")
@@ -191,7 +191,7 @@ def _verify(store: cache_mod.DiskCache, keys: list[str]) -> int:
     cache may remove them."""
     bad = removed = 0
     for k in keys:
-        backend = jit.BACKENDS.get((store.meta(k) or {}).get("backend"))
+        backend = tiers.BACKENDS.get((store.meta(k) or {}).get("backend"))
         if store.get(k, (backend.artifact,) if backend else ()) is None and store.miss_reason.get(k) != "building":
             gone = not os.path.lexists(store.root / k)
             bad, removed = bad + 1, removed + gone

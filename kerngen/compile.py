@@ -98,3 +98,9 @@ def nvrtc_compile(source: str, name: str, arch: str, key: str, source_path: str 
         return cubin, log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_spec(spec, source: str, key: str, source_path: str | None) -> dict[str, bytes]:
+    """The NVRTC build of a rendered spec: {"kernel.cubin": cubin} (the backend table's compile entry)."""
+    cubin, _ = nvrtc_compile(source, f"{spec.op}_{spec.variant}", spec.arch, key, source_path)
+    return {"kernel.cubin": cubin}

@@ -9,12 +9,14 @@ import logging
 import shlex
 import time
 from dataclasses import dataclass
+from importlib import import_module
 
 from . import cache as cache_mod
 from . import env
 from .errors import CacheMissError
 from .plan import KernelSpec
 from .render import render
+from .tiers import BACKENDS
 
 log = logging.getLogger("kerngen")
 _strict_override: bool | None = None
@@ -31,15 +33,6 @@ def is_strict() -> bool:
     return env.strict() if _strict_override is None else _strict_override
 
 
-@dataclass(frozen=True)
-class Backend:
-    artifact: str   # the file its loader needs
-    source: str     # the rendered source, written beside the entry
-
-
-BACKENDS = {"nvrtc": Backend("kernel.cubin", "source.cu"), "cute": Backend("kernel.o", "source.py")}
-
-
 @dataclass
 class Built:
     spec: KernelSpec
@@ -50,12 +43,13 @@ class Built:
     stored: bool = True           # on disk (False: compiled in memory only, see the store's write_error)
 
 
+def _compiler(backend: str):
+    """The backend's compile module (kerngen.compile or kerngen.cute_backend), imported on first use."""
+    return import_module(f".{BACKENDS[backend].compiler}", __package__)
+
+
 def toolchain(backend: str) -> dict[str, str]:
-    if backend == "cute":
-        from . import cute_backend
-        return cute_backend.toolchain()
-    from . import compile as nvrtc
-    return nvrtc.toolchain()
+    return _compiler(backend).toolchain()
 
 
 def _prepared(spec: KernelSpec) -> tuple[str, str]:
@@ -80,12 +74,7 @@ def set_miss_command(fn) -> None:
 
 def _compile(spec: KernelSpec, source: str, key: str, store: cache_mod.DiskCache) -> dict[str, bytes]:
     src_path = store.source_path(key, BACKENDS[spec.backend].source, source)
-    if spec.backend == "cute":
-        from . import cute_backend
-        return cute_backend.compile_spec(spec, source, key, src_path)
-    from .compile import nvrtc_compile
-    cubin, _ = nvrtc_compile(source, f"{spec.op}_{spec.variant}", spec.arch, key, src_path)
-    return {BACKENDS["nvrtc"].artifact: cubin}
+    return _compiler(spec.backend).compile_spec(spec, source, key, src_path)
 
 
 def _miss_reason(store: cache_mod.DiskCache, spec: KernelSpec, key: str) -> str:

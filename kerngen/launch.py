@@ -229,3 +229,10 @@ class _LaunchState:
 def current_stream(device: int) -> int:
     """torch's current stream on `device` as a raw handle (cheap: no Stream object)."""
     return torch._C._cuda_getCurrentRawStream(device)
+
+
+def load(files: dict[str, bytes], key: str) -> Module:
+    """A built CUDA C++ kernel's module, its library loaded now (the backend table's loader for nvrtc)."""
+    module = Module(files["kernel.cubin"], key)
+    module.load(torch.cuda.current_device())
+    return module

@@ -13,7 +13,7 @@ from typing import Any
 
 from . import env
 from .errors import InputError, TierError
-from .tiers import NAME, SCHEMA, TEMPLATE_EXT, Rule, Table, check_rule
+from .tiers import BACKENDS, NAME, SCHEMA, Rule, Table, check_rule
 
 TAG = re.compile(r"[A-Za-z0-9_.-]+")
 ARCH = re.compile(r"sm_[0-9]+[a-z]?")
@@ -38,12 +38,12 @@ class KernelSpec:
             value = getattr(self, field_)
             if not isinstance(value, str) or not pattern.fullmatch(value):
                 raise InputError("kernel spec", field_, what, repr(value))
-        if self.backend not in TEMPLATE_EXT:
-            raise InputError("kernel spec", "backend", " or ".join(TEMPLATE_EXT), repr(self.backend))
+        if self.backend not in BACKENDS:
+            raise InputError("kernel spec", "backend", " or ".join(BACKENDS), repr(self.backend))
 
     @property
     def template(self) -> str:
-        return f"{self.op}/{self.variant}{TEMPLATE_EXT[self.backend]}"
+        return f"{self.op}/{self.variant}{BACKENDS[self.backend].template}"
 
     def values(self) -> dict[str, Any]:
         return {**dict(self.constants), **dict(self.params), "ARCH": self.arch}

@@ -9,6 +9,7 @@ import jinja2
 from . import env
 from .errors import TierError
 from .plan import KernelSpec
+from .tiers import BACKENDS
 
 
 @lru_cache(maxsize=1)
@@ -20,7 +21,7 @@ def _jinja() -> jinja2.Environment:
 
 def render(spec: KernelSpec) -> str:
     try:
-        if spec.backend == "cute":  # CuTe DSL templates are Python modules, specialized at compile time
+        if not BACKENDS[spec.backend].jinja:   # a CuTe DSL module, specialized at compile time
             return (env.templates_dir() / spec.template).read_text()
         return _jinja().get_template(spec.template).render(**spec.values())
     except (OSError, jinja2.TemplateNotFound) as e:

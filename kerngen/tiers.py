@@ -26,7 +26,21 @@ EXPERT_ACTIVATIONS = ("silu", "gelu", "gpt_oss", "situglu")   # kerngen.experts'
 RANGE_KEYS = ("num_experts", "top_k", "hidden", "tokens", "world_size", "sm_count")
 MAX_EXPERTS, MAX_TOPK = 2048, 32
 NAME = re.compile(r"[a-z][a-z0-9_]*")                 # an op or variant: a file name, never a path
-TEMPLATE_EXT = {"nvrtc": ".cu.j2", "cute": ".py"}     # backend -> template suffix under templates/<op>/
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How one backend's kernels are written, built and loaded: the one table render, jit and the ops read."""
+    template: str   # template suffix under templates/<op>/
+    jinja: bool     # rendered with Jinja; else a CuTe DSL module read as it is and specialized when compiled
+    source: str     # the rendered source's file name beside its cache entry
+    artifact: str   # the built file its loader needs
+    compiler: str   # kerngen module with toolchain() and compile_spec(spec, source, key, source_path) -> files
+    loader: str     # kerngen module with load(files, key) -> the loaded kernel
+
+
+BACKENDS = {"nvrtc": Backend(".cu.j2", True, "source.cu", "kernel.cubin", "compile", "launch"),
+            "cute": Backend(".py", False, "source.py", "kernel.o", "cute_backend", "cute_backend")}
 UNTEMPLATED = {"tail_tp": ("allreduce",)}            # ops whose variants are host code, not templates
 INT32_MAX = 2**31 - 1                                 # every shape and param is a 32-bit int in the kernels
 SMS = 132                                             # the grid bound the routing/permute launchers check
@@ -80,7 +94,7 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
     ("finalize", "cute"): {"backend": CUTE, "ctas": _n(1, 1024), "threads": _n(32, 1024), "max_loads": _n(1, 64),
                            "pdl": FLAG},
     ("tail", "tail"): {"backend": CUTE, "threads": _n(32, 1024, required=True), "cluster": _n(1, 16),
-                       "max_loads": _n(1, 64), "branch_free": FLAG, "pdl": FLAG, "split_k": _n(1, MAX_TOPK)},
+                       "max_loads": _n(1, 64), "branch_free": FLAG, "pdl": FLAG},
     ("experts", "mma"): {"backend": NVRTC, "warps": _n(1, 16, required=True), "unroll": _n(1, 8, required=True),
                          "blocks_per_sm": _n(1, 32), "pdl": FLAG},
     ("tail_tp", "allreduce"): {"allreduce": Param(str, required=True, choices=("nccl", "symm_mem")),
@@ -267,7 +281,7 @@ def _parse_model(where: str, name: str, d: dict) -> Model:
 
 
 def template_path(op: str, variant: str, backend: str) -> Path:
-    return env.templates_dir() / op / f"{variant}{TEMPLATE_EXT[backend]}"
+    return env.templates_dir() / op / f"{variant}{BACKENDS[backend].template}"
 
 
 def variants(op: str) -> list[str]:
@@ -278,7 +292,8 @@ def variants(op: str) -> list[str]:
         names = [p.name for p in (env.templates_dir() / op).iterdir() if not p.name.startswith("_")]
     except OSError:
         return []
-    return sorted({n[: -len(ext)] for n in names for ext in TEMPLATE_EXT.values() if n.endswith(ext)})
+    return sorted({n[: -len(ext)] for n in names for ext in (b.template for b in BACKENDS.values())
+                   if n.endswith(ext)})
 
 
 def _known(op: str) -> str:
@@ -293,16 +308,16 @@ def check_variant(where: str, op: str, variant, backend) -> None:
         if variant not in UNTEMPLATED[op]:
             _fail(where, f"unknown variant '{variant}' of {op} (known: {_known(op)})")
         return
-    if backend not in TEMPLATE_EXT:
-        _fail(where, f"param 'backend' must be one of {', '.join(TEMPLATE_EXT)}, got {backend!r}")
+    if backend not in BACKENDS:
+        _fail(where, f"param 'backend' must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if not template_path(op, variant, backend).is_file():
-        other = [b for b in TEMPLATE_EXT if b != backend and template_path(op, variant, b).is_file()]
+        other = [b for b in BACKENDS if b != backend and template_path(op, variant, b).is_file()]
         if other:
             _fail(where, f"variant '{variant}' of {op} is built by backend '{other[0]}' "
-                         f"({op}/{variant}{TEMPLATE_EXT[other[0]]}), not '{backend}': set params.backend = "
+                         f"({op}/{variant}{BACKENDS[other[0]].template}), not '{backend}': set params.backend = "
                          f"\"{other[0]}\"")
         _fail(where, f"unknown variant '{variant}' of {op} for backend '{backend}': no template "
-                     f"{op}/{variant}{TEMPLATE_EXT[backend]} under {env.templates_dir()} (known: {_known(op)})")
+                     f"{op}/{variant}{BACKENDS[backend].template} under {env.templates_dir()} (known: {_known(op)})")
 
 
 def check_params(where: str, op: str, variant: str, params: dict) -> None:

@@ -146,10 +146,8 @@ def preload(model: str, *, tiers_file=None, device: int | None = None) -> dict:
     specs = model_specs(tbl.model(model), tbl, target_arch(dev))
     compiled = 0
     for spec in specs:
-        if spec.backend == "cute":
-            op_module(spec.op).kernel(spec, 1, dev)
-        else:
-            _common.resolve(spec).load(dev)
+        with torch.cuda.device(dev):
+            _common.resolve(spec)   # built or fetched, and loaded by its backend's loader
         compiled += jit.last_status.get(spec) == "compiled"
     secs = time.perf_counter() - t0
     logging.getLogger("kerngen").info("kerngen: preloaded %d kernels of %s in %.2fs (%d compiled)",

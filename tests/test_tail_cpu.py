@@ -63,7 +63,7 @@ def test_every_tail_tier_compiles_to_sm90a_object(spec, tmp_path):
     assert spec.backend == "cute" and built.key.startswith(f"tail-tail-{spec.tag}-sm_90a-")
     assert b"sm_90a" in built.files["kernel.o"]
     # No kernel of a shipped model spills. The generic K=32 shapes do (152-184 bytes): every thread holds the
-    # K loads of a vector in flight, so K=32 needs 128 registers for them alone (split_k is the way out).
+    # K loads of a vector in flight, so K=32 needs 128 registers for them alone.
     if spec in SHIPPED:
         assert_no_spills(built.files)
 
@@ -110,25 +110,25 @@ def test_import_kerngen_does_not_import_cutlass():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def split_spec(H, K, odtype="bfloat16", **params):
-    """A tail spec outside the shipped tiers (as `kerngen tune` builds them): split_k and friends."""
+def tuned_spec(H, K, odtype="bfloat16", **params):
+    """A tail spec outside the shipped tiers (as `kerngen tune` builds them)."""
     params = {"backend": "cute", "cluster": 1, "max_loads": 32, "pdl": True, "branch_free": False, **params}
     return tail.params_spec(params, H, K, "bfloat16", "float32", odtype, (True, True, True), "sm_90a")
 
 
 @pytest.mark.parametrize("H,K,odtype,params", [
-    (3584, 16, "bfloat16", dict(threads=1024, split_k=2)),
-    (3584, 16, "float8_e4m3fn", dict(threads=512, split_k=2, branch_free=True)),
-    (2880, 4, "bfloat16", dict(threads=1024, split_k=4)),
-], ids=["k3-1024x2", "k3-fp8-512x2", "H2880-1024x4"])
-def test_split_k_tails_compile(H, K, odtype, params, tmp_path):
-    built = jit.build(split_spec(H, K, odtype, **params), store=DiskCache(tmp_path))
+    (3584, 16, "bfloat16", dict(threads=1024)),
+    (3584, 16, "float8_e4m3fn", dict(threads=512, branch_free=True)),
+    (2880, 4, "bfloat16", dict(threads=1024)),
+], ids=["k3-1024", "k3-fp8-512", "H2880-1024"])
+def test_tails_beyond_the_tiers_compile(H, K, odtype, params, tmp_path):
+    built = jit.build(tuned_spec(H, K, odtype, **params), store=DiskCache(tmp_path))
     assert _is_object(built.files["kernel.o"])
 
 
-def test_split_k_that_does_not_divide_k_fails_to_compile_with_the_reason(tmp_path):
-    with pytest.raises(CompileError, match="split_k divides K"):
-        jit.build(split_spec(3584, 16, threads=1024, split_k=3), store=DiskCache(tmp_path))
+def test_split_k_is_no_tail_param():
+    with pytest.raises(kerngen.TierError, match="split_k"):
+        tiers.check_params("a rule", "tail", "tail", {"backend": "cute", "threads": 1024, "split_k": 2})
 
 
 def test_cute_compile_error_shows_log_and_source_path(tmp_path, monkeypatch):
@@ -249,15 +249,16 @@ def test_fp8_reference_is_quantized_fp32_norm_and_matches_naive():
 def cpu_moe_tail(monkeypatch):
     """moe_tail on CPU tensors past the device check, with a stand-in for the kernel that records its call."""
     calls = []
-    monkeypatch.setattr(tail, "_fast", {})
+    tail.clear()
     monkeypatch.setattr(tail, "check_gather_inputs", lambda op, g, e2p, w, *a: tuple(e2p.shape))
     monkeypatch.setattr(tail, "arch", lambda dev: "sm_90a")
-    monkeypatch.setattr(tail, "_function", lambda s: lambda *args: calls.append((s, args)))
+    monkeypatch.setattr(tail, "kernel", lambda s, *a: lambda *args: calls.append((s, args)))
 
     def inputs(T=4, K=8, H=1024):
         return (torch.zeros(16, H, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.int32), torch.zeros(T, K),
                 torch.ones(H, dtype=torch.bfloat16))
-    return inputs, calls
+    yield inputs, calls
+    tail.clear()   # the signatures seen here hold the stand-in
 
 
 def test_fp8_moe_tail_returns_out_and_scales_from_one_kernel_call(cpu_moe_tail):

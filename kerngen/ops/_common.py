@@ -1,9 +1,11 @@
 """Input checks and kernel resolution shared by the ops."""
 from __future__ import annotations
 
+from importlib import import_module
+
 import torch
 
-from .. import jit, launch, tiers
+from .. import jit, tiers
 from ..errors import DeviceError, InputError
 from ..plan import KernelSpec, target_arch
 
@@ -90,17 +92,18 @@ def check_rows(op: str, g, H: int) -> None:
         raise InputError(op, "gemm2_out", "fewer than 2**31 rows and row stride", f"shape {tuple(g.shape)}")
 
 
-def resolve(spec: KernelSpec) -> launch.Module:
-    """The loaded module of a spec (built or fetched from the cache once per process)."""
+def resolve(spec: KernelSpec):
+    """The loaded kernel of a spec, built or fetched from the cache once per process by its backend's loader
+    (tiers.BACKENDS): a launch.Module for CUDA C++, a TVM-FFI function for CuTe DSL."""
     mod = _modules.get(spec)
     if mod is None:
         built = jit.build(spec)
-        mod = launch.Module(built.files["kernel.cubin"], built.key)
+        mod = import_module(f"..{tiers.BACKENDS[spec.backend].loader}", __package__).load(built.files, built.key)
         _modules[spec] = mod
     return mod
 
 
-_modules: dict[KernelSpec, launch.Module] = {}
+_modules: dict[KernelSpec, object] = {}
 
 
 def table() -> tiers.Table:

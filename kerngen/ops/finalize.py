@@ -71,9 +71,7 @@ class _Cute:
     __slots__ = ("fn",)
 
     def __init__(self, s: plan_mod.KernelSpec):
-        from .. import cute_backend, jit
-        built = jit.build(s)
-        self.fn = cute_backend.load(built.files, built.key)
+        self.fn = resolve(s)
 
     def run(self, g, e2p, w, out, H):
         if not g.shape[0]:   # no rows: every slot is skipped
@@ -85,9 +83,7 @@ class _Cute:
 def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | _Cute:
     """The kernel of spec `s` for `tokens` tokens: a driver Launcher (CUDA C++) or a CuTe DSL function."""
     c = dict(s.constants)
-    if s.backend == "cute":
-        if s.variant != "cute":
-            raise InputError(OP, "tier variant", "cute with backend = \"cute\"", s.variant)
+    if s.variant == "cute":   # the tier schema gives this variant backend = "cute"
         if c["K"] > CUTE_MAX_K:
             raise InputError(OP, "top_k", f"at most {CUTE_MAX_K} for the CuTe DSL variant (tier {s.params})",
                              str(c["K"]))

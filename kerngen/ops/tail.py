@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import cute_backend, jit
 from .. import plan as plan_mod
 from ..errors import InputError
 from ..tiers import Model, Rule, Table
 from ._common import (DTYPE_NAMES, SHORT, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
-                      check_tensor, table)
+                      check_tensor, resolve, table)
 from .tail_tp import moe_tail_tp
 
 OP = "tail"
@@ -133,24 +132,17 @@ def explain_spec(tbl: Table, arch_: str, *, hidden: int, top_k: int, tokens: int
     return spec(hidden, top_k, dtype, weights_dtype, dtype, (True, True, False), tokens, arch_, tbl)
 
 
-_functions: dict[plan_mod.KernelSpec, object] = {}
 _fast: dict[tuple, tuple] = {}   # input signature -> (function, T, H, out dtype, g stand-in, device, fp8 blocks)
 
 
 def kernel(s: plan_mod.KernelSpec, tokens: int = 0, device: int | None = None):
     """The CuTe DSL function of spec `s` (TVM-FFI, on tensors of any token count, torch's current stream);
     `tokens` and `device` complete the ops' common signature and change nothing here."""
-    fn = _functions.get(s)
-    if fn is None:
-        built = jit.build(s)
-        fn = cute_backend.load(built.files, built.key)
-        _functions[s] = fn
-    return fn
+    return resolve(s)
 
 
 def clear() -> None:
-    """Forget the loaded functions and input signatures (after the tier table or the cache changed)."""
-    _functions.clear()
+    """Forget the input signatures (after the tier table or the cache changed)."""
     _fast.clear()
 
 

@@ -31,11 +31,6 @@ Tiling and thread mapping:
   [0, rows) never leaks a NaN: with `branch_free` it loads row 0 instead (no branch around loads, so none
   waits for another: best for latency at few tokens; the host never passes rows == 0) and is left out of
   the sum; without, its load is skipped and it adds 0 * 0 (best for bandwidth at many tokens, measured).
-* `split_k` = S > 1 (one CTA per token, S divides K): the block is S sets of NT threads; set s gathers slots
-  [s*K/S, (s+1)*K/S) of the same vectors (GROUP from max_loads // (K/S)), so a thread holds K/S indices,
-  weights and loads in flight instead of K. Sets 1.. store their partial sums in shared memory; after one
-  barrier set 0 adds them in set order (its own partial already holds shared and residual) and alone writes
-  residual_out and out. The sum is then not in ascending k, which the tail's tolerance allows.
 * RMSNorm: thread sum of y^2 -> warp butterfly -> one fp32 per warp in shared memory -> CTA sum in warp
   order. With C > 1, thread p of each CTA stores the CTA's sum into CTA p's shared memory (distributed
   shared memory, st.shared::cluster), one cluster barrier, and every CTA adds the C partials in rank order
@@ -78,7 +73,7 @@ def thread_shape(hidden: int, cluster: int, max_threads: int, vec: int = 8) -> t
 
 class MoeTail:
     def __init__(self, dtype, wdtype, odtype, hidden: int, topk: int, *, threads: int, cluster: int,
-                 pdl: bool, max_loads: int, branch_free: bool, split_k: int = 1):
+                 pdl: bool, max_loads: int, branch_free: bool):
         assert dtype.width == 16 and odtype.width in (16, 8), "bf16/fp16 activations, bf16/fp16/e4m3 outputs"
         self.dtype, self.wdtype, self.odtype = dtype, wdtype, odtype
         self.vec = VEC_BITS // dtype.width
@@ -88,14 +83,11 @@ class MoeTail:
         assert not self.fp8 or hidden % FP8_BLOCK == 0, f"fp8 output needs H={hidden} a multiple of {FP8_BLOCK}"
         self.hidden, self.topk, self.cluster, self.pdl, self.branch_free = hidden, topk, cluster, pdl, branch_free
         self.num_vec = hidden // self.vec
-        assert split_k == 1 or (topk % split_k == 0 and cluster == 1), "split_k divides K, one CTA per token"
-        self.split, self.ks = split_k, topk // split_k
-        # `stride` threads cover the row once; split_k such sets each gather K / split_k of the slots
-        self.stride, self.iters = thread_shape(hidden, cluster, threads // split_k, self.vec)
-        self.threads = self.stride * split_k
+        self.stride, self.iters = thread_shape(hidden, cluster, threads, self.vec)   # threads covering the row once
+        self.threads = self.stride
         self.num_warps = self.threads // WARP
         self.need_pred = self.stride * self.iters * cluster != self.num_vec
-        self.group = max(1, min(self.iters, max_loads // self.ks))  # owned vectors whose loads fly together
+        self.group = max(1, min(self.iters, max_loads // topk))  # owned vectors whose loads fly together
 
     @cute.jit
     def _vec(self, row: cute.Tensor, v: Int32) -> cute.Tensor:
@@ -118,17 +110,11 @@ class MoeTail:
     def kernel(self, mG: cute.Tensor, mE2p: cute.Tensor, mW: cute.Tensor, mShared: Optional[cute.Tensor],
                mRes: Optional[cute.Tensor], mNormW: cute.Tensor, mOut: cute.Tensor,
                mScales: Optional[cute.Tensor], mResOut: Optional[cute.Tensor], eps: Float32):
-        VEC, K, NT, KS = self.vec, self.topk, self.stride, self.ks
+        VEC, K, NT = self.vec, self.topk, self.stride
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         t = bidx
         base = tidx
-        part = 0          # which K / split_k slots this thread gathers; part 0 also owns the epilogue
-        lead = True
-        if const_expr(self.split > 1):
-            part = tidx // NT
-            base = tidx % NT
-            lead = part == 0
         if const_expr(self.cluster > 1):
             cute.arch.cluster_arrive_relaxed()  # paired with the wait before the first remote store
             t = bidx // self.cluster
@@ -140,24 +126,17 @@ class MoeTail:
         smem = cutlass.memory.SmemAllocator()
         sRed = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps,)), 16)
         sPeer = smem.allocate_tensor(Float32, cute.make_layout((self.cluster,)), 16)
-        sPart = None
-        if const_expr(self.split > 1):   # the partial sums of parts 1.. for part 0, one 32-byte vector per thread
-            sPart = smem.allocate_tensor(Float32, cute.make_layout((VEC, self.iters, NT, self.split - 1)), 16)
 
         # routing data of this token; an index outside [0, rows) becomes -1 and is skipped
         rows = mG.shape[0]
-        rIdx = cute.make_rmem_tensor((KS,), Int32)
-        rWn = cute.make_rmem_tensor((KS,), self.wdtype)
-        if const_expr(self.split > 1):
-            cute.autovec_copy(cute.local_tile(mE2p[t, None], (KS,), (part,)), rIdx)
-            cute.autovec_copy(cute.local_tile(mW[t, None], (KS,), (part,)), rWn)
-        else:
-            cute.autovec_copy(mE2p[t, None], rIdx)
-            cute.autovec_copy(mW[t, None], rWn)
-        rW = cute.make_rmem_tensor((KS,), Float32)
+        rIdx = cute.make_rmem_tensor((K,), Int32)
+        rWn = cute.make_rmem_tensor((K,), self.wdtype)
+        cute.autovec_copy(mE2p[t, None], rIdx)
+        cute.autovec_copy(mW[t, None], rWn)
+        rW = cute.make_rmem_tensor((K,), Float32)
         rW.store(rWn.load().to(Float32))
-        rSafe = cute.make_rmem_tensor((KS,), Int32)
-        for k in cutlass.range_constexpr(KS):
+        rSafe = cute.make_rmem_tensor((K,), Int32)
+        for k in cutlass.range_constexpr(K):
             if rIdx[k] >= rows:
                 rIdx[k] = Int32(-1)
             rSafe[k] = rIdx[k]
@@ -167,7 +146,7 @@ class MoeTail:
 
         acc = cute.make_rmem_tensor((VEC, self.iters), Float32)
         rNw = cute.make_rmem_tensor((VEC, self.iters), self.dtype)
-        rX = cute.make_rmem_tensor((VEC, KS, self.group), self.dtype)
+        rX = cute.make_rmem_tensor((VEC, K, self.group), self.dtype)
         rS = cute.make_rmem_tensor((VEC, self.group), self.dtype)
         rR = cute.make_rmem_tensor((VEC, self.group), self.dtype)
         rTmp = cute.make_rmem_tensor((VEC,), self.dtype)
@@ -180,7 +159,7 @@ class MoeTail:
                     if const_expr(self.need_pred):
                         in_range = v < self.num_vec
                     if in_range:
-                        for k in cutlass.range_constexpr(KS):
+                        for k in cutlass.range_constexpr(K):
                             if const_expr(self.branch_free):  # no branch: no load waits for another
                                 cute.autovec_copy(self._vec(mG[rSafe[k], None], v), rX[None, k, j])
                             else:
@@ -188,12 +167,11 @@ class MoeTail:
                                     cute.autovec_copy(self._vec(mG[rIdx[k], None], v), rX[None, k, j])
                                 else:
                                     rX[None, k, j].fill(0.0)
-                        if lead:   # shared, residual and norm weight: the part that finishes the row
-                            if const_expr(mShared is not None):
-                                cute.autovec_copy(self._vec(mShared[t, None], v), rS[None, j])
-                            if const_expr(mRes is not None):
-                                cute.autovec_copy(self._vec(mRes[t, None], v), rR[None, j])
-                            cute.autovec_copy(self._vec(mNormW, v), rNw[None, g0 + j])
+                        if const_expr(mShared is not None):
+                            cute.autovec_copy(self._vec(mShared[t, None], v), rS[None, j])
+                        if const_expr(mRes is not None):
+                            cute.autovec_copy(self._vec(mRes[t, None], v), rR[None, j])
+                        cute.autovec_copy(self._vec(mNormW, v), rNw[None, g0 + j])
             # ... then accumulate in ascending k, add shared and residual
             for j in cutlass.range_constexpr(self.group):
                 if const_expr(g0 + j < self.iters):
@@ -205,41 +183,19 @@ class MoeTail:
                     acc[None, i].fill(0.0)
                     if in_range:
                         if const_expr(self.branch_free):
-                            for k in cutlass.range_constexpr(KS):
+                            for k in cutlass.range_constexpr(K):
                                 if rIdx[k] >= 0:  # a skipped slot's row 0 stand-in (maybe NaN) never enters the sum
                                     acc[None, i].store(acc[None, i].load() + rW[k] * rX[None, k, j].load().to(Float32))
                         a = acc[None, i].load()
                         if const_expr(not self.branch_free):  # skipped slots hold x = 0 and w = 0
-                            for k in cutlass.range_constexpr(KS):
+                            for k in cutlass.range_constexpr(K):
                                 a = a + rW[k] * rX[None, k, j].load().to(Float32)
                         acc[None, i].store(a)
-                        if lead:
-                            if const_expr(mShared is not None):
-                                acc[None, i].store(acc[None, i].load() + rS[None, j].load().to(Float32))
-                            if const_expr(mRes is not None):
-                                acc[None, i].store(acc[None, i].load() + rR[None, j].load().to(Float32))
-                        if const_expr(mResOut is not None and self.split == 1):
-                            rTmp.store(acc[None, i].load().to(self.dtype))
-                            cute.autovec_copy(rTmp, self._vec(mResOut[t, None], v))
-
-        if const_expr(self.split > 1):
-            # parts 1.. hand their partial sums to part 0, which adds them in part order; their own y is 0 from
-            # here on, so the sum of squares below counts every column once
-            if part > 0:
-                for i in cutlass.range_constexpr(self.iters):
-                    sPart[None, i, base, part - 1].store(acc[None, i].load())
-                    acc[None, i].fill(0.0)
-            cute.arch.sync_threads()
-            if lead:
-                for i in cutlass.range_constexpr(self.iters):
-                    for q in cutlass.range_constexpr(1, self.split):
-                        acc[None, i].store(acc[None, i].load() + sPart[None, i, base, q - 1].load())
-                    if const_expr(mResOut is not None):
-                        v = base + i * NT
-                        in_range = True
-                        if const_expr(self.need_pred):
-                            in_range = v < self.num_vec
-                        if in_range:
+                        if const_expr(mShared is not None):
+                            acc[None, i].store(acc[None, i].load() + rS[None, j].load().to(Float32))
+                        if const_expr(mRes is not None):
+                            acc[None, i].store(acc[None, i].load() + rR[None, j].load().to(Float32))
+                        if const_expr(mResOut is not None):
                             rTmp.store(acc[None, i].load().to(self.dtype))
                             cute.autovec_copy(rTmp, self._vec(mResOut[t, None], v))
 
@@ -274,10 +230,8 @@ class MoeTail:
         rN = cute.make_rmem_tensor((VEC,), Float32)
         for i in cutlass.range_constexpr(self.iters):
             v = base + i * NT
-            if const_expr(self.split > 1):   # parts 1.. write nothing: their vectors fall past the row
-                v = v + part * self.num_vec
             in_range = True
-            if const_expr(self.need_pred or self.split > 1):
+            if const_expr(self.need_pred):
                 in_range = v < self.num_vec
             if const_expr(not self.fp8):
                 if in_range:
@@ -302,7 +256,7 @@ class MoeTail:
 
 def compile_kernel(*, H: int, K: int, DTYPE: str, WDTYPE: str, ODTYPE: str, SHARED: bool, RESIDUAL: bool,
                    RESIDUAL_OUT: bool, threads: int, cluster: int = 1, pdl: bool = False, max_loads: int = 32,
-                   branch_free: bool = True, split_k: int = 1, ARCH: str = ""):
+                   branch_free: bool = True, ARCH: str = ""):
     """Compile one specialization with TVM-FFI. The result is called as
     f(g, e2p, w, shared|None, residual|None, norm_w, out, scales|None, residual_out|None, eps) on torch's
     current stream; None goes exactly where the flags say it does (scales: with ODTYPE float8_e4m3fn)."""
@@ -326,6 +280,6 @@ def compile_kernel(*, H: int, K: int, DTYPE: str, WDTYPE: str, ODTYPE: str, SHAR
             per_token(dt, H) if RESIDUAL_OUT else None, Float32(1e-6),
             make_fake_stream(use_tvm_ffi_env_stream=True))
     op = MoeTail(dt, wdt, odt, H, K, threads=threads, cluster=cluster, pdl=pdl, max_loads=max_loads,
-                 branch_free=branch_free, split_k=split_k)
+                 branch_free=branch_free)
     options = "--enable-tvm-ffi" + (f" --gpu-arch {ARCH}" if ARCH else "")
     return cute.compile(op, *args, options=options)

@@ -37,8 +37,9 @@ def ctas1_tiers(request, tmp_path, monkeypatch):
     path.write_text('schema = 1\n\n[[tier]]\nop = "routing"\nvariant = "fused"\ntokens = [1, 16]\n'
                     "params = { " + ", ".join(f"{k} = {toml_value(v)}" for k, v in params.items()) + " }\n")
     monkeypatch.setenv("KERNGEN_TIERS", str(path))
-    monkeypatch.setattr(rt, "_routes", {})
-    return params
+    rt.clear()
+    yield params
+    rt.clear()
 
 
 @pytest.mark.parametrize("tile", [4, 128])   # tile < T (counts and a scan) and tile >= T (bitmap popcounts)
