@@ -8,6 +8,7 @@ import kerngen
 from .lib import host_us
 from kerngen.launch import current_stream
 from kerngen.ops import finalize as fin
+from kerngen.plan import target_arch
 
 g = torch.randn(16, 3584, device="cuda").to(torch.bfloat16)
 e2p = torch.randperm(16, device="cuda").view(1, 16).int()
@@ -15,7 +16,7 @@ w = torch.rand(1, 16, device="cuda")
 out = torch.empty(1, 3584, dtype=torch.bfloat16, device="cuda")
 x = torch.zeros(1, device="cuda")
 kerngen.finalize(g, e2p, w, out=out)
-launcher = next(iter(fin._launchers.values()))
+launcher = fin.kernel(fin.spec(3584, 16, "bfloat16", "float32", 1, target_arch()), 1, 0)
 import ctypes
 from kerngen.launch import Launcher
 

@@ -82,15 +82,18 @@ def run(name: str, T: int, tile: int) -> str:
     mod = Module(cubin, "routing_phases")
     dev = torch.cuda.current_device()
     launch = Launcher(mod, "routing_fused", dev, (p["ctas"] * p["clusters"], 1, 1), (p["warps"] * 32, 1, 1),
-                      rt.ROUTE_FMT, pdl=True)
+                      rt.PARAMS, pdl=True)
     E, K = m.num_experts, m.top_k
     logits = torch.randn(T, E, device="cuda")
     bias = torch.randn(E, device="cuda") * 0.05 if has_bias else None
     ws = rt.RoutingWorkspace(T, E, K, tile)
-    call = lambda: launch(current_stream(dev), logits.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                          ws.ids.data_ptr(), ws.weights.data_ptr(), ws.counts.data_ptr(), ws.offsets.data_ptr(),
-                          ws.e2p.data_ptr(), ws.p2t.data_ptr(), ws.t2e.data_ptr(), ws.num_rows.data_ptr(),
-                          float(m.routed_scaling_factor), T, logits.stride(0), tile, 0, E, ws.max_rows)
+    call = lambda: launch.launch(current_stream(dev), logits=logits.data_ptr(),   # noqa: E731
+                                 bias=0 if bias is None else bias.data_ptr(), ids=ws.ids.data_ptr(),
+                                 weights=ws.weights.data_ptr(), counts=ws.counts.data_ptr(),
+                                 offsets=ws.offsets.data_ptr(), e2p=ws.e2p.data_ptr(), p2t=ws.p2t.data_ptr(),
+                                 t2e=ws.t2e.data_ptr(), num_rows=ws.num_rows.data_ptr(),
+                                 rsf=float(m.routed_scaling_factor), tokens=T, ld=logits.stride(0), tile=tile,
+                                 local_start=0, num_local=E, max_rows=ws.max_rows)
     us = graph_time_us(call)
     torch.cuda.synchronize()
     err, ptr, _ = drv.cuLibraryGetGlobal(mod._library, b"kg_st")

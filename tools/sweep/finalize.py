@@ -53,7 +53,7 @@ def main():
                     continue
                 rule = Rule(op="finalize", variant=variant, ranges={}, params=params)
                 spec = spec_for(rule, *fin.tag_constants(H, K, "bfloat16", "float32"), arch)
-                run = fin.bound(fin._launcher(spec, T, dev), g, e2p, w, out, H)
+                run = fin.bound(fin.kernel(spec, T, dev), g, e2p, w, out, H)
                 call = lambda: run(current_stream(dev))
                 out.fill_(float("nan")); call(); torch.cuda.synchronize()
                 assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), (variant, params)

@@ -35,7 +35,7 @@ def main():
             nbytes = T * K * H * 2 + 3 * T * H * 2 + T * K * 8
             line = []
             for label, spec in configs:
-                fn = tail._function(spec)
+                fn = tail.kernel(spec)
                 us = graph_time_us(lambda: fn(g, e2p, w, sh, res, nw, out, None, None, 1e-6))
                 line.append(f"{label} {us:6.2f}")
             best = min(line, key=lambda s: float(s.split()[-1]))
