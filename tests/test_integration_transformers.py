@@ -140,7 +140,7 @@ def counting(monkeypatch, obj, name: str) -> list:
 def test_experts_reuse_the_permutation_of_the_router(monkeypatch):
     model = tiny("qwen3_moe")
     kt.enable(model)
-    permuted = counting(monkeypatch, kt._rt, "permute_reference")
+    permuted = counting(monkeypatch, kt._pm, "permute_reference")
     run_block(moe_blocks(model)[0], inputs(model, 5, torch.float32))
     assert len(permuted) == 1
 

@@ -9,7 +9,7 @@ import torch
 from .. import plan as plan_mod
 from ..errors import InputError
 from ..launch import Launcher, Params, current_stream
-from ..tiers import Model, Table
+from ..tiers import BACKENDS, Model, Table
 from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
                       resolve, table)
 
@@ -83,7 +83,9 @@ class _Cute:
 def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | _Cute:
     """The kernel of spec `s` for `tokens` tokens: a driver Launcher (CUDA C++) or a CuTe DSL function."""
     c = dict(s.constants)
-    if s.variant == "cute":   # the tier schema gives this variant backend = "cute"
+    if (s.variant == "cute") == BACKENDS[s.backend].jinja:   # the CuTe DSL variant, and only it, is a module
+        raise InputError(OP, "tier variant", "cute with backend = \"cute\" (the others: nvrtc)", s.variant)
+    if s.variant == "cute":
         if c["K"] > CUTE_MAX_K:
             raise InputError(OP, "top_k", f"at most {CUTE_MAX_K} for the CuTe DSL variant (tier {s.params})",
                              str(c["K"]))

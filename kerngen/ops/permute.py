@@ -28,6 +28,7 @@ PARAMS = Params(("ids", "ptr"), ("counts", "ptr"), ("offsets", "ptr"), ("e2p", "
                 ("local_start", "int"), ("num_local", "int"), ("max_rows", "int"))
 MAX_DYNAMIC_SMEM = 226 * 1024        # onepass permute: sm_90 gives a CTA 227 KiB, less its static arrays
 
+
 # ----------------------------------------------------------------------------------------------- results
 @dataclass(frozen=True)
 class Routing:
@@ -159,7 +160,6 @@ class RoutingWorkspace:
                        self.p2t[:rows], self.t2e[:rows // self.tile], self.num_rows[0])
 
 
-
 # --------------------------------------------------------------------------------------------- reference
 def permute_reference(topk_ids: torch.Tensor, num_experts: int, tile: int,
                       local_experts: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
@@ -219,19 +219,17 @@ def align_reference(topk_ids: torch.Tensor, block_size: int, num_experts: int,
     return sorted_ids, blocks, p["num_permuted_rows"].reshape(1)
 
 
-
 # ----------------------------------------------------------------------------------------------- planning
 def with_align(tag: str, consts: dict, align: bool) -> tuple[str, dict]:
     """The align layout is a build of its own (ALIGN only in its constants: kerngen-layout builds unchanged)."""
     return (f"{tag}-align", {**consts, "ALIGN": True}) if align else (tag, consts)
 
 
-
 def spec(E: int, K: int, tokens: int, arch_: str, tbl: Table | None = None,
-                 align: bool = False) -> plan_mod.KernelSpec:
+         align: bool = False) -> plan_mod.KernelSpec:
+    """The permute kernel the tier table gives this shape (`align`: the moe_align_block_size layout's build)."""
     return plan_mod.plan(tbl or table(), OP, {"num_experts": E, "top_k": K, "tokens": tokens},
                          *with_align(f"E{E}-K{K}", {"E": E, "K": K}, align), arch_)
-
 
 
 def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpec]:
@@ -277,7 +275,8 @@ class Permute:
 
     def __call__(self, stream, ids_ptr, ws: RoutingWorkspace, T: int, tile: int, ls: int, nl: int):
         counts, offsets, e2p, p2t = ws.counts.data_ptr(), ws.offsets.data_ptr(), ws.e2p.data_ptr(), ws.p2t.data_ptr()
-        t2e, num_rows, hist, ticket = ws.t2e.data_ptr(), ws.num_rows.data_ptr(), ws.hist.data_ptr(), ws.ticket.data_ptr()
+        t2e, num_rows = ws.t2e.data_ptr(), ws.num_rows.data_ptr()
+        hist, ticket = ws.hist.data_ptr(), ws.ticket.data_ptr()
         for i, launcher in enumerate(self.launches):
             if T or i or not self.first_needs_tokens:
                 launcher.launch(stream, ids=ids_ptr, counts=counts, offsets=offsets, e2p=e2p, p2t=p2t, t2e=t2e,
@@ -289,7 +288,6 @@ def onepass_smem_bytes(E: int, K: int, T: int) -> int:
     """Dynamic shared memory of permute_onepass (templates/permute/onepass.cu.j2): counts and first tiles of
     every expert, ids and tile padding rows of every entry, a token bitmask per expert."""
     return 4 * (2 * (-(-E // 4) * 4) + 2 * T * K + -(-T // 32) * E)
-
 
 
 def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Permute:
@@ -382,7 +380,6 @@ def permute_align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int
     _planned(num_experts, K, T, dev, True)(current_stream(dev), topk_ids.data_ptr(), target, T, block_size, ls, nl)
 
 
-
 # ----------------------------------------------------------------------------------------------- checks
 def check_ids(op, topk_ids, num_experts, tile_name, tile, local_experts) -> tuple[int, int, int, int]:
     """Top-k ids computed elsewhere ([T, K] int32, contiguous; any device: the caller checks it is CUDA) with
@@ -394,7 +391,6 @@ def check_ids(op, topk_ids, num_experts, tile_name, tile, local_experts) -> tupl
     check_int(op, "topk_ids.shape[1]", K, 1, min(MAX_TOPK, num_experts))
     check_int(op, tile_name, tile, 1, 1024)
     return (T, K, *check_local(op, local_experts, num_experts))
-
 
 
 def check_workspace(op, ws, T, E, K, tile, nl, device, layout="kerngen"):

@@ -279,8 +279,8 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
             tbl = table()
             a = arch(dev)
             tag_consts = tag_constants(E, top_k, method, n_group, topk_group, renormalize, DTYPE_NAMES[logits.dtype],
-                                    "none" if bias is None else DTYPE_NAMES[bias.dtype], DTYPE_NAMES[wdt],
-                                    layout == "align")
+                                       "none" if bias is None else DTYPE_NAMES[bias.dtype], DTYPE_NAMES[wdt],
+                                       layout == "align")
             s = plan_mod.plan(tbl, OP, {"num_experts": E, "top_k": top_k, "tokens": max(T, 1)}, *tag_consts, a)
             r = Route(s, T, dev, tile is not None, tbl)
             _routes[key] = r
