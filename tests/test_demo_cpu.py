@@ -1,4 +1,4 @@
-"""tools/moe_layer_demo.py on the CPU: its torch layer against a per-token loop, and its permuted-row expert
+"""tools/bench/moe_layer_demo.py on the CPU: its torch layer against a per-token loop, and its permuted-row expert
 path (with the torch references of route and moe_tail) against its torch layer, for tiny made-up models."""
 import pytest
 import torch
@@ -7,10 +7,9 @@ import torch.nn.functional as F
 from kerngen.ops import permute as pm
 from kerngen.ops import routing, tail
 from kerngen.tiers import Model
-from tests.helpers import load_tool
+from tools.bench import moe_layer_demo as demo
 
 
-demo = load_tool("moe_layer_demo")
 TINY = {
     "sigmoid_bias": Model("tiny", 8, 2, 64, "sigmoid_bias", (1, 64), routed_scaling_factor=2.5),
     "grouped_sigmoid_bias": Model("tiny-grouped", 8, 2, 64, "grouped_sigmoid_bias", (1, 64), n_group=4,

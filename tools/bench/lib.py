@@ -58,28 +58,23 @@ def host_us(fn, n: int = 2000) -> float:
     return dt / n * 1e6
 
 
-def add_tail_config_args(ap, threads="128,256,512", max_loads="32", branch_free="0,1", split_k="1") -> None:
+def add_tail_config_args(ap, threads="128,256,512", max_loads="32", branch_free="0,1") -> None:
     """The tail launch parameters a sweep ranges over (comma lists)."""
     ap.add_argument("--threads", default=threads)
     ap.add_argument("--max-loads", default=max_loads)
     ap.add_argument("--branch-free", default=branch_free)
-    ap.add_argument("--split-k", default=split_k)
 
 
 def tail_configs(hidden: int, top_k: int, arch: str, args, clusters=(1,)):
     """(label, spec) per tail configuration in `args` (see add_tail_config_args), with the shared expert and
-    residual the shipped models pass. split_k > 1 only with one CTA per token and where it divides K."""
+    residual the shipped models pass."""
     import itertools
 
     from kerngen.ops import tail
     ints = lambda s: [int(x) for x in s.split(",")]
-    for c, nt, ml, bf, sk in itertools.product(clusters, ints(args.threads), ints(args.max_loads),
-                                              ints(args.branch_free), ints(args.split_k)):
-        if sk > 1 and (c > 1 or top_k % sk):
-            continue
+    for c, nt, ml, bf in itertools.product(clusters, ints(args.threads), ints(args.max_loads),
+                                          ints(args.branch_free)):
         params = dict(backend="cute", branch_free=bool(bf), cluster=c, max_loads=ml, pdl=True, threads=nt)
-        if sk > 1:
-            params["split_k"] = sk
-        label = f"c{c}/t{nt}/l{ml}/bf{bf}" + (f"/s{sk}" if sk > 1 else "")
+        label = f"c{c}/t{nt}/l{ml}/bf{bf}"
         yield label, tail.params_spec(params, hidden, top_k, "bfloat16", "float32", "bfloat16", (True, True, False),
                                       arch)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Registers, shared memory and spills of every kernel a model needs, read from the compiled cubins: no GPU.
 
-    tools/diagnose/kernel_resources.py --model kimi-k3 [--arch sm_90a] [--ops routing,finalize,tail]
-    tools/diagnose/kernel_resources.py --tail H,K --threads 128,256,512 --max-loads 16,32 [--branch-free 0,1] [--split-k 1,2]
+    python3 -m tools.diagnose.kernel_resources --model kimi-k3 [--arch sm_90a] [--ops routing,finalize,tail]
+    python3 -m tools.diagnose.kernel_resources --tail H,K --threads 128,256,512 --max-loads 16,32 [--branch-free 0,1]
 
 Kernels are built into the cache first when missing (as `kerngen warmup` would), then read by
 `kerngen.resources` (cuobjdump). STACK > 0 means register spills. With R registers a CTA of N threads fits about

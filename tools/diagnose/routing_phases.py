@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the fused routing kernel spends its time: clock64 stamps of CTA 0 / thread 0 between its phases.
 
-    tools/diagnose/routing_phases.py [--cases kimi-k3:1,kimi-k3:8,deepseek-v3:8] [--tile 128]
+    python3 -m tools.diagnose.routing_phases [--cases kimi-k3:1,kimi-k3:8,deepseek-v3:8] [--tile 128]
 
 Each case renders the routing kernel its tier picks (fp32 logits and bias, as `python3 -m tools.bench` runs them), inserts
 a stamp after every phase (`instrument`), and times it under a CUDA graph like `python3 -m tools.bench`; after the last

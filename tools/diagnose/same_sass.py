@@ -2,9 +2,9 @@
 """Same SASS before and after: every kernel the shipped models need, built from a git revision and from the
 working tree, compared instruction by instruction. No GPU needed.
 
-    tools/diagnose/same_sass.py                                  # HEAD against the working tree, every shipped model
-    tools/diagnose/same_sass.py --rev abc1234 --models kimi-k3,deepseek-v3
-    tools/diagnose/same_sass.py --rev HEAD~1 --to HEAD --ops routing --allow routing-fused-E896
+    python3 -m tools.diagnose.same_sass                                  # HEAD against the working tree, every shipped model
+    python3 -m tools.diagnose.same_sass --rev abc1234 --models kimi-k3,deepseek-v3
+    python3 -m tools.diagnose.same_sass --rev HEAD~1 --to HEAD --ops routing --allow routing-fused-E896
 
 The kernels of a side are what `kerngen.warmup.model_specs` lists for each model of that side's tiers.toml
 (`[models.*]`, no user tiers file): CUDA C++ and CuTe DSL alike (a CuTe object file embeds its cubin). Each side

@@ -2,7 +2,7 @@
 """Time every finalize variant/param candidate (CUDA C++ small/large batch and the CuTe DSL variant) per (H, K, T)
 under CUDA graphs, each checked bitwise against the reference; print the best per case.
 
-    tools/sweep/finalize.py [--cases 3584x16,7168x8,2048x22] [--tokens 1,8,32,64,128,512,4096]
+    python3 -m tools.sweep.finalize [--cases 3584x16,7168x8,2048x22] [--tokens 1,8,32,64,128,512,4096]
 """
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 #!/usr/bin/env python3
 """Time the tail kernel over launch parameters (cluster, threads) per token count, to set the tail tiers.
 
-    tools/sweep/tail.py [--tokens 1,8,64,512,4096] [--clusters 1,2,4,8] [--threads 128,256,512] [--max-loads 16,32]
-                        [--branch-free 0,1] [--split-k 1,2]
+    python3 -m tools.sweep.tail [--tokens 1,8,64,512,4096] [--clusters 1,2,4,8] [--threads 128,256,512] [--max-loads 16,32]
+                        [--branch-free 0,1]
 
-split_k > 1 runs with one CTA per token only (cluster 1) and where it divides K; other combinations are left out.
 """
 from __future__ import annotations
 
