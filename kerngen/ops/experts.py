@@ -218,14 +218,19 @@ def _kernel(H, I, tile, activation, T, tiles, dev) -> Kernels | None:
     return _kernels[key]
 
 
+def rows_tile(tokens: int) -> int:
+    """The kernels' routing tile at this token count: 8 rows up to 16 tokens, 16 beyond (one tile holds all of
+    an expert's rows at decode sizes)."""
+    return 8 if tokens <= 16 else 16
+
+
 def tile_for(H: int, I: int, activation: str, tokens: int, device: int) -> int | None:
-    """The routing tile for this shape's kernels (8 rows up to 16 tokens, 16 beyond: one tile holds all of an
-    expert's rows at decode sizes), or None where no rule serves it (torch._grouped_mm then needs no tile)."""
+    """rows_tile(tokens) where a rule serves this shape's kernels, else None (torch._grouped_mm needs no tile)."""
     try:
         spec(H, I, 8, activation, tokens, arch(device))
     except TierError:
         return None
-    return 8 if tokens <= 16 else 16
+    return rows_tile(tokens)
 
 
 def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_mod.KernelSpec]:
@@ -237,7 +242,7 @@ def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_m
     edges = {lo, hi, 16, 17} | {t for r in tbl.rules if r.op == OP for t in r.ranges.get("tokens", ())}
     out: list[plan_mod.KernelSpec] = []
     for T in sorted(t for t in edges if lo <= t <= hi):   # each token piece starts or ends at one of these
-        tile = 8 if T <= 16 else 16
+        tile = rows_tile(T)
         try:
             rule = tbl.rule(OP, {"hidden": H, "tokens": T, "arch": arch_})
         except TierError:

@@ -40,10 +40,6 @@ CANDIDATES = [dict(warps=w, unroll=u, blocks_per_sm=b, pdl=d) for w, u, b, d in
               itertools.product((4, 8), (2, 4), (4, 8), (False, True))]
 
 
-def tile_for(T: int) -> int:
-    return 8 if T <= 16 else 16
-
-
 def _build(spec):
     jit.build(spec)
     return spec.tag
@@ -83,7 +79,7 @@ def case(name, T, bw, args, kernels_of):
     calls = 20
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
     logits = [torch.randn(T, E, device="cuda", generator=gen) for _ in range(calls)]
-    tile = tile_for(T)
+    tile = ex.rows_tile(T)
     rt = [kerngen.route(lg, top_k=K, method="softmax_topk", tile=tile) for lg in logits]
     r1 = [kerngen.route(lg, top_k=K, method="softmax_topk", tile=1) for lg in logits]
     kw = dict(activation=act_name, interleaved=gpt, b13=b13, b2=b2)
@@ -156,7 +152,7 @@ def main(argv=None) -> int:
 
     if args.sweep:   # compile every candidate first, in parallel
         specs = [s for m in models for T in tokens for _, s in
-                 cand_specs(SHAPES[m][0], SHAPES[m][1], tile_for(T), SHAPES[m][4])]
+                 cand_specs(SHAPES[m][0], SHAPES[m][1], ex.rows_tile(T), SHAPES[m][4])]
         with ProcessPoolExecutor(max(1, (os.cpu_count() or 2) - 1)) as pool:
             list(pool.map(_build, list(dict.fromkeys(specs))))
 
