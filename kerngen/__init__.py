@@ -15,7 +15,7 @@ from .plan import VERSION as __version__
 from . import torch_ops  # noqa: F401,E402  (registers torch.ops.kerngen.*)
 from . import jit as _jit
 
-__all__ = ["route", "experts", "permute", "Routing", "RoutingWorkspace", "PreRouting", "finalize", "finalize_prepare", "moe_tail", "select_experts", "models", "preload", "strict",
+__all__ = ["route", "experts", "permute", "Routing", "RoutingWorkspace", "PreRouting", "finalize", "finalize_prepare", "moe_tail", "select_experts", "models", "preload", "strict", "clear",
            "KerngenError", "InputError", "TierError", "CompileError", "CacheMissError", "DeviceError", "CacheError",
            "EnvError", "__version__"]
 
@@ -37,6 +37,13 @@ def preload(model: str, **kw) -> dict:
 def _miss_command(spec) -> str:
     from .warmup import warmup_command
     return warmup_command(spec)
+
+
+def clear() -> None:
+    """Forget every resolved dispatch (kernels per shape, input signatures): the next call of each shape reads
+    the tier table and the cache again. tiers.reload() calls it too."""
+    from . import dispatch
+    dispatch.clear()
 
 
 def strict(on: bool | None = True) -> None:

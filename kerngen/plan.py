@@ -91,15 +91,16 @@ def spec_for(rule: Rule, tag: str, constants: dict[str, Any], arch: str) -> Kern
 def plan(table: Table, op: str, shape: dict[str, int], tag: str, constants: dict[str, Any],
          arch: str | None = None) -> KernelSpec:
     arch = arch or target_arch()
-    return spec_for(table.rule(op, {**shape, "arch": arch, **_sm_count(arch)}), tag, constants, arch)
+    return spec_for(table.rule(op, {**shape, "arch": arch, **visible_sm_count(arch)}), tag, constants, arch)
 
 
-def _sm_count(arch: str) -> dict:
-    """The SM count of the visible GPU when the target is its arch (for rules with an sm_count range)."""
+def visible_sm_count(arch: str, device: int | None = None) -> dict:
+    """{"sm_count": n} of the visible GPU (`device`, else the current one) when the target is its arch (for
+    rules with an sm_count range), else {}."""
     import torch
     if not torch.cuda.is_available():
         return {}
-    index = torch.cuda.current_device()
+    index = torch.cuda.current_device() if device is None or device < 0 else device
     if _arch_of_device(index) != arch:
         return {}
     return {"sm_count": _sm_count_of_device(index)}

@@ -95,8 +95,8 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                            "pdl": FLAG},
     ("tail", "tail"): {"backend": CUTE, "threads": _n(32, 1024, required=True), "cluster": _n(1, 16),
                        "max_loads": _n(1, 64), "branch_free": FLAG, "pdl": FLAG},
-    ("experts", "mma"): {"backend": NVRTC, "warps": _n(1, 16, required=True), "unroll": _n(1, 8, required=True),
-                         "blocks_per_sm": _n(1, 32), "pdl": FLAG},
+    ("experts", "mma"): {"backend": NVRTC, "tile": _n(1, 16, required=True), "warps": _n(1, 16, required=True),
+                         "unroll": _n(1, 8, required=True), "blocks_per_sm": _n(1, 32), "pdl": FLAG},
     ("tail_tp", "allreduce"): {"allreduce": Param(str, required=True, choices=("nccl", "symm_mem")),
                                "max_tokens": _n()},
 }
@@ -179,14 +179,14 @@ class Table:
     def rules_for(self, op: str, shape: dict[str, int], tokens: tuple[int, int]) -> list[Rule]:
         """The distinct rules that serve `op` at `shape` over a token range, in the order dispatch tries them."""
         out: list[Rule] = []
-        for t_lo, t_hi in _token_pieces(self.rules, op, tokens):
+        for t_lo, t_hi in token_pieces(self.rules, op, tokens):
             r = self.rule(op, {**shape, "tokens": t_lo})
             if r not in out:
                 out.append(r)
         return out
 
 
-def _token_pieces(rules, op, tokens):
+def token_pieces(rules, op, tokens):
     """Split a token range at every rule boundary so each piece is served by one rule."""
     cuts = {tokens[0], tokens[1] + 1}
     for r in rules:
@@ -460,5 +460,16 @@ def load(user: Path | str | None = None) -> Table:
     return _load(tuple(files))
 
 
+_reload_hooks: list = []
+
+
+def on_reload(fn) -> None:
+    """Call fn() on every reload() (the dispatch registry forgets what it resolved from the old table)."""
+    _reload_hooks.append(fn)
+
+
 def reload() -> None:
+    """Read the tier files again on the next load(), and forget every dispatch resolved from the old table."""
     _load.cache_clear()
+    for fn in _reload_hooks:
+        fn()

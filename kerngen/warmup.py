@@ -15,14 +15,7 @@ from . import jit
 from .plan import KernelSpec
 from .tiers import Model, Table
 
-OPS = ("routing", "finalize", "tail", "experts")  # ops with kernels; each module provides model_specs()
-
-
-def op_module(op: str):
-    """kerngen.ops.<op>: its model_specs, explain_spec, kernel and clear are the seam used here, in the CLI
-    and in the tuner."""
-    from importlib import import_module
-    return import_module(f".ops.{op}", __package__)
+from .ops import OPS, op_module   # the op registry: model_specs, explain_spec, kernel, dispatch, clear
 
 
 def model_specs(model: Model, tbl: Table, arch: str, ops=OPS) -> list[KernelSpec]:

@@ -17,7 +17,7 @@ TIERS = [
     ("compile", "cute_backend", "resources"),
     ("cache",),
     ("jit",),
-    ("launch", "timing"),
+    ("launch", "timing", "dispatch"),
     ("ops.",),                                   # ops may import each other (no cycle; permute below routing)
     ("adapters", "torch_ops"),
     ("warmup", "tune", "cli", "__main__", "__init__", "integrations."),

@@ -28,6 +28,7 @@ training mode routers run transformers' code and experts its "grouped_mm" implem
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -155,39 +156,93 @@ REFUSED = {
 LLAMA4_BLOCK = "Llama4TextMoe"
 
 
-def _route(logits: torch.Tensor, kw: dict, bias, weights_dtype: torch.dtype, tile: int = TILE) -> kerngen.Routing:
-    """Top-k and the permutation (tile rows a tile) by kerngen; weights in `weights_dtype`."""
+class BlockState:
+    """What one MoE block keeps between forwards, so a forward only launches: the activation of its experts'
+    kernels (None: the grouped-GEMM path), their dispatch, the router's workspaces (grown to the most tokens
+    seen) and the permutation the router hands to the experts."""
+    __slots__ = ("activation", "_dispatch", "_workspaces", "_rows", "routing")
+
+    def __init__(self, experts: nn.Module | None):
+        self.activation = kernel_activation(experts) if experts is not None else None
+        self._dispatch = None
+        self._workspaces: dict[tuple, kerngen.RoutingWorkspace] = {}
+        self._rows: dict[int, torch.Tensor] = {}
+        self.routing: kerngen.Routing | None = None   # set by the router, taken by the experts
+
+    def tile(self, experts: nn.Module | None, x: torch.Tensor) -> int:
+        """The permutation's tile: kerngen.experts' (its rule's) where its kernels serve these tokens, else TILE."""
+        if self.activation is None or not x.is_cuda or x.dtype != torch.bfloat16:
+            return TILE
+        d = self._dispatch
+        if d is None:
+            w = experts.gate_up_proj
+            if w.dtype != torch.bfloat16 or w.shape[-1] % 8:
+                return TILE
+            d = self._dispatch = _ex.dispatch(w.shape[-1], w.shape[-2] // 2, self.activation, x.get_device())
+        s = d.spec(x.shape[0])
+        return TILE if s is None else _ex.tile_of(s)
+
+    def workspace(self, T: int, E: int, K: int, tile: int, weights_dtype: torch.dtype, device: torch.device):
+        """The routing workspace of this tile and weight dtype, with room for T tokens (kept; grown by doubling)."""
+        key = (tile, weights_dtype, E, K)
+        ws = self._workspaces.get(key)
+        if ws is None or ws.max_tokens < T or ws.device != device:
+            size = max(T, 1) if ws is None else max(T, 2 * ws.max_tokens)
+            ws = self._workspaces[key] = kerngen.RoutingWorkspace(size, E, K, tile, weights_dtype=weights_dtype,
+                                                                  device=device)
+        return ws
+
+    def rows(self, routing: kerngen.Routing, H: int, like: torch.Tensor) -> torch.Tensor:
+        """The expert output rows [rows, H] of this call, a buffer kept per row count (finalize reads it at once)."""
+        n = routing.permuted_to_token.shape[0]
+        out = self._rows.get(n)
+        if out is None or out.shape[1] != H or out.device != like.device:
+            out = self._rows[n] = torch.empty((n, H), dtype=like.dtype, device=like.device)
+        return out
+
+
+def state(module: nn.Module, experts: nn.Module | None = None) -> BlockState:
+    """The BlockState a module (an experts module, or Llama-4's block) keeps, made on its first forward."""
+    st = module.__dict__.get("_kerngen_state")
+    if st is None:
+        st = module.__dict__["_kerngen_state"] = BlockState(experts)
+    return st
+
+
+def _route(logits: torch.Tensor, kw: dict, bias, weights_dtype: torch.dtype, tile: int = TILE,
+           st: BlockState | None = None) -> kerngen.Routing:
+    """Top-k and the permutation (tile rows a tile) by kerngen, into the block's workspace; weights in
+    `weights_dtype`."""
     if logits.dtype not in (torch.float32, torch.bfloat16):
         logits = logits.float()
     if logits.is_cuda:
-        ws = None
-        if weights_dtype == torch.bfloat16:   # the kernel writes bf16 weights: no cast launch
-            T, E = logits.shape
-            ws = kerngen.RoutingWorkspace(max(T, 1), E, kw["top_k"], tile, weights_dtype=torch.bfloat16,
-                                          device=logits.device)
+        T, E = logits.shape
+        wdt = weights_dtype if weights_dtype in _KERNEL_WEIGHTS else torch.float32   # the kernel writes these
+        ws = (st or BlockState(None)).workspace(T, E, kw["top_k"], tile, wdt, logits.device)
         r = kerngen.route(logits, bias=bias, tile=tile, workspace=ws, **kw)
         return r if r.topk_weights.dtype == weights_dtype else _with_weights(r, r.topk_weights.to(weights_dtype))
     ids, w = _rt.reference(logits, kw["top_k"], kw["method"], bias, kw.get("n_group", 1), kw.get("topk_group", 1),
                            kw.get("routed_scaling_factor", 1.0), kw.get("renormalize", True))
-    return kerngen.Routing(ids, w.to(weights_dtype), **_pm.permute_reference(ids, logits.shape[1], tile))
+    return kerngen.Routing(ids, w.to(weights_dtype), **_pm.permute_reference(ids, logits.shape[1], tile), tile=tile)
 
 
 def _with_weights(r: kerngen.Routing, w: torch.Tensor) -> kerngen.Routing:
-    return kerngen.Routing(r.topk_ids, w, r.expert_counts, r.expert_offsets, r.expanded_to_permuted,
-                           r.permuted_to_token, r.tile_to_expert, r.num_permuted_rows)
+    return _pm.mark_checked(dataclasses.replace(r, topk_weights=w), r.topk_ids.device)
 
 
 def _router_forward(router: nn.Module, spec: Router, kw: dict, experts: nn.Module):
     original = type(router).forward
+    weights = {"float32": lambda logits, x: torch.float32, "logits": lambda logits, x: logits.dtype,
+               "hidden": lambda logits, x: x.dtype}[spec.weights]
 
     def forward(hidden_states, *args):
         if router.training:
             return original(router, hidden_states, *args)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = spec.logits(router, x)
-        wdt = {"float32": torch.float32, "logits": logits.dtype, "hidden": x.dtype}[spec.weights]
-        r = _route(logits, kw, spec.bias(router, args), wdt, _tile(experts, x))
-        experts._kerngen_routing = (r, r.topk_ids._version)   # the experts reuse this permutation
+        st = state(experts, experts)
+        r = _route(logits, kw, spec.bias(router, args), weights(logits, x), st.tile(experts, x), st)
+        st.routing = r   # the experts take this permutation when they get these very ids
         return logits, r.topk_weights, r.topk_ids
 
     forward._kerngen = True
@@ -208,27 +263,18 @@ def kernel_activation(experts: nn.Module) -> str | None:
     return _GATES.get(type(getattr(experts, "act_fn", None)).__name__)
 
 
-def _tile(experts: nn.Module, x: torch.Tensor) -> int:
-    """The permutation's tile: kerngen.experts' where its kernels serve these tokens, else TILE."""
-    act = kernel_activation(experts)
-    w = experts.gate_up_proj if act else None
-    if act is None or not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.shape[-1] % 8:
-        return TILE
-    return _ex.tile_for(w.shape[-1], w.shape[-2] // 2, act, x.shape[0], x.get_device()) or TILE
-
-
-def _permutation(experts: nn.Module, top_k_index: torch.Tensor, tile: int) -> kerngen.Routing:
-    """The permutation of top_k_index: the one the kerngen router built with these very ids (and this tile), else
-    a new one."""
-    last = getattr(experts, "_kerngen_routing", None)
-    if (last is not None and last[0].topk_ids is top_k_index and top_k_index._version == last[1]
-            and _ex.infer_tile(last[0]) == tile):
-        return last[0]
+def _permutation(experts: nn.Module, st: BlockState, top_k_index: torch.Tensor, tile: int) -> kerngen.Routing:
+    """The permutation of top_k_index: the one the kerngen router built from these very ids (and this tile), else
+    a new one in the block's workspace."""
+    r, st.routing = st.routing, None
+    if r is not None and r.topk_ids is top_k_index and r.tile == tile:
+        return r
     ids = top_k_index.to(torch.int32).contiguous()
     if ids.is_cuda:
-        return kerngen.permute(ids, num_experts=experts.num_experts, tile=tile)
+        ws = st.workspace(ids.shape[0], experts.num_experts, ids.shape[1], tile, torch.float32, ids.device)
+        return kerngen.permute(ids, num_experts=experts.num_experts, tile=tile, workspace=ws)
     return kerngen.Routing(ids, ids.new_empty((ids.shape[0], 0), dtype=torch.float32),
-                           **_pm.permute_reference(ids, experts.num_experts, tile))
+                           **_pm.permute_reference(ids, experts.num_experts, tile), tile=tile)
 
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -286,13 +332,15 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     """The "kerngen" experts implementation (transformers' signature; `self` is the family's experts module)."""
     if self.training:
         return hf_moe.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    tile = _tile(self, hidden_states)
-    r = _permutation(self, top_k_index, tile)
+    st = state(self, self)
+    tile = st.tile(self, hidden_states)
+    r = _permutation(self, st, top_k_index, tile)
     bias = (lambda name: getattr(self, name)) if self.has_bias else (lambda name: None)
     if tile != TILE:   # kerngen.experts' kernels: gather, both projections and the gate in two launches
-        g = kerngen.experts(hidden_states.contiguous(), r, self.gate_up_proj, self.down_proj,
-                            activation=kernel_activation(self), b13=bias("gate_up_proj_bias"),
-                            b2=bias("down_proj_bias"))
+        x = hidden_states.contiguous()
+        g = kerngen.experts(x, r, self.gate_up_proj, self.down_proj, activation=st.activation,
+                            b13=bias("gate_up_proj_bias"), b2=bias("down_proj_bias"),
+                            out=st.rows(r, x.shape[1], x))
         return _finalize(g, r.expanded_to_permuted, top_k_weights).to(hidden_states.dtype)
     up, up_bias, act = (("gate_up_proj", "gate_up_proj_bias", self._apply_gate) if self.has_gate
                         else ("up_proj", "up_proj_bias", self.act_fn))
@@ -320,7 +368,7 @@ def _llama4_forward(block: nn.Module):
             return original(block, hidden_states)
         x = hidden_states.reshape(-1, block.hidden_dim)
         logits = nn.Linear.forward(block.router, x)
-        r = _route(logits, kw, None, logits.dtype)
+        r = _route(logits, kw, None, logits.dtype, TILE, state(block))
         # K = 1: permuted row j holds token permuted_to_token[j], so scaling x by its weight scales every row
         g = _expert_rows(x * r.topk_weights, r, ex.gate_up_proj, ex.down_proj, gate, True)
         out = block.shared_expert(x)
@@ -422,5 +470,5 @@ def disable(model: nn.Module) -> list[str]:
         if "_kerngen_previous" in m.__dict__:
             m.config._experts_implementation_internal = m.__dict__.pop("_kerngen_previous")
             restored.append(name)
-        m.__dict__.pop("_kerngen_routing", None)
+        m.__dict__.pop("_kerngen_state", None)
     return restored

@@ -1,1 +1,22 @@
-"""The ops: each validates its inputs, asks the planner for a kernel, packs arguments and launches."""
+"""The ops: each validates its inputs, asks its dispatch object for a kernel, packs arguments and launches.
+
+OPS is the one registry of ops with kernels. Each op module offers the same seam, which warmup, the CLI
+(`explain`), the tuner and the tests iterate over:
+    model_specs(model, table, arch) -> [KernelSpec]   every kernel a model can dispatch to
+    explain_spec(table, arch, *, experts, top_k, hidden, tokens, model=None, ...) -> KernelSpec
+    kernel(spec, tokens, device)                       the launch object of one spec
+    dispatch(<static shape>, device) -> Dispatch       the shape's kernels, resolved once
+    clear()                                            forget its input signatures
+"""
+from __future__ import annotations
+
+from importlib import import_module
+
+OPS = ("routing", "permute", "finalize", "tail", "experts")
+
+
+def op_module(op: str):
+    """kerngen.ops.<op>, one of OPS."""
+    if op not in OPS:
+        raise KeyError(f"unknown op {op!r}; kerngen's ops are {', '.join(OPS)}")
+    return import_module(f".{op}", __package__)

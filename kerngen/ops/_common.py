@@ -13,6 +13,9 @@ DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "f32"}
 
 
+KERNEL_DEVICES = ("cuda",)   # device types whose tensors take the kernels' path (tests add "cpu" with stub launchers)
+
+
 def check_tensor(op: str, name: str, t, *, dtypes=None, ndim=None, device=None, contiguous=False):
     if not isinstance(t, torch.Tensor):
         raise InputError(op, name, "a torch.Tensor", type(t).__name__)
@@ -22,8 +25,9 @@ def check_tensor(op: str, name: str, t, *, dtypes=None, ndim=None, device=None, 
         raise InputError(op, name, f"{ndim}-dimensional", f"shape {tuple(t.shape)}")
     if device is not None and t.device != device:
         raise InputError(op, name, f"on {device} (same device as the other inputs)", str(t.device))
-    elif device is None and t.device.type != "cuda":
-        raise InputError(op, name, "a CUDA tensor", f"a tensor on {t.device}")
+    elif device is None and t.device.type not in KERNEL_DEVICES:
+        raise InputError(op, name, "a CUDA tensor (kerngen's kernels run on the GPU; on the CPU the same semantics "
+                         f"are kerngen.ops.{op}.reference and torch.ops.kerngen.*)", f"a tensor on {t.device}")
     if contiguous and not t.is_contiguous():
         raise InputError(op, name, "contiguous", f"strides {t.stride()}")
 

@@ -13,6 +13,7 @@ reference.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -22,6 +23,8 @@ from .. import plan as plan_mod
 from .. import tiers
 from ..errors import InputError, TierError
 from ..launch import Launcher, Params, current_stream
+from ..dispatch import Dispatch, lookup, on_clear
+from . import _common
 from ._common import arch, check_aligned, check_tensor, resolve, sm_count, table
 
 OP = "experts"
@@ -56,7 +59,7 @@ def reference(x, routing, w13, w2, *, activation="silu", interleaved=False, b13=
     h = xs @ w13[e].T accumulated in fp32, b13 added in fp32, not rounded; the activation in fp32, rounded once to
     bf16 (the intermediate); out = a @ w2[e].T in fp32, b2 added in fp32, rounded to bf16. Padding rows are 0."""
     p2t, t2e = routing.permuted_to_token.long(), routing.tile_to_expert.long()
-    tile = tile or infer_tile(routing)
+    tile = tile or getattr(routing, "tile", None) or infer_tile(routing)
     I, H = w2.shape[2], w2.shape[1]
     xs = x if input_weights is None else (x.float() * input_weights.float()[:, None]).to(x.dtype)
     out = torch.zeros(p2t.shape[0], H, dtype=x.dtype, device=x.device)
@@ -76,7 +79,8 @@ def reference(x, routing, w13, w2, *, activation="silu", interleaved=False, b13=
 
 
 def infer_tile(routing) -> int:
-    """The routing's tile from its buffer sizes: len(permuted_to_token) = T*K + num_local*(tile - 1)."""
+    """The tile of a Routing built by hand without one, from its buffer sizes: len(permuted_to_token) =
+    T*K + num_local*(tile - 1). (kerngen's own routings carry their `tile`.)"""
     T, K = routing.expanded_to_permuted.shape
     nl = routing.expert_offsets.shape[0] - 1
     cap = routing.permuted_to_token.shape[0]
@@ -133,7 +137,9 @@ def check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weig
         for name, t in (("x", x), ("w13", w13), ("w2", w2)):
             check_aligned(OP, name, t)
     if tile is None:
-        tile = infer_tile(routing)
+        tile = routing.tile if getattr(routing, "tile", None) is not None else infer_tile(routing)
+    elif getattr(routing, "tile", None) not in (None, tile):
+        raise InputError(OP, "tile", f"the routing's tile ({routing.tile}) or None", repr(tile))
     elif not isinstance(tile, int) or isinstance(tile, bool) or not 1 <= tile <= 1024:
         raise InputError(OP, "tile", "the routing's tile, an integer in [1, 1024]", repr(tile))
     if routing.tile_to_expert.shape[0] * tile > routing.permuted_to_token.shape[0]:
@@ -154,108 +160,141 @@ def tag_constants(H: int, I: int, tile: int, activation: str) -> tuple[str, dict
     return f"H{H}-I{I}-t{tile}-{activation}-bf16", {"H": H, "I": I, "TILE": tile, "ACT": activation}
 
 
-def spec(H: int, I: int, tile: int, activation: str, tokens: int, arch_: str, tbl=None) -> plan_mod.KernelSpec:
-    """The kernel spec the tier table gives this shape."""
-    return plan_mod.plan(tbl or table(), OP, {"hidden": H, "tokens": tokens}, *tag_constants(H, I, tile, activation),
-                         arch_)
+def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str) -> plan_mod.KernelSpec:
+    """The kernel of an experts rule at this shape: the rule's `tile` param is the TILE constant (the routing
+    tile its kernels take), its other params the launch shape."""
+    params = dict(rule.params)
+    tile = params.pop("tile")
+    return plan_mod.spec_for(dataclasses.replace(rule, params=params), *tag_constants(H, I, tile, activation), arch_)
+
+
+def spec(H: int, I: int, tile: int | None, activation: str, tokens: int, arch_: str,
+         tbl: tiers.Table | None = None) -> plan_mod.KernelSpec:
+    """The kernel the tier table gives this shape at `tokens` (tools and tests; calls go through dispatch), built
+    for routing tile `tile` (None: the rule's own)."""
+    rule = (tbl or table()).rule(OP, {"hidden": H, "tokens": max(tokens, 1), "arch": arch_})
+    if tile is not None:
+        rule = dataclasses.replace(rule, params={**rule.params, "tile": tile})
+    return rule_spec(rule, H, I, activation, arch_)
+
+
+def tile_of(s: plan_mod.KernelSpec) -> int:
+    return dict(s.constants)["TILE"]
 
 
 class Kernels:
-    """The two launches of the mma variant for one grid (tiles) on one device: a persistent grid of
-    blocks_per_sm CTAs per SM (at most one per item) looping over the used tiles' items."""
-    __slots__ = ("gemm1", "gemm2", "device")
+    """The mma variant of one spec on one device: two launches on a persistent grid of blocks_per_sm CTAs per
+    SM (at most one per work item) looping over the used tiles' items. The grid follows the routing's tile
+    count, so the launchers are kept per tile count; the intermediate scratch per stream."""
+    __slots__ = ("spec", "tile", "device", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I", "_grids", "_act")
 
-    def __init__(self, s: plan_mod.KernelSpec, tiles: int, device: int):
+    def __init__(self, s: plan_mod.KernelSpec, device: int):
         if s.variant not in VARIANTS:
             raise InputError(OP, "tier variant", " or ".join(VARIANTS), s.variant)
         c, p = dict(s.constants), dict(s.params)
-        warps, H, I = p["warps"], c["H"], c["I"]
-        mod = resolve(s)
-        pdl = bool(p.get("pdl", False))
-        ctas = p.get("blocks_per_sm", 4) * sm_count(device)
-        grid1, grid2 = (min(ctas, tiles * -(-I // 8)), 1, 1), (min(ctas, tiles * -(-H // 16)), 1, 1)
-        self.gemm1 = Launcher(mod, "experts_gemm1", device, grid1, (32 * warps, 1, 1), PARAMS, pdl=pdl)
-        self.gemm2 = Launcher(mod, "experts_gemm2", device, grid2, (32 * warps, 1, 1), PARAMS, pdl=pdl)
-        self.device = device
+        self.spec, self.tile, self.device = s, c["TILE"], device
+        self._warps, self._H, self._I = p["warps"], c["H"], c["I"]
+        self._mod = resolve(s)
+        self._pdl = bool(p.get("pdl", False))
+        self._ctas = p.get("blocks_per_sm", 4) * sm_count(device)
+        self._grids: dict[int, tuple[Launcher, Launcher]] = {}
+        self._act: dict[tuple[int, int], torch.Tensor] = {}
 
-    def __call__(self, x, routing, w13, w2, out, act, *, interleaved=False, b13=None, b2=None, input_weights=None,
-                 a0=0.0, a1=0.0) -> torch.Tensor:
-        """Both launches on the current stream over arguments experts() has checked; act [tiles*tile, I] and out
-        [rows, H] are the caller's."""
-        T = x.shape[0]
-        inw = None if input_weights is None else input_weights.float().reshape(T).contiguous()
-        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        args = dict(x=x.data_ptr(), w13=w13.data_ptr(), b13=ptr(b13), inw=ptr(inw), w2=w2.data_ptr(), b2=ptr(b2),
-                    p2t=routing.permuted_to_token.data_ptr(), t2e=routing.tile_to_expert.data_ptr(),
-                    nrows=routing.num_permuted_rows.data_ptr(), act=act.data_ptr(), out=out.data_ptr(), tokens=T,
-                    experts=w13.shape[0], interleaved=int(interleaved), tiles=routing.tile_to_expert.shape[0],
-                    a0=float(a0), a1=float(a1))
+    def launchers(self, tiles: int) -> tuple[Launcher, Launcher]:
+        pair = self._grids.get(tiles)
+        if pair is None:
+            block = (32 * self._warps, 1, 1)
+            grid1 = (min(self._ctas, tiles * -(-self._I // 8)), 1, 1)
+            grid2 = (min(self._ctas, tiles * -(-self._H // 16)), 1, 1)
+            pair = self._grids[tiles] = (
+                Launcher(self._mod, "experts_gemm1", self.device, grid1, block, PARAMS, pdl=self._pdl),
+                Launcher(self._mod, "experts_gemm2", self.device, grid2, block, PARAMS, pdl=self._pdl))
+        return pair
+
+    def scratch(self, stream: int, tiles: int, device: torch.device) -> torch.Tensor:
+        """The [tiles * tile, I] intermediate, one buffer per stream (reused call after call on it)."""
+        act = self._act.get((stream, tiles))
+        if act is None:
+            act = self._act[(stream, tiles)] = torch.empty((tiles * self.tile, self._I), dtype=torch.bfloat16,
+                                                           device=device)
+        return act
+
+    def __call__(self, x, routing, w13, w2, out, act=None, *, interleaved=False, b13=None, b2=None,
+                 input_weights=None, a0=0.0, a1=0.0) -> torch.Tensor:
+        """Both launches on the current stream over arguments experts() has checked; out [rows, H] is the
+        caller's, act [tiles*tile, I] too if given (else this stream's scratch)."""
+        T, tiles = x.shape[0], routing.tile_to_expert.shape[0]
         stream = current_stream(self.device)
-        self.gemm1.launch(stream, **args)
-        self.gemm2.launch(stream, **args)
+        if act is None:
+            act = self.scratch(stream, tiles, x.device)
+        inw = 0 if input_weights is None else input_weights.float().reshape(T).contiguous().data_ptr()
+        g1, g2 = self.launchers(tiles)
+        args = dict(x=x.data_ptr(), w13=w13.data_ptr(), b13=0 if b13 is None else b13.data_ptr(), inw=inw,
+                    w2=w2.data_ptr(), b2=0 if b2 is None else b2.data_ptr(), p2t=routing.permuted_to_token.data_ptr(),
+                    t2e=routing.tile_to_expert.data_ptr(), nrows=routing.num_permuted_rows.data_ptr(),
+                    act=act.data_ptr(), out=out.data_ptr(), tokens=T, experts=w13.shape[0],
+                    interleaved=int(interleaved), tiles=tiles, a0=float(a0), a1=float(a1))
+        g1.launch(stream, **args)
+        g2.launch(stream, **args)
         return out
 
 
-def kernel(s: plan_mod.KernelSpec, tiles: int, device: int) -> Kernels:
-    """The launches of experts spec `s` over `tiles` routing tiles (the grid follows the tiles, not the tokens)."""
-    return Kernels(s, tiles, device)
+def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Kernels:
+    """The launches of experts spec `s` on `device` (any token count: the grid follows the routing's tiles)."""
+    return Kernels(s, device)
 
 
-_kernels: dict[tuple, Kernels | None] = {}
+def dispatch(H: int, I: int, activation: str, device: int) -> Dispatch:
+    """The experts kernels of this shape on `device`, per token bucket (None where torch._grouped_mm serves)."""
+    def build() -> Dispatch:
+        a = arch(device)
+        return Dispatch(
+            OP, {"hidden": H}, lambda rule: rule_spec(rule, H, I, activation, a), kernel, device,
+            arch=a)
 
-
-def _kernel(H, I, tile, activation, T, tiles, dev) -> Kernels | None:
-    """The kernels for this shape, or None where no rule serves it (the grouped-GEMM path)."""
-    key = (H, I, tile, activation, T, tiles, dev)
-    if key not in _kernels:
-        k = None
-        try:
-            if tile <= MAX_TILE:
-                k = kernel(spec(H, I, tile, activation, T, arch(dev)), tiles, dev)
-        except TierError:
-            k = None
-        _kernels[key] = k
-    return _kernels[key]
-
-
-def rows_tile(tokens: int) -> int:
-    """The kernels' routing tile at this token count: 8 rows up to 16 tokens, 16 beyond (one tile holds all of
-    an expert's rows at decode sizes)."""
-    return 8 if tokens <= 16 else 16
+    return lookup((OP, H, I, activation, device), build)
 
 
 def tile_for(H: int, I: int, activation: str, tokens: int, device: int) -> int | None:
-    """rows_tile(tokens) where a rule serves this shape's kernels, else None (torch._grouped_mm needs no tile)."""
-    try:
-        spec(H, I, 8, activation, tokens, arch(device))
-    except TierError:
-        return None
-    return rows_tile(tokens)
+    """The routing tile kerngen.experts' kernels take at this token count (the rule's `tile`), or None where no
+    rule serves these tokens (torch._grouped_mm needs no tile)."""
+    s = dispatch(H, I, activation, device).spec(tokens)
+    return None if s is None else tile_of(s)
 
 
 def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_mod.KernelSpec]:
     """Every experts kernel `model` can dispatch to over its token range (models with an intermediate size)."""
     if not model.intermediate:
         return []
-    H, I = model.hidden, model.intermediate
-    lo, hi = model.tokens
-    edges = {lo, hi, 16, 17} | {t for r in tbl.rules if r.op == OP for t in r.ranges.get("tokens", ())}
+    shape = {"hidden": model.hidden, "arch": arch_}
     out: list[plan_mod.KernelSpec] = []
-    for T in sorted(t for t in edges if lo <= t <= hi):   # each token piece starts or ends at one of these
-        tile = rows_tile(T)
+    for lo, _ in tiers.token_pieces(tbl.rules, OP, model.tokens):
         try:
-            rule = tbl.rule(OP, {"hidden": H, "tokens": T, "arch": arch_})
+            rule = tbl.rule(OP, {**shape, "tokens": lo})
         except TierError:
-            continue
-        s = plan_mod.spec_for(rule, *tag_constants(H, I, tile, model.activation), arch_)
+            continue   # these tokens run torch._grouped_mm
+        s = rule_spec(rule, model.hidden, model.intermediate, model.activation, arch_)
         if s not in out:
             out.append(s)
     return out
 
 
+def explain_spec(tbl: tiers.Table, arch_: str, *, hidden: int, tokens: int, intermediate: int = 0,
+                 activation: str = "silu", model: str | None = None, **_shape) -> plan_mod.KernelSpec:
+    """The experts kernel `kerngen explain --op experts` names (intermediate and activation from `model`, else
+    given); other shape keywords (experts, top_k) do not apply."""
+    m = tbl.model(model) if model else None
+    I, act = (m.intermediate, m.activation) if m else (intermediate, activation)
+    if not I:
+        raise InputError(OP, "intermediate", "the experts' intermediate size (a model with `intermediate`, or "
+                         "--intermediate)", repr(I))
+    return rule_spec(tbl.rule(OP, {"hidden": hidden, "tokens": max(tokens, 1), "arch": arch_}), hidden, I, act,
+                     arch_)
+
+
 def clear() -> None:
-    """Forget the loaded kernels (after the tier table or the cache changed)."""
-    _kernels.clear()
+    """Forget the input signatures (the dispatch objects are kerngen.dispatch.clear()'s)."""
+    _fast.clear()
 
 
 def _grouped(xs, routing, w13, w2, b13, b2, tile, I, act) -> torch.Tensor:
@@ -286,33 +325,80 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     activation: silu (SwiGLU), gelu (tanh approximation, times up), gpt_oss (alpha, limit), situglu (beta,
     linear_beta). No host synchronisation: CUDA-graph capturable.
     """
-    tile, H, I = check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile)
-    _check_act_params(activation, alpha, limit, beta, linear_beta)
+    try:   # kerngen-built routings carry their checked layout; the signature pins what check_args establishes
+        sig = (x.dtype, x.shape, x.is_contiguous(), x.get_device(), routing.checked, tile, w13.dtype, w13.shape,
+               w13.is_contiguous(), w13.get_device(), w2.dtype, w2.shape, w2.is_contiguous(), w2.get_device(),
+               None if b13 is None else (b13.dtype, b13.shape, b13.is_contiguous(), b13.get_device()),
+               None if b2 is None else (b2.dtype, b2.shape, b2.is_contiguous(), b2.get_device()),
+               None if input_weights is None else (input_weights.dtype, input_weights.shape,
+                                                   input_weights.get_device()),
+               activation, interleaved, alpha, limit, beta, linear_beta, out is None)
+        hit = _fast.get(sig) if sig[4] is not None else None
+    except (AttributeError, TypeError):   # not tensors, a foreign routing, unhashable values: checked below
+        sig, hit = None, None
+    if hit is None or (x.data_ptr() | w13.data_ptr() | w2.data_ptr()) % 16:
+        hit = _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, alpha, limit,
+                       beta, linear_beta)
+        if sig is not None and sig[4] is not None:
+            if len(_fast) > 4096:
+                _fast.clear()
+            _fast[sig] = hit
+    k, tile, H, I, a0, a1, dev = hit
     p2t = routing.permuted_to_token
     rows = p2t.shape[0]
     if out is None:
         out = torch.empty((rows, H), dtype=x.dtype, device=x.device)
-    else:
+    elif (out.dtype != torch.bfloat16 or out.shape != (rows, H) or not out.is_contiguous()
+          or out.get_device() != dev):
         check_tensor(OP, "out", out, dtypes=_BF16, ndim=2, device=x.device, contiguous=True)
-        if tuple(out.shape) != (rows, H):
-            raise InputError(OP, "out", f"of shape {(rows, H)}", f"shape {tuple(out.shape)}")
-    a0, a1 = (alpha, limit) if activation == "gpt_oss" else (beta, linear_beta)
+        raise InputError(OP, "out", f"of shape {(rows, H)}", f"shape {tuple(out.shape)}")
+    T = x.shape[0]
+    if not T or not rows:   # no tokens: no row holds an expert output
+        return out
+    if k is not None:
+        return k(x, routing, w13, w2, out, interleaved=interleaved, b13=b13, b2=b2, input_weights=input_weights,
+                 a0=a0, a1=a1)
     kw = dict(activation=activation, interleaved=interleaved, b13=b13, b2=b2, input_weights=input_weights,
               tile=tile, alpha=alpha, limit=limit, beta=beta, linear_beta=linear_beta)
-    if not x.shape[0] or not rows:   # no tokens: no row holds an expert output
-        return out
-    if x.device.type != "cuda":
+    if x.device.type not in _common.KERNEL_DEVICES:
         out.copy_(reference(x, routing, w13, w2, **kw))
         return out
-    T, dev = x.shape[0], x.get_device()
-    tiles = routing.tile_to_expert.shape[0]
-    k = _kernel(H, I, tile, activation, T, tiles, dev) if tiles else None
-    if k is None:
-        xs = x if input_weights is None else (x.float() * input_weights.float().reshape(T, 1)).to(x.dtype)
-        xs = xs[p2t.clamp(min=0)]
-        act = lambda h: activate(h, I, activation, interleaved, alpha, limit, beta, linear_beta)  # noqa: E731
-        out.copy_(_grouped(xs, routing, w13, w2, b13, b2, tile, I, act))
-        return out
-    act = torch.empty((tiles * tile, I), dtype=x.dtype, device=x.device)
-    return k(x, routing, w13, w2, out, act, interleaved=interleaved, b13=b13, b2=b2, input_weights=input_weights,
-             a0=a0, a1=a1)
+    xs = x if input_weights is None else (x.float() * input_weights.float().reshape(T, 1)).to(x.dtype)
+    xs = xs[p2t.clamp(min=0)]
+    act = lambda h: activate(h, I, activation, interleaved, alpha, limit, beta, linear_beta)  # noqa: E731
+    out.copy_(_grouped(xs, routing, w13, w2, b13, b2, tile, I, act))
+    return out
+
+
+_fast: dict[tuple, tuple] = {}   # input signature -> (kernels or None, tile, H, I, a0, a1, device)
+
+
+def _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, alpha, limit, beta,
+             linear_beta) -> tuple:
+    """Full checks, then the kernels serving this call (None: the grouped GEMM or, on the CPU, the reference)."""
+    tile, H, I = check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile)
+    _check_act_params(activation, alpha, limit, beta, linear_beta)
+    a0, a1 = (alpha, limit) if activation == "gpt_oss" else (beta, linear_beta)
+    dev = x.get_device()
+    k = None
+    if x.device.type in _common.KERNEL_DEVICES and tile <= MAX_TILE and routing.tile_to_expert.shape[0]:
+        d = dispatch(H, I, activation, dev)
+        k = d.kernel(x.shape[0])
+        if k is not None and k.tile != tile:   # a routing built with another tile: the same rule at that tile
+            k = _at_tile(d, k.spec, tile)
+    return k, tile, H, I, a0, a1, dev
+
+
+def _at_tile(d: Dispatch, s: plan_mod.KernelSpec, tile: int) -> Kernels:
+    """The kernels of spec `s` built for routing tile `tile` instead of its rule's, kept beside the dispatch."""
+    alt = d.data if d.data is not None else {}
+    d.data = alt
+    key = (s, tile)
+    if key not in alt:
+        c = dict(s.constants)
+        alt[key] = Kernels(plan_mod.spec_for(tiers.Rule(OP, s.variant, {}, {**dict(s.params), "backend": s.backend}),
+                                             *tag_constants(c["H"], c["I"], tile, c["ACT"]), s.arch), d.device)
+    return alt[key]
+
+
+on_clear(clear)

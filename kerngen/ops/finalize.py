@@ -8,6 +8,7 @@ import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError
+from ..dispatch import Dispatch, lookup, on_clear, rule_spec
 from ..launch import Launcher, Params, current_stream
 from ..tiers import BACKENDS, Model, Table
 from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
@@ -52,12 +53,8 @@ def tag_constants(hidden: int, top_k: int, dtype: str, weights_dtype: str) -> tu
 def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpec]:
     """Every finalize kernel `model` can dispatch to over its token range."""
     shape = {"hidden": model.hidden, "top_k": model.top_k, "num_experts": model.num_experts, "arch": arch_}
-    out = []
-    for rule in tbl.rules_for(OP, shape, model.tokens):
-        tag = f"H{model.hidden}-K{model.top_k}-{SHORT[model.dtype]}-w{SHORT[model.weights_dtype]}"
-        consts = {"H": model.hidden, "K": model.top_k, "DTYPE": model.dtype, "WDTYPE": model.weights_dtype}
-        out.append(plan_mod.spec_for(rule, tag, consts, arch_))
-    return out
+    tag_consts = tag_constants(model.hidden, model.top_k, model.dtype, model.weights_dtype)
+    return [plan_mod.spec_for(rule, *tag_consts, arch_) for rule in tbl.rules_for(OP, shape, model.tokens)]
 
 
 def explain_spec(tbl: Table, arch_: str, *, hidden: int, top_k: int, tokens: int, dtype: str = "bfloat16",
@@ -106,12 +103,21 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | _Cute
 
 
 def clear() -> None:
-    """Forget the kernels chosen per shape and input signature (after the tier table or the cache changed)."""
-    _launchers.clear()
+    """Forget the input signatures (the dispatch objects are kerngen.dispatch.clear()'s)."""
     _fast.clear()
 
 
-_launchers: dict[tuple, Launcher] = {}  # kernel per (dtype, H, K, T, device)
+def dispatch(hidden: int, top_k: int, dtype: str, weights_dtype: str, device: int) -> Dispatch:
+    """The finalize kernels of this shape and dtypes on `device`, per token bucket of the tier table."""
+    def build() -> Dispatch:
+        a = arch(device)
+        return Dispatch(
+            OP, {"hidden": hidden, "top_k": top_k},
+            rule_spec(tag_constants(hidden, top_k, dtype, weights_dtype), a), kernel, device, arch=a)
+
+    return lookup((OP, hidden, top_k, dtype, weights_dtype, device), build)
+
+
 _fast: dict[tuple, tuple] = {}          # full input signature -> (launcher, T, H, ld, rows, device)
 
 
@@ -198,11 +204,10 @@ def _prepare(g, e2p, w, hidden) -> tuple:
     T, K = e2p.shape
     H = g.shape[1] if hidden is None else hidden
     dev = g.get_device()
-    key = (g.dtype, w.dtype, H, K, T, dev)
-    launcher = _launchers.get(key)
+    d = dispatch(H, K, DTYPE_NAMES[g.dtype], DTYPE_NAMES[w.dtype], dev)
+    launcher = d.kernel(T)
     if launcher is None:
-        launcher = kernel(spec(H, K, DTYPE_NAMES[g.dtype], DTYPE_NAMES[w.dtype], T, arch(dev)), T, dev)
-        _launchers[key] = launcher
+        d.require(T)   # raises the table's TierError
     return launcher, T, H, g.stride(0), g.shape[0], dev
 
 
@@ -214,3 +219,6 @@ def _slow_checks(g, e2p, w, hidden):
         raise InputError(OP, "hidden", f"a multiple of 8 in [8, {g.shape[1]}] (gemm2_out's width)", repr(H))
     check_rows(OP, g, H)
     check_aligned(OP, "gemm2_out", g)
+
+
+on_clear(clear)

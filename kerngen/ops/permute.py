@@ -9,12 +9,13 @@ needed) and tile_to_expert that many rows / tile; everything past num_permuted_r
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError, TierError
+from ..dispatch import Dispatch, lookup, on_clear, rule_spec
 from ..launch import Launcher, Params, current_stream
 from ..tiers import MAX_EXPERTS, MAX_TOPK, Model, Table
 from ._common import arch, check_int, check_local, check_tensor, require_gpu, resolve, table
@@ -30,9 +31,12 @@ MAX_DYNAMIC_SMEM = 226 * 1024        # onepass permute: sm_90 gives a CTA 227 Ki
 
 
 # ----------------------------------------------------------------------------------------------- results
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Routing:
-    """topk_ids [T,K] int32, topk_weights [T,K]; the permutation fields are None without a tile."""
+    """topk_ids [T,K] int32, topk_weights [T,K]; the permutation fields are None without a tile.
+
+    `tile` is the rows per tile of the permutation (None without one). A Routing kerngen built also carries
+    `checked`, the layout its buffers were built with, so kerngen.experts skips re-checking them."""
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     expert_counts: torch.Tensor | None = None          # [num_local] int32
@@ -45,6 +49,8 @@ class Routing:
     sorted_token_ids: torch.Tensor | None = None       # [T*K + E*(tile-1)] int32, expanded indices, pad T*K
     expert_ids: torch.Tensor | None = None             # [ceil(len(sorted_token_ids) / tile)] int32
     num_tokens_post_padded: torch.Tensor | None = None  # [1] int32 on the device
+    tile: int | None = None                            # rows per tile of the permutation
+    checked: tuple | None = field(default=None, init=False, repr=False)   # (T, K, num_local, tile, rows, tiles, dev)
 
     @property
     def grouped_mm_offs(self) -> torch.Tensor | None:
@@ -112,6 +118,7 @@ class RoutingWorkspace:
         T, K = max_tokens, top_k
         self.max_tokens, self.num_experts, self.top_k, self.tile = T, num_experts, K, tile
         self.local_experts, self.weights_dtype, self.device, self.layout = (ls, nl), weights_dtype, dev, layout
+        self.max_rows = 0
         sizes = {"ids": T * K}
         if weights_dtype == torch.float32:
             sizes["weights"] = T * K
@@ -126,26 +133,71 @@ class RoutingWorkspace:
         # ids and weights alone need no fill.
         # every view starts 16-byte aligned, so ids / e2p feed the 128-bit loads of finalize and moe_tail
         # (separate=True: one allocation a view, for outputs that may not alias each other, as a custom op's)
-        pad = {name: -(-n // 4) * 4 for name, n in sizes.items()}
-        fill = (lambda n: torch.full((n,), -1, dtype=torch.int32, device=dev)) if tile is not None else (
-            lambda n: torch.empty((n,), dtype=torch.int32, device=dev))
-        views, at = {}, 0
-        self.buffer = None if separate else fill(sum(pad.values()))
-        for name, n in sizes.items():
-            views[name] = fill(n) if separate else self.buffer[at:at + n]
-            at += pad[name]
+        self._sizes = sizes
+        self._pads = [-(-n // 4) * 4 for n in sizes.values()]
+        if separate:
+            fill = ((lambda n: torch.full((n,), -1, dtype=torch.int32, device=dev)) if tile is not None else
+                    (lambda n: torch.empty((n,), dtype=torch.int32, device=dev)))
+            self.buffer, self._initial = None, None
+            self._views([fill(n) for n in sizes.values()])
+            if tile is not None:
+                self.ticket.zero_()
+        else:
+            self.buffer = torch.empty((sum(self._pads),), dtype=torch.int32, device=dev)
+            if tile is not None:
+                self.buffer.fill_(-1)
+                self.buffer[sum(self._pads[:-1])] = 0   # the ticket: permute_place leaves it 0 after each call
+            self._initial = None
+            self._views(self.buffer.split(self._pads))
+        # what a call checks a workspace against (route / permute compare it in one tuple)
+        self.signature = (num_experts, K, tile, dev.index if dev.type == "cuda" else -1, layout, T, nl,
+                          weights_dtype)
+        self._results: dict[tuple, Routing] = {}
+
+    def _views(self, parts) -> None:
+        T, K = self.max_tokens, self.top_k
+        views = dict(zip(self._sizes, parts))
+        for name, n in self._sizes.items():
+            if views[name].shape[0] != n:
+                views[name] = views[name][:n]
         self.ids = views["ids"].view(T, K)
         self.weights = (views["weights"].view(torch.float32).view(T, K) if "weights" in views
-                        else torch.empty((T, K), dtype=weights_dtype, device=dev))
-        if tile is not None:
+                        else torch.empty((T, K), dtype=self.weights_dtype, device=self.device))
+        if self.tile is not None:
             self.counts, self.offsets = views["counts"], views["offsets"]
             self.e2p = views["e2p"].view(T, K)
             self.p2t, self.t2e, self.hist = views["p2t"], views["t2e"], views["hist"]
             self.num_rows = views["num_rows"]
             self.ticket = views["ticket"]
-            self.ticket.zero_()   # permute_place leaves it 0 again after each call
+
+    def fresh(self) -> "RoutingWorkspace":
+        """A new workspace like this one in its initial state: one allocation and one copy (no checks), for a
+        call without workspace= whose results must outlive the next call."""
+        new = object.__new__(RoutingWorkspace)
+        new.__dict__.update(self.__dict__)
+        new._results = {}
+        if self.buffer is None:   # separate buffers: build anew
+            return RoutingWorkspace(self.max_tokens, self.num_experts, self.top_k, self.tile,
+                                    local_experts=self.local_experts, weights_dtype=self.weights_dtype,
+                                    device=self.device, layout=self.layout, separate=True)
+        if self.tile is None:
+            new.buffer = torch.empty_like(self.buffer)
+        else:
+            if self._initial is None:   # the initial state, kept once per prototype
+                self._initial = torch.full_like(self.buffer, -1)
+                self._initial[sum(self._pads[:-1])] = 0
+            new.buffer = self._initial.clone()
+        new._views(new.buffer.split(self._pads))
+        return new
 
     def result(self, tokens: int, num_local: int, pad_sorted_ids: bool = False) -> Routing:
+        """The Routing of a call of `tokens` tokens: views of this workspace, built once per token count."""
+        r = self._results.get((tokens, num_local, pad_sorted_ids))
+        if r is None:
+            r = self._results[(tokens, num_local, pad_sorted_ids)] = self._result(tokens, num_local, pad_sorted_ids)
+        return r
+
+    def _result(self, tokens: int, num_local: int, pad_sorted_ids: bool) -> Routing:
         ids, w = self.ids[:tokens], self.weights[:tokens]
         if self.tile is None:
             return Routing(ids, w)
@@ -154,10 +206,19 @@ class RoutingWorkspace:
             rows = align_rows(tokens, self.top_k, E, tile, pad_sorted_ids)
             return Routing(ids, w, self.counts[:E], self.offsets[:E + 1], self.e2p[:tokens],
                            num_permuted_rows=self.num_rows[0], sorted_token_ids=self.p2t[:rows],
-                           expert_ids=self.t2e[:-(-rows // tile)], num_tokens_post_padded=self.num_rows[:1])
+                           expert_ids=self.t2e[:-(-rows // tile)], num_tokens_post_padded=self.num_rows[:1], tile=tile)
         rows = max_rows(tokens, self.top_k, num_local, self.tile)
-        return Routing(ids, w, self.counts[:num_local], self.offsets[:num_local + 1], self.e2p[:tokens],
-                       self.p2t[:rows], self.t2e[:rows // self.tile], self.num_rows[0])
+        r = Routing(ids, w, self.counts[:num_local], self.offsets[:num_local + 1], self.e2p[:tokens],
+                    self.p2t[:rows], self.t2e[:rows // self.tile], self.num_rows[0], tile=self.tile)
+        return mark_checked(r, self.device)
+
+
+def mark_checked(r: Routing, device: torch.device) -> Routing:
+    """Record on a kerngen-built Routing (int32, contiguous buffers on one device) the layout they hold."""
+    T, K = r.expanded_to_permuted.shape
+    object.__setattr__(r, "checked", (T, K, r.expert_offsets.shape[0] - 1, r.tile, r.permuted_to_token.shape[0],
+                                      r.tile_to_expert.shape[0], device.index if device.type == "cuda" else -1))
+    return r
 
 
 # --------------------------------------------------------------------------------------------- reference
@@ -232,6 +293,11 @@ def spec(E: int, K: int, tokens: int, arch_: str, tbl: Table | None = None,
                          *with_align(f"E{E}-K{K}", {"E": E, "K": K}, align), arch_)
 
 
+def explain_spec(tbl: Table, arch_: str, *, experts: int, top_k: int, tokens: int, **_shape) -> plan_mod.KernelSpec:
+    """The permute kernel `kerngen explain --op permute` names; other shape keywords (hidden, model) do not apply."""
+    return spec(experts, top_k, max(tokens, 1), arch_, tbl)
+
+
 def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpec]:
     """Every permute kernel `model` can dispatch to over its token range."""
     E, K = model.num_experts, model.top_k
@@ -296,47 +362,83 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Permute:
 
 
 def clear() -> None:
-    """Forget the planned launches and scratch workspaces (after the tier table or the cache changed)."""
-    _permutes.clear()
+    """Forget the input signatures and scratch workspaces (the dispatch objects are kerngen.dispatch.clear()'s)."""
+    _fast.clear()
     _scratch.clear()
 
 
+def dispatch(E: int, K: int, align: bool, device: int) -> Dispatch:
+    """The permute launches of this shape on `device`, per token bucket of the tier table."""
+    def build() -> Dispatch:
+        a = arch(device)
+        return Dispatch(
+            OP, {"num_experts": E, "top_k": K}, rule_spec(with_align(f"E{E}-K{K}", {"E": E, "K": K}, align), a),
+            kernel, device, arch=a)
+
+    return lookup((OP, E, K, align, device), build)
+
+
 def _planned(E: int, K: int, T: int, dev: int, align: bool) -> Permute:
-    key = (E, K, T, dev, align)
-    p = _permutes.get(key)
+    d = dispatch(E, K, align, dev)
+    p = d.kernel(T)
     if p is None:
-        p = _permutes[key] = Permute(spec(E, K, max(T, 1), arch(dev), table(), align), T, dev)
+        d.require(T)   # raises the table's TierError
     return p
 
 
-_permutes: dict[tuple, Permute] = {}
+_fast: dict[tuple, tuple] = {}   # input signature -> (launches, prototype workspace or None, T, K, ls, nl, device)
 
 
 def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_experts: tuple[int, int] | None = None,
             workspace: RoutingWorkspace | None = None, layout: str = "kerngen",
             pad_sorted_ids: bool = False) -> Routing:
-    """The permutation of top-k ids computed elsewhere ([T, K] int32, contiguous); same outputs as route.
+    """The permutation of top-k ids computed elsewhere ([T, K] int32, contiguous; CUDA); same outputs as route.
 
     Ids outside the local range are skipped (-1 in expanded_to_permuted). A token may name an expert more than
     once; its entries then take consecutive rows in ascending k (exact, but the one-pass kernel takes a slower
     path for the whole call). The returned Routing's topk_ids is `topk_ids` itself and topk_weights is empty
     ([T, 0]). layout="align" writes moe_align_block_size's outputs (route's docstring; pad_sorted_ids rounds
-    sorted_token_ids' length up to whole blocks, as vLLM's flag does).
+    sorted_token_ids' length up to whole blocks, as vLLM's flag does). On CPU tensors use `permute_reference`.
     """
+    try:   # the signature pins everything the checks establish
+        sig = (topk_ids.dtype, topk_ids.shape, topk_ids.is_contiguous(), topk_ids.get_device(), num_experts, tile,
+               local_experts, layout, pad_sorted_ids, None if workspace is None else workspace.signature)
+        hit = _fast.get(sig)
+    except (AttributeError, TypeError):   # a wrong type or an unhashable value: the checks name it
+        sig, hit = None, None
+    if hit is None:
+        hit = _prepare(topk_ids, num_experts, tile, local_experts, workspace, layout, pad_sorted_ids)
+        if sig is not None:
+            if len(_fast) > 4096:
+                _fast.clear()
+            _fast[sig] = hit
+    launches, proto, T, K, ls, nl, dev = hit
+    ws = proto.fresh() if workspace is None else workspace
+    launches(current_stream(dev), topk_ids.data_ptr(), ws, T, tile, ls, nl)
+    res = ws.result(T, nl, pad_sorted_ids)
+    return mark_checked(dataclasses.replace(res, topk_ids=topk_ids, topk_weights=_no_weights(topk_ids, T)),
+                        ws.device)
+
+
+def _no_weights(ids: torch.Tensor, T: int) -> torch.Tensor:
+    return ids.new_empty((T, 0), dtype=torch.float32)
+
+
+def _prepare(topk_ids, num_experts, tile, local_experts, workspace, layout, pad_sorted_ids) -> tuple:
+    """Every check of permute's arguments, then its launches and a prototype workspace (the given one)."""
     T, K, ls, nl = check_ids(OP, topk_ids, num_experts, "tile", tile, local_experts)
     align = check_layout(OP, layout)
     if not isinstance(pad_sorted_ids, bool):
         raise InputError(OP, "pad_sorted_ids", "True or False", repr(pad_sorted_ids))
-    check_tensor(OP, "topk_ids", topk_ids)
-    dev = topk_ids.get_device()
-    if workspace is None:
-        workspace = RoutingWorkspace(max(T, 1), num_experts, K, tile, local_experts=(ls, nl), device=topk_ids.device,
-                                     layout=layout)
+    check_tensor(OP, "topk_ids", topk_ids, device=None)
+    proto = None
+    if workspace is None:   # the prototype of the fresh workspace of each call
+        proto = RoutingWorkspace(max(T, 1), num_experts, K, tile, local_experts=(ls, nl), device=topk_ids.device,
+                                 layout=layout)
     else:
         check_workspace(OP, workspace, T, num_experts, K, tile, nl, topk_ids.device, layout)
-    _planned(num_experts, K, T, dev, align)(current_stream(dev), topk_ids.data_ptr(), workspace, T, tile, ls, nl)
-    res = workspace.result(T, nl, pad_sorted_ids)
-    return dataclasses.replace(res, topk_ids=topk_ids, topk_weights=topk_ids.new_empty((T, 0), dtype=torch.float32))
+    dev = topk_ids.get_device()
+    return _planned(num_experts, K, T, dev, align), proto, T, K, ls, nl, dev
 
 
 class _AlignTarget:
@@ -405,3 +507,6 @@ def check_workspace(op, ws, T, E, K, tile, nl, device, layout="kerngen"):
         raise InputError(op, "workspace", f"room for {T} tokens and {nl} local experts",
                          f"max_tokens={ws.max_tokens}, num_local={ws.local_experts[1]}")
 
+
+
+on_clear(clear)

@@ -30,8 +30,9 @@ import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError
+from ..dispatch import Dispatch, lookup, on_clear, rule_spec
 from ..launch import Launcher, Params, current_stream
-from ..tiers import MAX_EXPERTS, MAX_TOPK, METHODS, Model, Table
+from ..tiers import MAX_EXPERTS, MAX_TOPK, METHODS, SMS, Model, Table
 from . import permute as permute_op
 from ._common import SHORT, DTYPE_NAMES, arch, check_int, check_local, check_tensor, resolve, table
 from .permute import Routing, RoutingWorkspace, check_layout, check_workspace, with_align
@@ -158,7 +159,7 @@ def explain_spec(tbl: Table, arch_: str, *, experts: int, top_k: int, tokens: in
 class Route:
     """The launches of one (shape, method, dtypes, T, permutation on/off) on one device."""
 
-    def __init__(self, s: plan_mod.KernelSpec, T: int, dev: int, permute: bool, tbl: Table):
+    def __init__(self, s: plan_mod.KernelSpec, T: int, dev: int, permute: bool):
         p, consts = dict(s.params), dict(s.constants)
         warps, wpt = int(p.get("warps", 4)), int(p.get("warps_per_token", 1))
         if warps < 1 or wpt < 1 or warps % wpt or warps * 32 > 1024:
@@ -168,8 +169,8 @@ class Route:
             if T > int(p["max_tokens"]):
                 raise InputError(OP, "tier params", f"max_tokens >= {T} for the fused variant", str(s.params))
             ctas, clusters = int(p.get("ctas", 1)), int(p.get("clusters", 1))
-            if not (1 <= ctas <= 8 and 1 <= clusters <= 132 // ctas):
-                raise InputError(OP, "tier params", "ctas in [1, 8] (a portable cluster), ctas * clusters <= 132",
+            if not (1 <= ctas <= 8 and 1 <= clusters <= SMS // ctas):
+                raise InputError(OP, "tier params", f"ctas in [1, 8] (a portable cluster), ctas * clusters <= {SMS}",
                                  str(s.params))
             mod = resolve(s)
             self.topk = Launcher(mod, "routing_fused", dev, (ctas * clusters, 1, 1), (warps * 32, 1, 1), PARAMS,
@@ -183,9 +184,10 @@ class Route:
             self.topk = Launcher(resolve(s), "routing_topk", dev, (max(1, -(-T // groups)), 1, 1),
                                  (warps * 32, 1, 1), PARAMS, pdl=True)
             self.ids_only = self.topk
-            self.permute = (permute_op.kernel(permute_op.spec(consts["E"], consts["K"], max(T, 1), s.arch, tbl,
-                                                              consts.get("ALIGN", False)), T, dev)
+            self.permute = (permute_op.dispatch(consts["E"], consts["K"], consts.get("ALIGN", False), dev).kernel(T)
                             if permute else None)
+            if permute and self.permute is None:
+                permute_op.dispatch(consts["E"], consts["K"], consts.get("ALIGN", False), dev).require(T)
         else:
             raise InputError(OP, "tier variant", "fused or topk", s.variant)
 
@@ -211,23 +213,34 @@ class Route:
             self.permute(stream, ws.ids.data_ptr(), ws, T, tile, ls, nl)
 
 
-def kernel(s: plan_mod.KernelSpec, tokens: int, device: int, *, permute: bool = True,
-           tbl: Table | None = None) -> Route:
+def kernel(s: plan_mod.KernelSpec, tokens: int, device: int, *, permute: bool = True) -> Route:
     """The launches of routing spec `s` for `tokens` tokens on `device`; with `permute` (a tile given) the topk
-    variant also gets permute's launches, planned from `tbl` (default the active table)."""
-    return Route(s, tokens, device, permute, tbl or table())
+    variant also gets permute's launches."""
+    return Route(s, tokens, device, permute)
+
+
+def dispatch(E: int, K: int, method: str, n_group: int, topk_group: int, renormalize: bool, ldtype: str, bdtype: str,
+             wdtype: str, align: bool, permute: bool, device: int) -> Dispatch:
+    """The routing launches of this shape, method and dtypes on `device`, per token bucket of the tier table."""
+    key = (OP, E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype, align, permute, device)
+
+    def build() -> Dispatch:
+        a = arch(device)
+        return Dispatch(
+            OP, {"num_experts": E, "top_k": K},
+            rule_spec(tag_constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype,
+                                            align), a),
+            lambda s, T, dev: Route(s, T, dev, permute), device, arch=a)
+
+    return lookup(key, build)
 
 
 def clear() -> None:
-    """Forget the planned launches and model lookups (after the tier table or the cache changed)."""
-    _routes.clear()
-    _models.clear()
-    _models_E.clear()
+    """Forget the input signatures (the dispatch objects are kerngen.dispatch.clear()'s)."""
+    _fast.clear()
 
 
-_routes: dict[tuple, Route] = {}
-_models: dict[tuple, tuple] = {}
-_models_E: dict[str, int] = {}   # model name -> its expert count, which the logits must match
+_fast: dict[tuple, tuple] = {}   # route's input signature -> (Route, prototype workspace or None, T, tile, ls, nl, rsf, dev)
 
 
 def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None = None,
@@ -235,71 +248,62 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
           routed_scaling_factor: float = 1.0, renormalize: bool = True, tile: int | None = None,
           local_experts: tuple[int, int] | None = None, model: str | None = None,
           workspace: RoutingWorkspace | None = None, layout: str = "kerngen") -> Routing:
-    """Top-k routing of logits [T, E] (fp32 or bf16) and, with `tile`, the permutation; see the module doc.
+    """Top-k routing of CUDA logits [T, E] (fp32 or bf16) and, with `tile`, the permutation; see the module doc.
 
     model="kimi-k3" fills top_k, method and constants from the tier table; explicit values must agree.
     local_experts=(start, count) restricts the permutation to an expert-parallel range. With `workspace`
     the outputs are written into it (no allocation; CUDA-graph and side-stream friendly).
     layout="align" (with tile = the block size) writes moe_align_block_size's sorted_token_ids / expert_ids /
     num_tokens_post_padded from the same launch instead of permuted_to_token / tile_to_expert (align_reference).
+    CPU tensors: `reference` (the same semantics in plain torch), or torch.ops.kerngen.route / select_experts.
     """
-    if model is not None:
-        top_k, method, n_group, topk_group, routed_scaling_factor, renormalize = model_args(
-            model, top_k, method, n_group, topk_group, routed_scaling_factor, renormalize)
-    if type(logits) is not torch.Tensor or logits.dim() != 2:
-        check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local_experts,
-                   routed_scaling_factor)
-    T, E = logits.shape
-    dev = logits.get_device()
-    try:
-        key = _route_key(logits, bias, workspace, T, E, top_k, method, n_group, topk_group, renormalize, tile, dev,
-                         layout)
-        r = _routes.get(key)
-    except (TypeError, AttributeError):   # an argument of the wrong type: the checks below name it
-        r = None
-    if (r is None or logits.stride(1) != 1 or type(top_k) is not int or type(n_group) is not int
-            or type(topk_group) is not int or type(renormalize) is not bool
-            or (model is not None and E != _models_E[model])
-            or (bias is not None and (bias.get_device() != dev or bias.shape != (E,) or not bias.is_contiguous()))):
-        if model is not None and E != _models_E[model]:
-            raise InputError(OP, "logits", f"[T, {_models_E[model]}] (model '{model}' has {_models_E[model]} "
-                             "experts)", f"shape {tuple(logits.shape)}")
-        check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local_experts,
-                   routed_scaling_factor)
-        if check_layout(OP, layout) and tile is None:
-            raise InputError(OP, "tile", "the block size (an integer) for layout 'align'", "None")
-        if workspace is not None:   # before any kernel is built for it
-            check_workspace(OP, workspace, T, E, top_k, tile, check_local(OP, local_experts, E)[1], logits.device,
-                            layout)
-        wdt = workspace.weights_dtype if workspace is not None else torch.float32
-        key = _route_key(logits, bias, workspace, T, E, top_k, method, n_group, topk_group, renormalize, tile, dev,
-                         layout)
-        r = _routes.get(key)
-        if r is None:
-            tbl = table()
-            a = arch(dev)
-            tag_consts = tag_constants(E, top_k, method, n_group, topk_group, renormalize, DTYPE_NAMES[logits.dtype],
-                                       "none" if bias is None else DTYPE_NAMES[bias.dtype], DTYPE_NAMES[wdt],
-                                       layout == "align")
-            s = plan_mod.plan(tbl, OP, {"num_experts": E, "top_k": top_k, "tokens": max(T, 1)}, *tag_consts, a)
-            r = Route(s, T, dev, tile is not None, tbl)
-            _routes[key] = r
-    ls, nl = _check_unkeyed(tile, local_experts, routed_scaling_factor, E)
-    if workspace is None:
-        workspace = RoutingWorkspace(max(T, 1), E, top_k, tile, local_experts=(ls, nl), device=logits.device,
-                                     layout=layout)
-    else:
-        check_workspace(OP, workspace, T, E, top_k, tile, nl, logits.device, layout)
-    ws = workspace
-    r.run(current_stream(dev), logits, bias, ws, T, tile, ls, nl, float(routed_scaling_factor))
+    try:   # the signature pins everything the checks establish
+        sig = (logits.dtype, logits.shape, logits.stride(), logits.get_device(),
+               None if bias is None else (bias.dtype, bias.shape, bias.stride(), bias.get_device()),
+               top_k, method, n_group, topk_group, routed_scaling_factor, renormalize, tile, local_experts, model,
+               layout, None if workspace is None else workspace.signature)
+        hit = _fast.get(sig)
+    except (AttributeError, TypeError):   # a wrong type or an unhashable value: the checks name it
+        sig, hit = None, None
+    if hit is None:
+        hit = _prepare(logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor, renormalize, tile,
+                       local_experts, model, workspace, layout)
+        if sig is not None:
+            if len(_fast) > 4096:
+                _fast.clear()
+            _fast[sig] = hit
+    r, proto, T, tile, ls, nl, rsf, dev = hit
+    ws = proto.fresh() if workspace is None else workspace
+    r.run(current_stream(dev), logits, bias, ws, T, tile, ls, nl, rsf)
     return ws.result(T, nl)
 
 
-def _route_key(logits, bias, workspace, T, E, top_k, method, n_group, topk_group, renormalize, tile, dev,
-               layout) -> tuple:
-    return (logits.dtype, None if bias is None else bias.dtype,
-            workspace.weights_dtype if workspace is not None else torch.float32, T, E, top_k, method, n_group,
-            topk_group, renormalize, tile is not None, dev, layout)
+def _prepare(logits, top_k, method, bias, n_group, topk_group, rsf, renormalize, tile, local_experts, model,
+             workspace, layout) -> tuple:
+    """Every check of route's arguments, then its launches and the prototype of a fresh workspace."""
+    if model is not None:
+        top_k, method, n_group, topk_group, rsf, renormalize = model_args(model, top_k, method, n_group, topk_group,
+                                                                          rsf, renormalize, logits)
+    check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local_experts, rsf)
+    if check_layout(OP, layout) and tile is None:
+        raise InputError(OP, "tile", "the block size (an integer) for layout 'align'", "None")
+    T, E = logits.shape
+    ls, nl = check_local(OP, local_experts, E)
+    proto = None
+    if workspace is None:
+        proto = RoutingWorkspace(max(T, 1), E, top_k, tile, local_experts=(ls, nl), device=logits.device,
+                                 layout=layout)
+    else:   # before any kernel is built for it
+        check_workspace(OP, workspace, T, E, top_k, tile, nl, logits.device, layout)
+    wdt = workspace.weights_dtype if workspace is not None else torch.float32
+    dev = logits.get_device()
+    d = dispatch(E, top_k, method, n_group, topk_group, renormalize, DTYPE_NAMES[logits.dtype],
+                 "none" if bias is None else DTYPE_NAMES[bias.dtype], DTYPE_NAMES[wdt], layout == "align",
+                 tile is not None, dev)
+    r = d.kernel(T)
+    if r is None:
+        d.require(T)   # raises the table's TierError
+    return r, proto, T, tile, ls, nl, float(rsf), dev
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -353,16 +357,10 @@ def _check_unkeyed(tile, local_experts, rsf, E) -> tuple[int, int]:
     return ls_nl
 
 
-def model_args(name, top_k, method, n_group, topk_group, rsf, renormalize) -> tuple:
+def model_args(name, top_k, method, n_group, topk_group, rsf, renormalize, logits=None) -> tuple:
     """route's (top_k, method, n_group, topk_group, routed_scaling_factor, renormalize) from model `name` of
-    the tier table; an explicit value that disagrees with the model is an InputError."""
-    key = (name, top_k, method, n_group, topk_group, rsf, renormalize)
-    try:
-        hit = _models.get(key)
-    except TypeError:
-        hit = None
-    if hit is not None:
-        return hit
+    the tier table; an explicit value that disagrees with the model is an InputError, and so are `logits` whose
+    expert count is not the model's."""
     if not isinstance(name, str):
         raise InputError(OP, "model", "a model name of the tier table (a str)", repr(name))
     m = table().model(name)
@@ -373,7 +371,10 @@ def model_args(name, top_k, method, n_group, topk_group, rsf, renormalize) -> tu
     for arg, (v, want, default) in given.items():
         if v is not None and v != default and v != want:
             raise InputError(OP, arg, f"{want!r} as model '{name}' says (or left out)", repr(v))
-    out = (m.top_k, m.routing, m.n_group, m.topk_group, m.routed_scaling_factor, m.renormalize)
-    _models[key] = out
-    _models_E[name] = m.num_experts
-    return out
+    if isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.shape[1] != m.num_experts:
+        raise InputError(OP, "logits", f"[T, {m.num_experts}] (model '{name}' has {m.num_experts} experts)",
+                         f"shape {tuple(logits.shape)}")
+    return m.top_k, m.routing, m.n_group, m.topk_group, m.routed_scaling_factor, m.renormalize
+
+
+on_clear(clear)

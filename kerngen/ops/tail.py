@@ -26,6 +26,7 @@ import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError
+from ..dispatch import Dispatch, lookup, on_clear
 from ..tiers import Model, Rule, Table
 from ._common import (DTYPE_NAMES, SHORT, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
                       check_tensor, resolve, table)
@@ -142,8 +143,22 @@ def kernel(s: plan_mod.KernelSpec, tokens: int = 0, device: int | None = None):
 
 
 def clear() -> None:
-    """Forget the input signatures (after the tier table or the cache changed)."""
+    """Forget the input signatures (the dispatch objects are kerngen.dispatch.clear()'s)."""
     _fast.clear()
+
+
+def dispatch(hidden: int, top_k: int, dtype: str, weights_dtype: str, out_dtype: str, flags: tuple,
+             device: int) -> Dispatch:
+    """The tail kernels of this shape, dtypes and flags on `device`, per token bucket of the tier table."""
+    args = (hidden, top_k, dtype, weights_dtype, out_dtype, flags)
+
+    def build() -> Dispatch:
+        a = arch(device)
+        return Dispatch(
+            OP, {"hidden": hidden, "top_k": top_k}, lambda rule: rule_spec(rule, *args, a), kernel, device,
+            arch=a)
+
+    return lookup((OP, *args, device), build)
 
 
 def _sig(t):
@@ -229,10 +244,13 @@ def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
     odt = out_dtype or g.dtype
     dev = g.get_device()
     flags = (shared is not None, residual is not None, residual_out is not None)
-    s = spec(H, K, _NAMES[g.dtype], _NAMES[w.dtype], _NAMES[odt], flags, max(T, 1), arch(dev))
+    d = dispatch(H, K, _NAMES[g.dtype], _NAMES[w.dtype], _NAMES[odt], flags, dev)
+    fn = d.kernel(T)
+    if fn is None:
+        d.require(T)   # raises the table's TierError
     # the kernel loads row 0 for skipped slots (no branch around loads): give it a row when gemm2_out has none
     g_arg = torch.zeros(1, H, dtype=g.dtype, device=g.device) if not g.shape[0] else (True if g.shape[1] != H else None)
-    return kernel(s), T, H, odt, g_arg, dev, H // FP8_BLOCK if odt == FP8 else 0
+    return fn, T, H, odt, g_arg, dev, H // FP8_BLOCK if odt == FP8 else 0
 
 
 def _slow_checks(g, e2p, w, nw, shared, residual, residual_out, out_dtype):
@@ -258,3 +276,6 @@ def _slow_checks(g, e2p, w, nw, shared, residual, residual_out, out_dtype):
                          "torch.float8_e4m3fn (one scale per 128 columns); use a bf16/fp16 out_dtype", f"length {H}")
     for name, t in (("gemm2_out", g), ("expanded_to_permuted", e2p), ("topk_weights", w), ("norm_weight", nw)):
         check_aligned(OP, name, t)
+
+
+on_clear(clear)

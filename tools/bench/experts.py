@@ -79,7 +79,7 @@ def case(name, T, bw, args, kernels_of):
     calls = 20
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
     logits = [torch.randn(T, E, device="cuda", generator=gen) for _ in range(calls)]
-    tile = ex.rows_tile(T)
+    tile = ex.tile_for(H, I, act_name, T, 0) or 16
     rt = [kerngen.route(lg, top_k=K, method="softmax_topk", tile=tile) for lg in logits]
     r1 = [kerngen.route(lg, top_k=K, method="softmax_topk", tile=1) for lg in logits]
     kw = dict(activation=act_name, interleaved=gpt, b13=b13, b2=b2)
@@ -152,17 +152,18 @@ def main(argv=None) -> int:
 
     if args.sweep:   # compile every candidate first, in parallel
         specs = [s for m in models for T in tokens for _, s in
-                 cand_specs(SHAPES[m][0], SHAPES[m][1], ex.rows_tile(T), SHAPES[m][4])]
+                 cand_specs(SHAPES[m][0], SHAPES[m][1], ex.tile_for(SHAPES[m][0], SHAPES[m][1], SHAPES[m][4], T, 0) or 16,
+                            SHAPES[m][4])]
         with ProcessPoolExecutor(max(1, (os.cpu_count() or 2) - 1)) as pool:
             list(pool.map(_build, list(dict.fromkeys(specs))))
 
     def kernels_of(H, I, tile, act, T, tiles):
         if args.sweep or args.rule:
             for label, s in cand_specs(H, I, tile, act):
-                yield label, ex.Kernels(s, tiles, dev)
+                yield label, ex.Kernels(s, dev)
         else:
             s = ex.spec(H, I, tile, act, T, arch)
-            yield "tiers.toml: " + ",".join(f"{k}={v}" for k, v in s.params), ex.Kernels(s, tiles, dev)
+            yield "tiers.toml: " + ",".join(f"{k}={v}" for k, v in s.params), ex.Kernels(s, dev)
 
     bw = copy_bandwidth_tbs()
     print(f"copy bandwidth {bw:.2f} TB/s; {'chained' if args.chained else 'after a producer kernel'}")

@@ -1,0 +1,117 @@
+"""Dispatch once: the kernels of one op at one static shape on one device, resolved once and then only launched.
+
+A `Dispatch` is built on the first call of a (op, static shape, dtypes, device) — or by warmup / preload. It
+reads the tier table once: the rules' token ranges split the token axis into buckets, and each bucket gets its
+KernelSpec then. A call picks the bucket of its token count with a bisect and takes the op's launch object for
+that count (built on first use: compile or cache load, then kept). After the first call of a token count
+nothing on the path reads the filesystem, reloads the table or scans rules.
+
+All dispatch objects live in one registry (`lookup`), keyed by the op's static key (never the token count);
+`clear()` forgets them all, and `tiers.reload()` calls it.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from typing import Any, Callable
+
+from . import tiers
+from .errors import TierError
+from .plan import KernelSpec, spec_for, target_arch, visible_sm_count
+
+MAX_TOKENS = tiers.INT32_MAX
+
+
+class Dispatch:
+    """One op at one static shape on one device.
+
+    `shape` holds the op's rule keys without tokens (num_experts, top_k, hidden); `spec_of(rule)` turns the rule
+    of a bucket into its KernelSpec (the op's tag and constants); `make(spec, tokens, device)` builds the launch
+    object of a bucket for one token count. `data` is whatever the op keeps beside (a tile, a workspace size).
+    """
+    __slots__ = ("op", "device", "arch", "starts", "specs", "errors", "data", "_make", "_by_tokens")
+
+    def __init__(self, op: str, shape: dict[str, int], spec_of: Callable[[tiers.Rule], KernelSpec],
+                 make: Callable[[KernelSpec, int, int], Any], device: int, *, arch: str | None = None,
+                 table: tiers.Table | None = None, data: Any = None):
+        tbl = table or tiers.load()
+        self.op, self.device, self.data, self._make = op, device, data, make
+        self.arch = arch or target_arch(device if device >= 0 else None)
+        key = {**shape, "arch": self.arch, **visible_sm_count(self.arch, device)}
+        self.starts, self.specs, self.errors = [], [], []
+        for lo, _ in tiers.token_pieces(tbl.rules, op, (1, MAX_TOKENS)):
+            try:
+                s, err = spec_of(tbl.rule(op, {**key, "tokens": lo})), None
+            except TierError as e:
+                s, err = None, e
+            if self.specs and s == self.specs[-1] and err is None and self.errors[-1] is None:
+                continue   # the same kernel as the bucket before: one bucket
+            self.starts.append(lo)
+            self.specs.append(s)
+            self.errors.append(err)
+        self._by_tokens: dict[int, Any] = {}
+
+    def spec(self, tokens: int) -> KernelSpec | None:
+        """The KernelSpec serving `tokens` (0 counts as 1), or None where no rule serves it."""
+        return self.specs[bisect_right(self.starts, max(tokens, 1)) - 1]
+
+    def require(self, tokens: int) -> KernelSpec:
+        """spec(tokens), or the table's TierError naming the shape."""
+        i = bisect_right(self.starts, max(tokens, 1)) - 1
+        if self.specs[i] is None:
+            raise self.errors[i]
+        return self.specs[i]
+
+    def kernel(self, tokens: int):
+        """The launch object for `tokens` tokens (None where no rule serves them), built once."""
+        k = self._by_tokens.get(tokens)
+        if k is None and tokens not in self._by_tokens:
+            s = self.spec(tokens)
+            k = None if s is None else self._make(s, tokens, self.device)
+            self._by_tokens[tokens] = k
+        return k
+
+    def __repr__(self) -> str:
+        buckets = ", ".join(f"{lo}+: {s.variant if s else None}" for lo, s in zip(self.starts, self.specs))
+        return f"Dispatch({self.op} on {self.arch}, device {self.device}; {buckets})"
+
+
+_registry: dict[tuple, Dispatch] = {}
+
+
+def lookup(key: tuple, build: Callable[[], Dispatch]) -> Dispatch:
+    """The dispatch object of `key` (the op's name and static key, hashable), built by `build()` once."""
+    d = _registry.get(key)
+    if d is None:
+        d = _registry[key] = build()
+    return d
+
+
+def rule_spec(tag_constants: tuple[str, dict], arch: str) -> Callable[[tiers.Rule], KernelSpec]:
+    """spec_of for ops whose tag and constants do not depend on the rule."""
+    tag, consts = tag_constants
+    return lambda rule: spec_for(rule, tag, consts, arch)
+
+
+_on_clear: list[Callable[[], None]] = []
+
+
+def on_clear(fn: Callable[[], None]) -> Callable[[], None]:
+    """Register an op's own caches (input signatures, scratch buffers) to be forgotten by clear()."""
+    _on_clear.append(fn)
+    return fn
+
+
+def clear() -> None:
+    """Forget every dispatch object and every op's cached signatures (after the tier table or the cache
+    changed); the next call of each shape resolves again."""
+    _registry.clear()
+    for fn in _on_clear:
+        fn()
+
+
+def registry() -> dict[tuple, Dispatch]:
+    """The dispatch objects built so far (read-only use: tests, explain)."""
+    return dict(_registry)
+
+
+tiers.on_reload(clear)

@@ -1,0 +1,258 @@
+"""Dispatch once: the op registry, the token buckets against the tier table, and a hot path that, after the first
+call of a shape, touches no file, no tier table and no compiler. On this CPU machine the ops run their dispatch
+up to the launch with stub launchers (`_common.KERNEL_DEVICES` lets CPU tensors take the kernels' path)."""
+import builtins
+import os
+
+import pytest
+import torch
+
+import kerngen
+from kerngen import dispatch, jit, tiers, warmup
+from kerngen.ops import OPS, _common, experts, finalize, op_module, permute, routing, tail
+from kerngen.plan import plan
+
+OP_MODULES = (routing, permute, finalize, tail, experts)
+
+
+def test_the_registry_lists_every_op_with_kernels_and_each_has_the_seam():
+    with_kernels = {op for op in tiers.OPS if op != "tail_tp"}   # tail_tp runs torch.distributed, no kernel
+    assert set(OPS) == with_kernels
+    assert warmup.OPS is OPS
+    for op in OPS:
+        mod = op_module(op)
+        for name in ("model_specs", "explain_spec", "kernel", "dispatch", "clear"):
+            assert callable(getattr(mod, name, None)), f"kerngen.ops.{op} lacks {name}"
+    with pytest.raises(KeyError, match="unknown op"):
+        op_module("tail_tp")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_explain_spec_takes_the_common_keywords(op):
+    tbl = tiers.load()
+    m = tbl.model("deepseek-v3")
+    s = op_module(op).explain_spec(tbl, "sm_90a", experts=m.num_experts, top_k=m.top_k, hidden=m.hidden, tokens=8,
+                                   model="deepseek-v3")
+    assert s.op == op and s.arch == "sm_90a"
+
+
+def test_every_model_spec_comes_from_the_registry():
+    tbl = tiers.load()
+    for m in tbl.models.values():
+        specs = warmup.model_specs(m, tbl, "sm_90a")
+        assert {s.op for s in specs} <= set(OPS)
+        assert {"routing", "permute", "finalize", "tail"} <= {s.op for s in specs}, m.name
+
+
+TOKENS = (0, 1, 2, 7, 8, 9, 16, 17, 63, 64, 65, 255, 256, 257, 511, 512, 513, 1024, 4095, 4096, 4097, 8192, 70000)
+
+
+@pytest.mark.parametrize("name", sorted(tiers.load().models))
+def test_buckets_pick_what_the_table_picks(name):
+    """The bisect over the rules' token pieces gives, at every token count, the spec a full rule scan gives."""
+    tbl = tiers.load()
+    m = tbl.model(name)
+    tag_fin = finalize.tag_constants(m.hidden, m.top_k, "bfloat16", "float32")
+    d = finalize.dispatch(m.hidden, m.top_k, "bfloat16", "float32", -1)
+    tag_perm = permute.with_align(f"E{m.num_experts}-K{m.top_k}", {"E": m.num_experts, "K": m.top_k}, False)
+    dp = permute.dispatch(m.num_experts, m.top_k, False, -1)
+    for T in TOKENS:
+        assert d.spec(T) == plan(tbl, "finalize", {"hidden": m.hidden, "top_k": m.top_k, "tokens": max(T, 1)},
+                                 *tag_fin, "sm_90a"), (name, T)
+        assert dp.spec(T) == plan(tbl, "permute", {"num_experts": m.num_experts, "top_k": m.top_k,
+                                                   "tokens": max(T, 1)}, *tag_perm, "sm_90a"), (name, T)
+        if m.intermediate:
+            tile = experts.tile_for(m.hidden, m.intermediate, m.activation, T, -1)
+            want = [r for r in tbl.rules if r.op == "experts" and r.matches({"hidden": m.hidden, "tokens": max(T, 1),
+                                                                             "arch": "sm_90a"})]
+            assert tile == (want[0].params["tile"] if want else None), (name, T)
+
+
+def test_the_experts_tile_is_the_rules():
+    tbl = tiers.load()
+    rules = [r for r in tbl.rules if r.op == "experts"]
+    assert rules and all("tile" in r.params for r in rules)
+    for r in rules:
+        lo, hi = r.ranges["tokens"]
+        for T in (lo, hi):
+            assert experts.tile_for(7168, 2048, "silu", T, -1) == r.params["tile"]
+            s = experts.dispatch(7168, 2048, "silu", -1).spec(T)
+            assert dict(s.constants)["TILE"] == r.params["tile"] and "tile" not in dict(s.params)
+
+
+class StubLauncher:
+    """Stands in for launch.Launcher: records each launch by kernel name."""
+    log: list = []
+
+    def __init__(self, module, name, device, grid, block, params, smem=0, pdl=False):
+        self.name, self.grid = name, grid
+
+    def launch(self, stream, **fields):
+        StubLauncher.log.append(self.name)
+
+    def __call__(self, stream, *args):
+        StubLauncher.log.append(self.name)
+
+
+def _cute_stub(*args):
+    StubLauncher.log.append("cute")
+
+
+@pytest.fixture
+def stub_gpu(monkeypatch):
+    """The ops' dispatch on CPU tensors with stub launchers: resolve returns a stub, launches are recorded."""
+    monkeypatch.setattr(_common, "KERNEL_DEVICES", ("cuda", "cpu"))
+    for mod in OP_MODULES:
+        monkeypatch.setattr(mod, "resolve", lambda spec: _cute_stub, raising=False)
+        monkeypatch.setattr(mod, "current_stream", lambda dev: 0, raising=False)
+        if hasattr(mod, "Launcher"):
+            monkeypatch.setattr(mod, "Launcher", StubLauncher)
+    monkeypatch.setattr(experts, "sm_count", lambda dev: 132)
+    kerngen.clear()
+    StubLauncher.log = []
+    yield StubLauncher.log
+    kerngen.clear()
+
+
+def _calls():
+    """One call of every public op the ordinary way, on CPU tensors."""
+    g = torch.Generator().manual_seed(0)
+    m = tiers.load().model("kimi-k3")
+    E, K, H, I = 128, 8, 256, 64
+    logits = torch.randn(4, E, generator=g)
+    kimi = torch.randn(4, m.num_experts, generator=g)
+    bias = torch.randn(m.num_experts, generator=g)
+    ws = kerngen.RoutingWorkspace(4, m.num_experts, m.top_k, 128, device="cpu")
+    ws8 = kerngen.RoutingWorkspace(4, E, K, 8, device="cpu")
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(4)]).int()
+    x = torch.randn(4, H, generator=g).bfloat16()
+    w13 = torch.randn(E, 2 * I, H, generator=g).bfloat16()
+    w2 = torch.randn(E, H, I, generator=g).bfloat16()
+    rows = torch.randn(4 * K, H, generator=g).bfloat16()
+    e2p = torch.randperm(4 * K, generator=g).int().view(4, K)
+    w = torch.rand(4, K, generator=g)
+    nw = torch.ones(H).bfloat16()
+    out = torch.empty(4, H, dtype=torch.bfloat16)
+    r8 = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, workspace=ws8)
+    eout = torch.empty(r8.permuted_to_token.shape[0], H, dtype=torch.bfloat16)
+    return {
+        "route model= workspace=": lambda: kerngen.route(kimi, bias=bias, model="kimi-k3", tile=128, workspace=ws),
+        "route model=": lambda: kerngen.route(kimi, bias=bias, model="kimi-k3", tile=128),
+        "route explicit, workspace=": lambda: kerngen.route(logits, top_k=K, method="softmax_topk", tile=8,
+                                                           workspace=ws8),
+        "route explicit": lambda: kerngen.route(logits, top_k=K, method="softmax_topk", renormalize=True, tile=8),
+        "route without tile": lambda: kerngen.route(logits, top_k=K, method="softmax_topk"),
+        "permute": lambda: kerngen.permute(ids, num_experts=E, tile=8),
+        "permute workspace=": lambda: kerngen.permute(ids, num_experts=E, tile=8, workspace=ws8),
+        "experts out=": lambda: kerngen.experts(x, r8, w13, w2, out=eout),
+        "experts": lambda: kerngen.experts(x, r8, w13, w2),
+        "finalize out=": lambda: kerngen.finalize(rows, e2p, w, out=out),
+        "finalize": lambda: kerngen.finalize(rows, e2p, w),
+        "moe_tail": lambda: kerngen.moe_tail(rows, e2p, w, nw, shared=x, residual=x),
+        "experts tile_for": lambda: StubLauncher.log.append(experts.tile_for(H, I, "silu", 4, -1)),
+    }
+
+
+def test_after_the_first_call_the_hot_path_reads_no_file_and_no_table(stub_gpu, monkeypatch):
+    calls = _calls()
+    n0 = len(stub_gpu)
+    for fn in calls.values():
+        fn()
+    first = stub_gpu[n0:]
+    assert {"routing_fused", "routing_topk"} & set(first) and "experts_gemm1" in first and "cute" in first
+    built = dispatch.registry()
+    assert {k[0] for k in built} == set(OPS)
+
+    touched = []
+
+    def forbidden(what, real=None):
+        def record(*a, **k):
+            touched.append(what)
+            if real is None:
+                raise AssertionError(f"{what} on the hot path")
+            return real(*a, **k)
+        return record
+
+    with monkeypatch.context() as mp:   # recorded, not raised: a warning's linecache may stat a file
+        mp.setattr(os, "stat", forbidden("os.stat", os.stat))
+        mp.setattr(os, "lstat", forbidden("os.lstat", os.lstat))
+        mp.setattr(builtins, "open", forbidden("open", builtins.open))
+        mp.setattr(tiers, "load", forbidden("tiers.load"))
+        mp.setattr(tiers.Table, "rule", forbidden("a rule scan"))
+        mp.setattr(jit, "build", forbidden("jit.build"))
+        mp.setattr(dispatch, "Dispatch", forbidden("a new Dispatch"))
+        launched = {}
+        for name, fn in calls.items():
+            n = len(stub_gpu)
+            fn()
+            launched[name] = len(stub_gpu) - n
+    assert not touched, touched
+    assert all(launched.values()), launched
+    assert stub_gpu[n0 + len(first):] == first   # the same launches, in the same order
+    assert dispatch.registry().keys() == built.keys()
+
+
+def test_reload_and_clear_forget_every_dispatch(stub_gpu):
+    logits = torch.randn(3, 64)
+    kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+    assert dispatch.registry() and routing._fast
+    tiers.reload()
+    assert not dispatch.registry() and not routing._fast
+    kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+    kerngen.clear()
+    assert not dispatch.registry() and not routing._fast
+
+
+def test_a_wrong_argument_after_a_good_call_is_still_named(stub_gpu):
+    """The signature fast path skips checks only for arguments like the last ones'."""
+    logits = torch.randn(3, 64)
+    ws = kerngen.RoutingWorkspace(3, 64, 4, 8, device="cpu")
+    kerngen.route(logits, top_k=4, method="softmax_topk", tile=8, workspace=ws)
+    with pytest.raises(kerngen.InputError) as e:
+        kerngen.route(logits, top_k=5, method="softmax_topk", tile=8, workspace=ws)
+    assert e.value.arg == "workspace"
+    with pytest.raises(kerngen.InputError) as e:
+        kerngen.route(logits[:, :32], top_k=4, method="softmax_topk", tile=8, workspace=ws)
+    assert e.value.arg == "workspace"
+    with pytest.raises(kerngen.InputError) as e:
+        kerngen.route(logits.t().contiguous().t(), top_k=4, method="softmax_topk", tile=8)
+    assert e.value.arg == "logits"
+    with pytest.raises(kerngen.InputError) as e:
+        kerngen.route(torch.randn(3, 64), model="kimi-k3")
+    assert e.value.arg == "logits"
+    g, e2p, w = torch.randn(8, 64).bfloat16(), torch.zeros(2, 4, dtype=torch.int32), torch.rand(2, 4)
+    kerngen.finalize(g, e2p, w)
+    with pytest.raises(kerngen.InputError) as e:
+        kerngen.finalize(g, e2p, w[:, :3].contiguous())
+    assert e.value.arg == "topk_weights"
+
+
+def test_route_results_without_workspace_are_fresh(stub_gpu):
+    """Without workspace= each call returns buffers of its own (a later call does not overwrite them)."""
+    logits = torch.randn(3, 64)
+    a = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+    b = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+    assert a.topk_ids.data_ptr() != b.topk_ids.data_ptr()
+    assert a.permuted_to_token.data_ptr() != b.permuted_to_token.data_ptr()
+    assert int(a.num_permuted_rows) == -1 and a.tile == b.tile == 8   # the initial state: nothing ran (stubs)
+    ws = kerngen.RoutingWorkspace(3, 64, 4, 8, device="cpu")
+    c = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8, workspace=ws)
+    d = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8, workspace=ws)
+    assert c is d   # a workspace's results are views built once per token count
+
+
+def test_calls_into_given_buffers_allocate_nothing(stub_gpu, monkeypatch):
+    """route / permute with workspace=, experts / finalize with out=: no allocation after the first call (the
+    experts' intermediate is the dispatch's, per stream)."""
+    calls = {k: v for k, v in _calls().items() if "workspace=" in k or "out=" in k}
+    for fn in calls.values():
+        fn()
+
+    def no_alloc(*a, **k):
+        raise AssertionError("an allocation on the hot path")
+
+    with monkeypatch.context() as mp:
+        for name in ("empty", "full", "zeros", "empty_like", "full_like", "zeros_like"):
+            mp.setattr(torch, name, no_alloc)
+        for fn in calls.values():
+            fn()
