@@ -1,19 +1,9 @@
 """On-disk kernel store, safe under many processes, shareable read-only between users.
 
-Layout: <root>/CACHEDIR.TAG, <root>/<key>/<artifact files>, <root>/<key>/meta.json, <root>/.locks/<key>.lock.
-- The marker is written with the first lock or entry. Only key-shaped names are ever read or removed, and
-  nothing is removed from a root without the marker (a cache directory may hold the user's own files too).
-- Every file is written to a temp name and os.replace'd; meta.json is written last and carries the sha256 of
-  each artifact. An entry without a valid meta.json is incomplete (or being built, while its lock is held),
-  one whose checksum fails is corrupt: whoever gets its lock logs it, removes it and rebuilds it. Locks are
-  fcntl locks (filelock): the kernel releases them when the holder dies, so a kill -9 never hangs anyone.
-- Trust: an entry is code this process runs (a CuTe object is host code linked into the process, a cubin runs
-  on the GPU). It is read only if the root and the directories above it, the entry and its files are owned by
-  this user or root and writable by no one else (a sticky parent such as /tmp, and the owner's private group,
-  excepted), as ssh treats ~/.ssh. Anything else is refused with one warning, left in place, and its kernel is compiled in memory.
-- Files are created 0644 and directories 0755 (less the umask), so a cache warmed by root can be read by
-  every user, and works mounted read-only. A directory that cannot be written (read-only, full, another
-  user's) still serves what it holds; the kernels it lacks are compiled in memory, with one warning.
+docs/cache.md states the contract this module keeps: the layout (<root>/CACHEDIR.TAG, <root>/<key>/ with its
+artifacts and meta.json written last, <root>/.locks/<key>.lock), one compile per key under a file lock the OS
+releases when its holder dies, broken entries removed and rebuilt by the lock holder, the trust policy
+(owner_problem, path_problem) and what a directory that cannot be written or used still does.
 """
 from __future__ import annotations
 
@@ -108,6 +98,42 @@ def path_problem(root: Path) -> str | None:
     return None
 
 
+def not_a_directory(root: Path) -> str | None:
+    """Why `root` cannot be a cache directory because it, or a directory above it, exists and is not a
+    directory (a file), or None. A cache directory that is a file and one below a file are the same mistake."""
+    path = Path(os.path.abspath(root))
+    for p in (path, *path.parents):
+        try:
+            st = os.stat(p)
+        except (FileNotFoundError, NotADirectoryError):
+            continue   # not there (made on first write), or below a file: the file is found further up
+        except OSError:
+            return None   # path_problem says why it cannot be examined
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{p} is not a directory"
+    return None
+
+
+def root_problem(root: Path) -> tuple[str, str] | None:
+    """Why the directory `root` is not used at all, as (reason, detail): "unusable" (it or a directory above
+    it is a file) or "untrusted" (path_problem), or None."""
+    if (problem := not_a_directory(root)) is not None:
+        return "unusable", problem
+    if (problem := path_problem(root)) is not None:
+        return "untrusted", problem
+    return None
+
+
+def refusal(root: Path, reason: str, detail: str) -> str:
+    """The one message for a cache directory that is not used (reason and detail from root_problem)."""
+    if reason == "unusable":
+        return (f"cache directory {root} cannot be used: {detail}. Set KERNGEN_CACHE_DIR to a directory (it is "
+                "created if missing)")
+    return (f"cache directory {root} is not used: {detail}, so its entries could be another user's code. Use a "
+            "directory owned by you (or root) that only its owner can write (chmod go-w), or set "
+            "KERNGEN_CACHE_DIR to one")
+
+
 class _Miss(Exception):
     """Why an entry is not served: absent, incomplete, corrupt, untrusted or unreadable, and the detail."""
 
@@ -127,12 +153,17 @@ def _read(path: Path) -> bytes:
             raise _Miss("unreadable", f"{path.name}: {e.strerror}") from None
         raise _Miss("corrupt", f"{path.name} is a symbolic link" if e.errno == errno.ELOOP
                     else f"{path.name}: {e.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
+    try:
+        st = os.fstat(fd)   # before fdopen, which raises IsADirectoryError for a directory
         if not stat.S_ISREG(st.st_mode):
-            raise _Miss("corrupt", f"{path.name} is not a regular file")
+            raise _Miss("corrupt", f"{path.name} is a directory" if stat.S_ISDIR(st.st_mode)
+                        else f"{path.name} is not a regular file")
         if (problem := owner_problem(st)) is not None:
             raise _Miss("untrusted", f"{path.name} {problem}")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
         try:
             return f.read()
         except OSError as e:
@@ -212,22 +243,37 @@ class DiskCache:
         self.write_error = ""                  # why writes stopped
         self.miss_reason: dict[str, str] = {}  # key -> why the last get() missed
         self._distrust: str | None = None
+        self.refusal_reason = ""              # "unusable" or "untrusted" once distrust() found a problem
         self._trust_checked = False
         self._held: set[str] = set()           # keys whose lock this object holds
 
     # ------------------------------------------------------------------ read
     def distrust(self) -> str | None:
-        """Why this directory is not used at all (checked once), or None. See the module docstring."""
+        """Why this directory is not used at all (checked once), or None: it or a directory above it is a file
+        (refusal_reason "unusable"), or it could hold another user's code ("untrusted"). See root_problem."""
         if not self._trust_checked:
             self._trust_checked = True
-            self._distrust = path_problem(self.root)
-            if self._distrust:
-                self.writable, self.write_error = False, f"not trusted: {self._distrust}"
-                self._warn("untrusted", f"kerngen: cache directory {self.root} is not used: {self._distrust}, so "
-                           "its entries could be another user's code. Kernels are compiled in memory for this "
-                           "process. Use a directory owned by you (or root) that only its owner can write (chmod "
-                           "go-w), or set KERNGEN_CACHE_DIR to one.")
+            if (found := root_problem(self.root)) is not None:
+                reason, detail = found
+                self.refusal_reason, self._distrust, self.writable = reason, detail, False
+                self.write_error = f"not trusted: {detail}" if reason == "untrusted" else detail
+                self._warn(reason, f"kerngen: {refusal(self.root, reason, detail)}. Kernels are compiled in memory "
+                           "for this process.")
         return self._distrust
+
+    def write_problem(self) -> str | None:
+        """Why nothing can be stored here, found by creating the root (and its marker) and a scratch file in it
+        before any kernel is compiled, or None. Writes are not stopped by this probe."""
+        if self.distrust():
+            return self.write_error
+        try:
+            self._prepare_root()
+            fd, scratch = tempfile.mkstemp(prefix=".write-probe.", dir=self.root)
+            os.close(fd)
+            os.unlink(scratch)
+        except OSError as e:
+            return e.strerror or str(e)
+        return None
 
     def get(self, key: str, artifacts: tuple[str, ...] = ()) -> dict[str, bytes] | None:
         """The entry's files (`artifacts` among them), or None with the reason in miss_reason[key]: absent,
@@ -235,7 +281,7 @@ class DiskCache:
         untrusted or unreadable (both left in place)."""
         check_key(key)
         if self.distrust():
-            return self._miss(key, "untrusted")
+            return self._miss(key, self.refusal_reason)
         try:
             return self._load(key, artifacts)
         except _Miss as m:

@@ -93,7 +93,8 @@ def test_unwritable_dir_degrades_to_memory_with_one_warning(tmp_path, where):
         a = jit.build(SPEC, store=store)
         b = jit.build(fin.spec(2048, 8, "bfloat16", "float32", 1, "sm_90a"), store=store)
     assert a.status == b.status == "compiled" and a.files["kernel.cubin"][:4] == b"\x7fELF"
-    assert len([x for x in w if "not writable" in str(x.message)]) == 1
+    said = "is not a directory" if where == "file" else "not writable"
+    assert len([x for x in w if said in str(x.message)]) == 1
 
 
 def test_read_only_cache_still_serves_its_entries(tmp_path, monkeypatch):
@@ -226,7 +227,7 @@ def test_the_not_writable_warning_comes_once_per_directory(tmp_path):
         warnings.simplefilter("always")
         for h in (1024, 2048, 4096):   # a store per kernel, as warmup makes them
             jit.build(fin.spec(h, 8, "bfloat16", "float32", 1, "sm_90a"), store=DiskCache(root))
-    assert len([x for x in w if "not writable" in str(x.message)]) == 1
+    assert len([x for x in w if "is not a directory" in str(x.message)]) == 1
 
 
 def test_rendered_sources_of_an_unwritable_cache_go_to_a_private_temp_dir(tmp_path, monkeypatch):
@@ -282,3 +283,34 @@ def test_the_cuda_header_versions_are_in_the_key(monkeypatch):
         assert jit.key_of(SPEC) != before
     finally:
         nvrtc.headers.cache_clear()
+
+
+def test_a_meta_json_that_is_a_directory_is_a_corrupt_entry(tmp_path, caplog, monkeypatch, capsys):
+    from kerngen import cli
+    key = jit.build(SPEC, store=DiskCache(tmp_path)).key
+    meta = tmp_path / key / "meta.json"
+    meta.unlink()
+    meta.mkdir()
+    monkeypatch.setenv("KERNGEN_CACHE_DIR", str(tmp_path))
+    assert cli.main(["cache", "verify"]) == 1   # no IsADirectoryError half-way
+    assert f"{key}  corrupt  (removed)" in capsys.readouterr().out and not (tmp_path / key).exists()
+    jit.build(SPEC, store=DiskCache(tmp_path))
+    meta.unlink()
+    meta.mkdir()
+    assert jit.build(SPEC, store=DiskCache(tmp_path)).status == "compiled"   # logged, removed under its lock, rebuilt
+    assert "meta.json is a directory" in caplog.text and meta.is_file()
+    assert jit.build(SPEC, store=DiskCache(tmp_path)).status == "cached"
+
+
+@pytest.mark.parametrize("below", [False, True])
+def test_a_cache_dir_that_is_a_file_or_below_one_is_the_same_case(tmp_path, below):
+    (tmp_path / "f").write_text("a file, not a directory")
+    root = tmp_path / "f" / "cache" if below else tmp_path / "f"
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        b = jit.build(SPEC, store=DiskCache(root))
+    assert b.status == "compiled" and not b.stored
+    msgs = [str(x.message) for x in w if "kerngen" in str(x.message)]
+    assert msgs == [f"kerngen: cache directory {root} cannot be used: {tmp_path / 'f'} is not a directory. Set "
+                    "KERNGEN_CACHE_DIR to a directory (it is created if missing). Kernels are compiled in memory for "
+                    "this process."], msgs
