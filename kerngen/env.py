@@ -1,15 +1,5 @@
-"""Every environment variable kerngen reads, in one place (the README's table mirrors this).
-
-| variable              | meaning                                                         | default |
-|-----------------------|-----------------------------------------------------------------|---------|
-| KERNGEN_CACHE_DIR     | kernel cache directory (owned by you or root, writable by its owner only: see cache.py) | `<checkout>/cache` in a source checkout, else `$XDG_CACHE_HOME/kerngen` (`~/.cache/kerngen`) |
-| KERNGEN_TIERS         | user tiers file layered over the shipped `tiers.toml`           | unset |
-| KERNGEN_STRICT        | `1`/`true`/`yes`/`on`: a cache miss raises instead of compiling (serving); `0`/`false`/`no`/`off` | `0` |
-| KERNGEN_ARCH          | compile target when no GPU is visible: `sm_<major><minor>`, `a` or `f` optional, e.g. `sm_90a` | `sm_90a` |
-| KERNGEN_LOCK_TIMEOUT  | seconds (a number >= 0) to wait for another process compiling the same kernel | `900` |
-| CUDA_HOME, CUDA_PATH  | a CUDA toolkit whose headers NVRTC uses when no nvidia-cuda-runtime wheel is installed | `/usr/local/cuda` |
-
-A value that cannot be used raises EnvError naming the variable.
+"""Every environment variable kerngen reads is read here, and nowhere else; docs/environment.md lists them
+with their meaning and default. A value that cannot be used raises EnvError naming the variable.
 """
 from __future__ import annotations
 
@@ -20,7 +10,11 @@ from pathlib import Path
 
 from .errors import EnvError, InputError
 
-ARCH = re.compile(r"sm_[0-9]{2,3}[af]?")   # an exact target: sm_90a, sm_100a, sm_120
+ARCH = re.compile(r"sm_[0-9]{2,3}[af]?")   # the form of an exact target: sm_90a, sm_100a, sm_120
+# The targets kerngen's kernels are written for (README, "Supported hardware"): they use thread-block clusters
+# and the arch-specific ("a") feature sets of these two. `kerngen warmup` / `explain` refuse any other target
+# before anything is compiled.
+SUPPORTED = {"sm_90a": "H100, H200", "sm_100a": "B200, GB200"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 PACKAGE = Path(__file__).resolve().parent
@@ -48,11 +42,28 @@ def _flag(name: str) -> bool:
 def check_arch(text: str, where: str) -> str:
     """`text` as a compile target (e.g. sm_90a); `where` names its source in the error (a variable, a flag)."""
     if not ARCH.fullmatch(text):
-        expected = "an exact GPU target like sm_90a (H100/H200), sm_100a (B200) or sm_120a"
+        expected = f"an exact GPU target: {supported_list()}"
         if where.startswith("KERNGEN_"):
             raise EnvError(where, expected, text)
         raise InputError("command line", where, expected, repr(text))
     return text
+
+
+def supported_list() -> str:
+    return ", ".join(f"{a} ({gpus})" for a, gpus in SUPPORTED.items())
+
+
+def check_supported(arch: str, where: str) -> str:
+    """`arch` (already of the form ARCH) if kerngen can build its kernels for it; else an error naming `where`
+    (a variable or a flag) and the supported targets."""
+    if arch in SUPPORTED:
+        return arch
+    expected = f"a target kerngen builds for: {supported_list()}"
+    hint = (f"did you mean {arch}a?" if f"{arch}a" in SUPPORTED
+            else "kerngen's kernels use features of those targets that this one lacks")
+    if where.startswith("KERNGEN_"):
+        raise EnvError(where, f"{expected} ({hint})", arch)
+    raise InputError("command line", where, expected, f"{arch!r} ({hint})")
 
 
 def cache_dir() -> Path:

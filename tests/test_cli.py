@@ -1,12 +1,13 @@
 """The kerngen command line, end to end in a temporary cache, with no GPU."""
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 
 def kerngen(*args, cache, check=True):
-    import os
     env = {**os.environ, "KERNGEN_CACHE_DIR": str(cache)}
     return subprocess.run([sys.executable, "-m", "kerngen", *args], env=env, capture_output=True, text=True,
                           check=check)
@@ -56,7 +57,7 @@ def test_verify_and_clear_touch_only_kerngen_entries(tmp_path):
     assert "0 ok, 1 bad, 1 removed" in kerngen("cache", "verify", cache=tmp_path, check=False).stdout
     assert not bad.exists()
     bad.mkdir()
-    assert "removed 1 entries" in kerngen("cache", "clear", cache=tmp_path).stdout
+    assert "removed 1 entry from" in kerngen("cache", "clear", cache=tmp_path).stdout
     assert (tmp_path / "photos" / "a.jpg").read_bytes() == b"\xff\xd8" and (tmp_path / "notes.txt").is_file()
     assert not bad.exists() and (tmp_path / "CACHEDIR.TAG").is_file()
 
@@ -103,12 +104,27 @@ def test_bad_flags_are_clean_errors_that_name_them(tmp_path, args, needle):
     assert "key " not in r.stdout and not (tmp_path / "c").exists()
 
 
-def test_warmup_that_stores_nothing_says_so_and_fails(tmp_path):
-    (tmp_path / "f").write_text("a file where the cache directory should be")
-    r = kerngen("warmup", "--op", "finalize", "--topk", "8", "--hidden", "1024", "--arch", "sm_90a,sm_100a",
-                "--quiet", cache=tmp_path / "f", check=False)
-    assert r.returncode == 1 and "2 compiled (0 stored)" in r.stdout
-    assert "2 of 2 compiled kernels could not be stored" in r.stderr and "Traceback" not in r.stderr
+def test_warmup_that_stores_nothing_says_so_before_compiling_and_fails(tmp_path):
+    root = f"/proc/kerngen-{tmp_path.name}/cache"   # a directory that cannot be made, even by root
+    r = subprocess.run([sys.executable, "-m", "kerngen", "warmup", "--op", "finalize", "--topk", "8", "--hidden",
+                        "1024", "--arch", "sm_90a,sm_100a", "--quiet"], env={**os.environ, "KERNGEN_CACHE_DIR": root},
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = r.stdout
+    assert r.returncode == 1 and "2 compiled (0 stored)" in out and "Traceback" not in out, out
+    assert out.index(f"cache directory {root} cannot be written") < out.index("  compiled  finalize-")
+    assert "2 of 2 compiled kernels could not be stored" in out
+
+
+@pytest.mark.parametrize("args", [("warmup", "--model", "kimi-k3", "--quiet"), ("cache", "ls"), ("cache", "verify")])
+def test_a_cache_dir_that_is_a_file_or_below_one_is_one_message(tmp_path, args):
+    (tmp_path / "f").write_text("a file where a directory should be")
+    roots = (tmp_path / "f", tmp_path / "f" / "cache")
+    results = [kerngen(*args, cache=root, check=False) for root in roots]
+    said = [r.stderr.replace(f"cache directory {root} ", "cache directory ROOT ") for r, root in zip(results, roots)]
+    assert said[0] == said[1] and f"{tmp_path / 'f'} is not a directory" in said[0], said
+    expected = 2 if args[0] == "warmup" else 1
+    assert [r.returncode for r in results] == [expected, expected] and "Traceback" not in said[0]
+    assert "compiled" not in results[0].stdout + results[1].stdout   # refused before compiling anything
 
 
 def test_strict_mode_command_for_a_user_model_names_its_tiers_file(tmp_path, monkeypatch):
@@ -126,3 +142,97 @@ def test_strict_mode_command_for_a_user_model_names_its_tiers_file(tmp_path, mon
     from kerngen.jit import build
     with pytest.raises(kerngen.CacheMissError, match="kerngen warmup --model tiny --arch sm_90a"):
         build(spec, store=DiskCache(tmp_path / "cache"), strict=True)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90", "sm_120a"])
+def test_an_arch_kerngen_cannot_build_is_refused_up_front(tmp_path, arch, monkeypatch, capsys):
+    r = kerngen("warmup", "--model", "kimi-k3", "--arch", f"sm_90a,{arch}", cache=tmp_path / "c", check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and not (tmp_path / "c").exists(), r.stderr
+    assert (f"argument '--arch' must be a target kerngen builds for: sm_90a (H100, H200), sm_100a (B200, GB200), "
+            f"got '{arch}'") in r.stderr and r.stdout == ""
+    if arch == "sm_90":
+        assert "did you mean sm_90a?" in r.stderr
+    from kerngen import cli
+    monkeypatch.setenv("KERNGEN_CACHE_DIR", str(tmp_path / "c"))
+    t0 = time.perf_counter()
+    assert cli.main(["warmup", "--model", "kimi-k3", "--arch", arch]) == 2   # what the command does after imports
+    assert time.perf_counter() - t0 < 2 and not (tmp_path / "c").exists()
+    assert "sm_90a (H100, H200), sm_100a (B200, GB200)" in capsys.readouterr().err
+
+
+def test_an_unsupported_kerngen_arch_is_refused_naming_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNGEN_ARCH", "sm_89")
+    for args in (("warmup", "--model", "kimi-k3"), ("explain", "--op", "finalize", "--topk", "8", "--hidden", "1024")):
+        r = kerngen(*args, cache=tmp_path / "c", check=False)
+        assert r.returncode == 2 and "environment variable KERNGEN_ARCH='sm_89'" in r.stderr, r.stderr
+        assert "sm_90a (H100, H200), sm_100a (B200, GB200)" in r.stderr and not (tmp_path / "c").exists()
+
+
+def test_version_and_bare_kerngen_print_what_it_is(tmp_path):
+    from kerngen import __version__
+    assert kerngen("--version", cache=tmp_path).stdout.strip() == f"kerngen {__version__}"
+    r = kerngen(cache=tmp_path, check=False)
+    assert r.returncode == 0 and "usage: kerngen" in r.stdout and "warmup" in r.stdout and "explain" in r.stdout
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    p = subprocess.Popen([sys.executable, "-m", "kerngen", "tiers"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "KERNGEN_CACHE_DIR": str(tmp_path)})
+    p.stdout.close()   # as `kerngen tiers | head` leaves it once head has read its lines
+    err = p.stderr.read().decode()
+    assert p.wait() == 141 and err == "", err
+
+
+def test_every_flag_has_help():
+    import argparse
+
+    from kerngen import cli
+    commands = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    missing = [f"{name} {' '.join(a.option_strings) or a.dest}" for name, p in commands.items() for a in p._actions
+               if not a.help]
+    assert not missing
+    text = commands["explain"].format_help()
+    for words in ("number of routed experts", "experts per token", "hidden size", "token count"):
+        assert words in text
+
+
+def test_one_kernel_is_singular_and_same_named_keys_say_what_differs(tmp_path):
+    out = kerngen("warmup", "--op", "finalize", "--topk", "8", "--hidden", "1024", "--quiet", cache=tmp_path).stdout
+    assert "kerngen warmup 1 kernel [sm_90a]: 1 kernel, 1 compiled" in out and "kernel(s)" not in out
+    out = kerngen("warmup", "--model", "mixtral-8x7b", "--ops", "finalize", "--quiet", cache=tmp_path).stdout
+    lines = [line.split() for line in out.splitlines() if line.startswith("  ")]
+    shown = {}
+    for fields in lines:
+        name = fields[1].rsplit("-", 1)[0]   # the key without its hash
+        shown.setdefault(name, []).append(" ".join(f for f in fields[2:] if not f.startswith("(")))
+    repeated = {name: labels for name, labels in shown.items() if len(labels) > 1}
+    assert repeated, out   # the shipped table has same-shape finalize kernels with other params
+    for labels in repeated.values():
+        assert len(set(labels)) == len(labels) and all(label.startswith("[") for label in labels), out
+
+
+def test_a_misspelt_model_gets_the_closest_names(tmp_path):
+    for args in (("warmup", "--model", "kimi-k"), ("explain", "--model", "mixtral-8x7", "--tokens", "8")):
+        r = kerngen(*args, cache=tmp_path / "c", check=False)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert f"unknown model '{args[2]}' (did you mean '" in r.stderr and "known models:" in r.stderr, r.stderr
+
+
+def test_explain_a_model_without_op_explains_each_of_its_ops(tmp_path):
+    from kerngen import warmup
+    out = kerngen("explain", "--model", "kimi-k3", "--tokens", "8", cache=tmp_path).stdout
+    ops = [line.split()[1] for line in out.splitlines() if line.startswith("op ")]
+    assert ops == list(dict.fromkeys(("routing", "permute", *warmup.OPS))), out
+    explained = [op for op in ops if getattr(warmup.op_module(op), "explain_spec", None)]
+    assert out.count("key       ") == len(explained) >= 3, out
+
+
+@pytest.mark.parametrize("op, shape", [("permute", ("--experts", "64", "--topk", "8")),
+                                       ("experts", ("--hidden", "2048", "--intermediate", "768"))])
+def test_explain_knows_the_ops_warmup_builds(tmp_path, op, shape):
+    from kerngen import warmup
+    r = kerngen("explain", "--op", op, *shape, "--tokens", "4", cache=tmp_path, check=False)
+    if getattr(warmup.op_module(op), "explain_spec", None) is None:
+        assert r.returncode == 2 and f"kerngen.ops.{op} cannot name one shape's kernel yet" in r.stderr
+        pytest.skip(f"kerngen.ops.{op} has no explain_spec")
+    assert r.returncode == 0 and f"op        {op}" in r.stdout and f"key       {op}-" in r.stdout, r.stderr
