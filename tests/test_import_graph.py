@@ -1,6 +1,6 @@
-"""kerngen's imports run one way: tiers → plan → render → compile → cache → jit → launch → ops → warmup/tune/cli
-(STYLE.md). Every import in the package, lazy ones inside functions too, is read from the source: none reaches a
-module of a later tier, and the graph has no cycle. (The modules the backend table names, tiers.BACKENDS'
+"""kerngen's imports run one way: tiers → plan → render → compile → cache → jit → launch/dispatch → ops →
+warmup/tune/cli. Every import in the package, lazy ones inside functions too, is read from the source: none
+reaches a module of a later tier, and the graph has no cycle. (The modules the backend table names, tiers.BACKENDS'
 compiler and loader, are imported by name from jit and ops/_common: compile and cute_backend, launch; all below
 those.)"""
 import ast

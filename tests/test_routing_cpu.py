@@ -173,7 +173,7 @@ METHOD_CASES = [("softmax_topk", {}), ("softmax_topk", {"renormalize": False}), 
 
 
 def mission_reference(s, K, method, bias=None, n_group=1, topk_group=1, rsf=1.0, renorm=True):
-    """MISSION §2 pseudo-code, literally (valid for rows without ties, NaN or -inf)."""
+    """The routing semantics as plain pseudo-code, literally (valid for rows without ties, NaN or -inf)."""
     def topk(key, k):
         return torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :k]
     T, E = s.shape

@@ -1,7 +1,15 @@
 """permute: the permutation a grouped GEMM consumes, and the Routing / RoutingWorkspace that route and permute fill.
 
-Over the local experts [local_start, local_start + num_local), with tile given: MISSION §2, with rows of one
-expert in ascending expanded index e = t*K + k (deterministic, compared exactly).
+Over the local experts [local_start, local_start + num_local), with tile given (e = t*K + k, the expanded index):
+
+    cnt[x]                   entries of local expert x;  ntile[x] = ceil(cnt[x] / tile)
+    expert_offsets[x]        tile * (ntile[0] + ... + ntile[x-1]), the padded start row of expert x
+    num_permuted_rows        tile * sum(ntile)
+    expanded_to_permuted[e]  expert_offsets[x] + rank of e among expert x's entries, -1 if not local
+    permuted_to_token[row]   e // K of the entry placed there; -1 for padding rows
+    tile_to_expert[j]        the local expert of tile j (j < sum(ntile))
+
+with the rows of one expert in ascending expanded index (deterministic, compared exactly).
 `expert_offsets` has num_local + 1 entries (the last is num_permuted_rows); `tile_to_expert` holds local
 expert indices. permuted_to_token has T*K + num_local*(tile-1) rows (the worst case, so no host sync is
 needed) and tile_to_expert that many rows / tile; everything past num_permuted_rows is -1.
@@ -224,7 +232,7 @@ def mark_checked(r: Routing, device: torch.device) -> Routing:
 # --------------------------------------------------------------------------------------------- reference
 def permute_reference(topk_ids: torch.Tensor, num_experts: int, tile: int,
                       local_experts: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
-    """MISSION §2 permutation in plain torch, rows of one expert in ascending expanded index."""
+    """The permutation of the module docstring in plain torch, rows of one expert in ascending expanded index."""
     T, K = topk_ids.shape
     ls, nl = local_experts or (0, num_experts)
     dev = topk_ids.device

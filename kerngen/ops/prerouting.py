@@ -1,4 +1,4 @@
-"""PreRouting: routing on a router stream into a preallocated workspace, taken on the main stream (MISSION §7).
+"""PreRouting: routing on a router stream into a preallocated workspace, taken on the main stream.
 
 The decode pattern of TensorRT-LLM for Kimi K3: the router GEMM and the routing kernel run on a stream of their
 own while the shared expert runs on another, and the routed experts join on an event. There it saved ~0.4 ms

@@ -1,4 +1,4 @@
-"""routing: top-k expert selection (MISSION §2), and with a tile the permutation of kerngen/ops/permute.py.
+"""routing: top-k expert selection, and with a tile the permutation of kerngen/ops/permute.py.
 
 Semantics every kernel matches (and `reference` computes in plain torch):
 - All math in fp32; a NaN logit counts as -inf.

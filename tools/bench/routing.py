@@ -24,7 +24,7 @@ def default_cases(tokens=TOKENS) -> list[tuple[str, int]]:
 
 
 def torch_routing(m):
-    """The routing math a user writes in torch (MISSION §2, torch.topk), ids + weights."""
+    """The routing math a user writes in torch (the semantics of kerngen/ops/routing.py, with torch.topk), ids + weights."""
     K, G, TG, rsf, renorm = m.top_k, m.n_group, m.topk_group, m.routed_scaling_factor, m.renormalize
 
     def fn(logits, bias):
