@@ -78,3 +78,23 @@ def tail_configs(hidden: int, top_k: int, arch: str, args, clusters=(1,)):
         label = f"c{c}/t{nt}/l{ml}/bf{bf}"
         yield label, tail.params_spec(params, hidden, top_k, "bfloat16", "float32", "bfloat16", (True, True, False),
                                       arch)
+
+
+def best_host_us(fn, repeats: int = 3, n: int = 2000) -> float:
+    """The least of `repeats` host_us(fn, n): host µs per call with the least interference."""
+    return min(host_us(fn, n) for _ in range(repeats))
+
+
+def events_us(fn, n: int = 200) -> float:
+    """µs per call between two CUDA events around `n` back-to-back calls on the current stream (after a warm-up):
+    the GPU's time per call where the GPU is the bottleneck, the host's where the host is."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1000.0 / n

@@ -1,0 +1,92 @@
+"""tools/bench/generate.py on the CPU: tiny models of the three families (Qwen3-MoE, DeepSeek-V3, gpt-oss), one
+decoder layer each, 4 greedy new tokens at batch 1 and 8, transformers' "grouped_mm" against kerngen (its torch
+references on the CPU). The table is printed, both impls produce ids and kerngen's blocks were patched in.
+
+Greedy ids: in float32 they are equal everywhere. In bf16 the Qwen3-MoE and gpt-oss routers score experts with
+bf16 logits, and two experts now and then score exactly the same (8 significant bits): kerngen then takes the
+lower expert index (its documented tie policy), torch.topk whichever it happens to, and the sequence may go
+another way from there (seed 0, batch 8: one Qwen3-MoE sequence, at its 4th new token). So in bf16 a sequence may
+differ only where its router scores hold such a tie, which the test checks."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from tests.helpers import one_thread  # noqa: E402
+from tools.bench import generate as bench  # noqa: E402
+
+ARGS = ["--device", "cpu", "--tiny", "--layers", "1", "--new-tokens", "4", "--batch", "1,8"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_thread():
+        yield
+
+
+def bench_rows(monkeypatch, capsys, args):
+    rows = []
+    real = bench.run
+    monkeypatch.setattr(bench, "run", lambda a: rows.extend(real(a)) or rows)
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert "| model | layers (MoE) | batch | impl | tokens/s |" in out
+    want = {(m, b, i) for m in bench.CONFIGS for b in (1, 8) for i in bench.IMPLS}
+    assert {(r["model"], r["batch"], r["impl"]) for r in rows} == want
+    for r in rows:
+        assert r["note"] == "" and r["tok_s"] > 0 and r["moe_layers"] == 1, r
+        assert r["ids"].shape == (r["batch"], 4) and r["ids"].dtype == torch.long
+        assert (r["patched"] > 0) == (r["impl"] == "kerngen"), r
+        assert f"| {r['model']} | 1 (1) | {r['batch']} | {r['impl']} |" in out
+    return rows
+
+
+def test_generate_float32_ids_equal(capsys, monkeypatch):
+    for r in bench_rows(monkeypatch, capsys, ARGS + ["--dtype", "float32"]):
+        assert r["equal"] == r["batch"] and r["first_diff"] is None, (r["model"], r["batch"], r["impl"])
+
+
+def router_tie(name: str, ids: torch.Tensor) -> bool:
+    """Whether transformers' router of the tiny bf16 model `name` scores the K-th and (K+1)-th experts of some
+    token of `ids` equally."""
+    model = bench.build_model(name, 1, 512, "cpu", tiny=True, init_std=0.1)
+    bench.use(model, "grouped_mm")
+    router = model.model.layers[0].mlp.gate
+    seen = []
+    hook = router.register_forward_hook(lambda m, args, out: seen.append(out[0]))
+    with torch.no_grad():
+        model(ids)
+    hook.remove()
+    K = model.config.num_experts_per_tok
+    top = seen[0].float().topk(K + 1, dim=-1).values
+    return bool((top[:, K - 1] == top[:, K]).any())
+
+
+def test_generate_bf16_ids_equal_but_for_router_ties(capsys, monkeypatch):
+    rows = bench_rows(monkeypatch, capsys, ARGS)
+    ref = {(r["model"], r["batch"]): r for r in rows if r["impl"] == "grouped_mm"}
+    for r in rows:
+        if r["equal"] == r["batch"]:
+            continue
+        assert r["model"] != "deepseek-v3", "fp32 router logits: no ties expected"
+        prompt = bench.prompt_ids(r["batch"], 16, 512)
+        differs = (r["ids"] != ref[r["model"], r["batch"]]["ids"]).any(dim=1)
+        seqs = torch.cat([prompt, ref[r["model"], r["batch"]]["ids"][:, :r["first_diff"]]], dim=1)[differs]
+        assert router_tie(r["model"], seqs), (r["model"], r["batch"], "ids differ with no tie in the router")
+
+
+def test_deepseek_layers_keep_moe():
+    assert bench.make_config("deepseek-v3", 1, 512, tiny=True).first_k_dense_replace == 0
+    cfg = bench.make_config("deepseek-v3", 3, 32000)
+    assert cfg.first_k_dense_replace == 1 and cfg.n_routed_experts == 256 and cfg.hidden_size == 7168
+    gpt = bench.make_config("gpt-oss-120b", 4, 32000)
+    assert gpt.layer_types == ["sliding_attention", "full_attention"] * 2 and gpt.num_local_experts == 128
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        bench.parse(["--models", "no-such-model"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            bench.parse(["--device", "cuda"])
+    with pytest.raises(SystemExit):
+        bench.parse(["--device", "cpu", "--compile"])
