@@ -256,3 +256,20 @@ def test_calls_into_given_buffers_allocate_nothing(stub_gpu, monkeypatch):
             mp.setattr(torch, name, no_alloc)
         for fn in calls.values():
             fn()
+
+
+@pytest.mark.parametrize("T", [0, 1, 5])
+def test_fresh_buffers_match_a_new_workspace(stub_gpu, T):
+    """The fast fresh buffers of a call without workspace= hold what a new RoutingWorkspace holds."""
+    logits = torch.randn(T, 64)
+    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+    r2 = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+    ws = kerngen.RoutingWorkspace(max(T, 1), 64, 4, 8, device="cpu").result(T, 64)
+    for f in ("topk_ids", "expert_counts", "expert_offsets", "expanded_to_permuted", "permuted_to_token",
+              "tile_to_expert", "num_permuted_rows"):
+        a, b = getattr(r, f), getattr(ws, f)
+        assert a.shape == b.shape and a.dtype == b.dtype, f
+        if f != "topk_ids":
+            assert torch.equal(a, b), f
+    assert r.checked == ws.checked and r2.checked == r.checked
+    assert r.permuted_to_token.data_ptr() != r2.permuted_to_token.data_ptr()

@@ -25,6 +25,7 @@ from ..errors import InputError, TierError
 from ..launch import Launcher, Params, current_stream
 from ..dispatch import Dispatch, lookup, on_clear
 from . import _common
+from . import permute as permute_op
 from ._common import arch, check_aligned, check_tensor, resolve, sm_count, table
 
 OP = "experts"
@@ -85,7 +86,7 @@ def infer_tile(routing) -> int:
     nl = routing.expert_offsets.shape[0] - 1
     cap = routing.permuted_to_token.shape[0]
     tile = (cap - T * K) // nl + 1 if nl > 0 else 0
-    if nl < 1 or (cap - T * K) % nl or not 1 <= tile <= 1024 or routing.tile_to_expert.shape[0] != cap // tile:
+    if nl < 1 or (cap - T * K) % nl or not 1 <= tile <= permute_op.MAX_TILE or routing.tile_to_expert.shape[0] != cap // tile:
         raise InputError(OP, "routing", "the Routing of kerngen.route(..., tile=...) or kerngen.permute (its "
                          "buffer sizes give the tile); or pass tile=", f"permuted_to_token of {cap} rows")
     return tile
@@ -140,8 +141,8 @@ def check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weig
         tile = routing.tile if getattr(routing, "tile", None) is not None else infer_tile(routing)
     elif getattr(routing, "tile", None) not in (None, tile):
         raise InputError(OP, "tile", f"the routing's tile ({routing.tile}) or None", repr(tile))
-    elif not isinstance(tile, int) or isinstance(tile, bool) or not 1 <= tile <= 1024:
-        raise InputError(OP, "tile", "the routing's tile, an integer in [1, 1024]", repr(tile))
+    elif not isinstance(tile, int) or isinstance(tile, bool) or not 1 <= tile <= permute_op.MAX_TILE:
+        raise InputError(OP, "tile", f"the routing's tile, an integer in [1, {permute_op.MAX_TILE}]", repr(tile))
     if routing.tile_to_expert.shape[0] * tile > routing.permuted_to_token.shape[0]:
         raise InputError(OP, "tile", "the tile the routing was built with", f"{tile}")
     return tile, H, I

@@ -35,6 +35,7 @@ MIN_TOKENS_PER_BLOCK = 16          # permute tiers: the histogram scratch is siz
 PARAMS = Params(("ids", "ptr"), ("counts", "ptr"), ("offsets", "ptr"), ("e2p", "ptr"), ("p2t", "ptr"), ("t2e", "ptr"),
                 ("num_rows", "ptr"), ("hist", "ptr"), ("ticket", "ptr"), ("tokens", "int"), ("tile", "int"),
                 ("local_start", "int"), ("num_local", "int"), ("max_rows", "int"))
+MAX_TILE = 1024                      # rows per tile of a permutation (one CTA's threads pad a tile)
 MAX_DYNAMIC_SMEM = 226 * 1024        # onepass permute: sm_90 gives a CTA 227 KiB, less its static arrays
 
 
@@ -102,7 +103,7 @@ class RoutingWorkspace:
         check_int("RoutingWorkspace", "num_experts", num_experts, 1, MAX_EXPERTS)
         check_int("RoutingWorkspace", "top_k", top_k, 1, min(MAX_TOPK, num_experts))
         if tile is not None:
-            check_int("RoutingWorkspace", "tile", tile, 1, 1024)
+            check_int("RoutingWorkspace", "tile", tile, 1, MAX_TILE)
         if weights_dtype not in _WEIGHTS:
             raise InputError("RoutingWorkspace", "weights_dtype", "torch.float32 or torch.bfloat16", str(weights_dtype))
         ls, nl = check_local("RoutingWorkspace", local_experts, num_experts)
@@ -178,9 +179,22 @@ class RoutingWorkspace:
             self.num_rows = views["num_rows"]
             self.ticket = views["ticket"]
 
-    def fresh(self) -> "RoutingWorkspace":
-        """A new workspace like this one in its initial state: one allocation and one copy (no checks), for a
-        call without workspace= whose results must outlive the next call."""
+    def fresh(self, tokens: int) -> "RoutingWorkspace | _Fresh":
+        """New buffers like this workspace's in their initial state, for a call without workspace= whose results
+        must outlive the next call. A prototype of the kerngen layout gives them with one allocation, one copy
+        and one split (a `_Fresh`); others build a new workspace."""
+        if self.buffer is None or self.layout != "kerngen" or self.tile is None or tokens != self.max_tokens:
+            return self._fresh_workspace()
+        if self._initial is None:   # the initial state, kept once per prototype
+            self._initial = torch.full_like(self.buffer, -1)
+            self._initial[sum(self._pads[:-1])] = 0
+        split = []
+        for n, pad in zip(self._sizes.values(), self._pads):
+            split += [n, pad - n]
+        return _Fresh(self, dict(zip(self._sizes, self._initial.clone().split(split)[::2])))
+
+    def _fresh_workspace(self) -> "RoutingWorkspace":
+        """A new workspace like this one in its initial state (no checks)."""
         new = object.__new__(RoutingWorkspace)
         new.__dict__.update(self.__dict__)
         new._results = {}
@@ -219,6 +233,29 @@ class RoutingWorkspace:
         r = Routing(ids, w, self.counts[:num_local], self.offsets[:num_local + 1], self.e2p[:tokens],
                     self.p2t[:rows], self.t2e[:rows // self.tile], self.num_rows[0], tile=self.tile)
         return mark_checked(r, self.device)
+
+
+class _Fresh:
+    """The buffers of one call without workspace= (a prototype's layout, exactly its max_tokens tokens): the
+    attributes the launches read, and the Routing over them."""
+    __slots__ = ("ids", "weights", "counts", "offsets", "e2p", "p2t", "t2e", "num_rows", "hist", "ticket",
+                 "max_rows", "device", "_routing")
+
+    def __init__(self, proto: RoutingWorkspace, parts: dict):
+        T, K = proto.max_tokens, proto.top_k
+        self.ids, self.e2p = parts["ids"].view(T, K), parts["e2p"].view(T, K)
+        self.weights = (parts["weights"].view(torch.float32).view(T, K) if "weights" in parts
+                        else torch.empty((T, K), dtype=proto.weights_dtype, device=proto.device))
+        self.counts, self.offsets, self.p2t, self.t2e = parts["counts"], parts["offsets"], parts["p2t"], parts["t2e"]
+        self.num_rows, self.hist, self.ticket = parts["num_rows"], parts["hist"], parts["ticket"]
+        self.max_rows, self.device = proto.max_rows, proto.device
+        self._routing = Routing(self.ids, self.weights, self.counts, self.offsets, self.e2p, self.p2t, self.t2e,
+                                self.num_rows.view(()), tile=proto.tile)
+        object.__setattr__(self._routing, "checked", (T, K, proto.local_experts[1], proto.tile, self.p2t.shape[0],
+                                                      self.t2e.shape[0], proto.signature[3]))
+
+    def result(self, tokens: int, num_local: int, pad_sorted_ids: bool = False) -> Routing:
+        return self._routing
 
 
 def mark_checked(r: Routing, device: torch.device) -> Routing:
@@ -421,7 +458,7 @@ def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_expert
                 _fast.clear()
             _fast[sig] = hit
     launches, proto, T, K, ls, nl, dev = hit
-    ws = proto.fresh() if workspace is None else workspace
+    ws = proto.fresh(T) if workspace is None else workspace
     launches(current_stream(dev), topk_ids.data_ptr(), ws, T, tile, ls, nl)
     res = ws.result(T, nl, pad_sorted_ids)
     return mark_checked(dataclasses.replace(res, topk_ids=topk_ids, topk_weights=_no_weights(topk_ids, T)),
@@ -499,7 +536,7 @@ def check_ids(op, topk_ids, num_experts, tile_name, tile, local_experts) -> tupl
     check_int(op, "num_experts", num_experts, 1, MAX_EXPERTS)
     T, K = topk_ids.shape
     check_int(op, "topk_ids.shape[1]", K, 1, min(MAX_TOPK, num_experts))
-    check_int(op, tile_name, tile, 1, 1024)
+    check_int(op, tile_name, tile, 1, MAX_TILE)
     return (T, K, *check_local(op, local_experts, num_experts))
 
 

@@ -17,6 +17,7 @@ from ..launch import current_stream
 from ..tiers import MAX_EXPERTS
 from . import routing as rt
 from ._common import check_int, check_local, require_gpu, table
+from . import permute as permute_op
 from .permute import Routing, RoutingWorkspace
 
 OP = "PreRouting"
@@ -150,7 +151,7 @@ class PreRouting:
         if tile is _OWN_TILE:
             tile = self.tile
         elif tile is not None:
-            check_int(TAKE, "tile", tile, 1, 1024)
+            check_int(TAKE, "tile", tile, 1, permute_op.MAX_TILE)
         dev = self._gpu(TAKE)
         capture = self._capture(dev)
         pending, recorded = self._pending, self._recorded

@@ -273,7 +273,7 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
                 _fast.clear()
             _fast[sig] = hit
     r, proto, T, tile, ls, nl, rsf, dev = hit
-    ws = proto.fresh() if workspace is None else workspace
+    ws = proto.fresh(T) if workspace is None else workspace
     r.run(current_stream(dev), logits, bias, ws, T, tile, ls, nl, rsf)
     return ws.result(T, nl)
 
@@ -349,8 +349,8 @@ def check_args(logits, K, method, bias=None, n_group=1, topk_group=1, renormaliz
 
 def _check_unkeyed(tile, local_experts, rsf, E) -> tuple[int, int]:
     """The arguments route's kernel cache does not key on, so checked on every call; (local_start, num_local)."""
-    if tile is not None and (type(tile) is not int or not 1 <= tile <= 1024):
-        check_int(OP, "tile", tile, 1, 1024)
+    if tile is not None and (type(tile) is not int or not 1 <= tile <= permute_op.MAX_TILE):
+        check_int(OP, "tile", tile, 1, permute_op.MAX_TILE)
     ls_nl = (0, E) if local_experts is None else check_local(OP, local_experts, E)
     if not (isinstance(rsf, (int, float)) and not isinstance(rsf, bool) and 0 < rsf < float("inf")):
         raise InputError(OP, "routed_scaling_factor", "a positive finite number", repr(rsf))

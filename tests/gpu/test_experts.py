@@ -114,7 +114,7 @@ def test_every_launch_shape_against_the_reference(params, T, tile, H, I, act):
     r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=tile)
     tag, consts = ex.tag_constants(H, I, tile, act)
     k = ex.Kernels(spec_for(Rule(op="experts", variant="mma", ranges={}, params=params), tag, consts,
-                            target_arch()), r.tile_to_expert.shape[0], torch.cuda.current_device())
+                            target_arch()), torch.cuda.current_device())
     out = torch.full((r.permuted_to_token.shape[0], H), float("nan"), dtype=torch.bfloat16, device="cuda")
     act_buf = torch.full((r.tile_to_expert.shape[0] * tile, I), float("nan"), dtype=torch.bfloat16, device="cuda")
     a0, a1 = (1.702, 7.0) if act == "gpt_oss" else (1.0, 2.0)
