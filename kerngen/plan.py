@@ -12,11 +12,11 @@ from functools import lru_cache
 from typing import Any
 
 from . import env
+from .env import ARCH
 from .errors import InputError, TierError
 from .tiers import BACKENDS, NAME, SCHEMA, Rule, Table, check_rule
 
 TAG = re.compile(r"[A-Za-z0-9_.-]+")
-ARCH = re.compile(r"sm_[0-9]+[a-z]?")
 
 VERSION = "0.1.0"
 

@@ -35,7 +35,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.integrations import moe as hf_moe
+try:
+    from transformers.integrations import moe as hf_moe
+except ModuleNotFoundError as e:
+    if (e.name or "").split(".")[0] != "transformers":
+        raise
+    raise ModuleNotFoundError("kerngen.integrations.transformers needs transformers 5 or newer, which is not "
+                              "installed: pip install 'kerngen[transformers]'", name=e.name) from None
 
 import kerngen
 from kerngen.errors import KerngenError

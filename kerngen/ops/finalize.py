@@ -123,7 +123,8 @@ _fast: dict[tuple, tuple] = {}          # full input signature -> (launcher, T, 
 
 def finalize(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_weights: torch.Tensor, *,
              hidden: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Weighted sum of each token's top-k expert rows; returns out [T, H] in gemm2_out's dtype.
+    """Weighted sum of each token's top-k expert rows; returns out [T, H] in gemm2_out's dtype. CUDA tensors
+    only (on the CPU: `reference`, or torch.ops.kerngen.finalize).
 
     gemm2_out: [rows, ld] bf16/fp16 with ld >= H (padded rows allowed; last dim contiguous).
     expanded_to_permuted: [T, K] int32 row of gemm2_out per (token, k); -1 (or any value outside

@@ -171,7 +171,8 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
              out_scales: torch.Tensor | None = None,
              group=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """finalize + shared + residual + RMSNorm in one kernel; returns out [T, H] (out_dtype, default gemm2_out's),
+    """finalize + shared + residual + RMSNorm in one kernel (CUDA tensors only; on the CPU: `reference`, or
+    torch.ops.kerngen.moe_tail); returns out [T, H] (out_dtype, default gemm2_out's),
     or (out, scales) for out_dtype=torch.float8_e4m3fn (semantics and scale layout: module docstring).
 
     gemm2_out: [rows, ld] bf16/fp16, ld >= H (padded rows allowed, last dim contiguous, 16-byte aligned).
