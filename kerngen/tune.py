@@ -119,7 +119,7 @@ def _time_routing(model: tiers.Model, T: int, variant: str, params: dict) -> flo
                                    "float32", "float32" if has_bias else "none", "float32")
     arch = target_arch(dev)
     spec = spec_for(tiers.Rule(op="routing", variant=variant, ranges={}, params=params), tag, consts, arch)
-    r = rt.kernel(spec, T, dev, tbl=tiers.load())
+    r = rt.kernel(spec, T, dev)
     logits = torch.randn(T, E, device="cuda")
     bias = torch.randn(E, device="cuda") * 0.05 if has_bias else None
     ws = RoutingWorkspace(T, E, K, ROUTING_TILE)

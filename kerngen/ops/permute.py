@@ -154,8 +154,9 @@ class RoutingWorkspace:
         else:
             self.buffer = torch.empty((sum(self._pads),), dtype=torch.int32, device=dev)
             if tile is not None:
-                self.buffer.fill_(-1)
-                self.buffer[sum(self._pads[:-1])] = 0   # the ticket: permute_place leaves it 0 after each call
+                self.buffer.fill_(-1)   # kernels only (no host copy): a workspace may be built inside a capture
+                at = sum(self._pads[:-1])
+                self.buffer[at:at + 1].zero_()   # the ticket: permute_place leaves it 0 after each call
             self._initial = None
             self._views(self.buffer.split(self._pads))
         # what a call checks a workspace against (route / permute compare it in one tuple)
@@ -183,11 +184,14 @@ class RoutingWorkspace:
         """New buffers like this workspace's in their initial state, for a call without workspace= whose results
         must outlive the next call. A prototype of the kerngen layout gives them with one allocation, one copy
         and one split (a `_Fresh`); others build a new workspace."""
-        if self.buffer is None or self.layout != "kerngen" or self.tile is None or tokens != self.max_tokens:
-            return self._fresh_workspace()
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if (self.buffer is None or self.layout != "kerngen" or self.tile is None or tokens != self.max_tokens
+                or (self._initial is None and capturing)):
+            return self._fresh_workspace()   # (inside a capture the initial state would only be filled on replay)
         if self._initial is None:   # the initial state, kept once per prototype
             self._initial = torch.full_like(self.buffer, -1)
-            self._initial[sum(self._pads[:-1])] = 0
+            at = sum(self._pads[:-1])
+            self._initial[at:at + 1].zero_()
         split = []
         for n, pad in zip(self._sizes.values(), self._pads):
             split += [n, pad - n]
@@ -205,10 +209,9 @@ class RoutingWorkspace:
         if self.tile is None:
             new.buffer = torch.empty_like(self.buffer)
         else:
-            if self._initial is None:   # the initial state, kept once per prototype
-                self._initial = torch.full_like(self.buffer, -1)
-                self._initial[sum(self._pads[:-1])] = 0
-            new.buffer = self._initial.clone()
+            new.buffer = torch.full_like(self.buffer, -1)
+            at = sum(self._pads[:-1])
+            new.buffer[at:at + 1].zero_()   # the ticket
         new._views(new.buffer.split(self._pads))
         return new
 
@@ -259,7 +262,10 @@ class _Fresh:
 
 
 def mark_checked(r: Routing, device: torch.device) -> Routing:
-    """Record on a kerngen-built Routing (int32, contiguous buffers on one device) the layout they hold."""
+    """Record on a kerngen-built Routing (int32, contiguous buffers on one device) the layout they hold (the
+    kerngen layout only: kerngen.experts reads it)."""
+    if r.permuted_to_token is None:
+        return r
     T, K = r.expanded_to_permuted.shape
     object.__setattr__(r, "checked", (T, K, r.expert_offsets.shape[0] - 1, r.tile, r.permuted_to_token.shape[0],
                                       r.tile_to_expert.shape[0], device.index if device.type == "cuda" else -1))

@@ -283,7 +283,7 @@ def test_fused_configurations_any_tier_may_pick(name, params):
                                    "float32" if "sigmoid_bias" in m.routing else "none", "float32")
     spec = spec_for(tiers.Rule(op="routing", variant="fused", ranges={}, params=params), tag, consts, target_arch(dev))
     for T in sorted({1, 7, params["max_tokens"] // 2 + 1, params["max_tokens"]}):
-        r = rt.kernel(spec, T, dev, tbl=tiers.load())
+        r = rt.kernel(spec, T, dev)
         logits = make(T, E, seed=T)
         bias = make_bias(E, m.routing, T)
         ws = pm.RoutingWorkspace(T, E, K, 16)
