@@ -153,16 +153,10 @@ def _calls():
     }
 
 
-def test_after_the_first_call_the_hot_path_reads_no_file_and_no_table(stub_gpu, monkeypatch):
-    calls = _calls()
-    n0 = len(stub_gpu)
-    for fn in calls.values():
-        fn()
-    first = stub_gpu[n0:]
-    assert {"routing_fused", "routing_topk"} & set(first) and "experts_gemm1" in first and "cute" in first
-    built = dispatch.registry()
-    assert {k[0] for k in built} == set(OPS)
-
+def hot_path_guard(monkeypatch, run) -> None:
+    """run() with the filesystem (os.stat, os.lstat, open), the tier table, rule scans, the compiler and new
+    dispatch objects watched: any use fails the test (recorded, not raised inside: a warning's linecache may stat
+    a file, which is not the hot path's)."""
     touched = []
 
     def forbidden(what, real=None):
@@ -173,7 +167,7 @@ def test_after_the_first_call_the_hot_path_reads_no_file_and_no_table(stub_gpu, 
             return real(*a, **k)
         return record
 
-    with monkeypatch.context() as mp:   # recorded, not raised: a warning's linecache may stat a file
+    with monkeypatch.context() as mp:
         mp.setattr(os, "stat", forbidden("os.stat", os.stat))
         mp.setattr(os, "lstat", forbidden("os.lstat", os.lstat))
         mp.setattr(builtins, "open", forbidden("open", builtins.open))
@@ -181,12 +175,29 @@ def test_after_the_first_call_the_hot_path_reads_no_file_and_no_table(stub_gpu, 
         mp.setattr(tiers.Table, "rule", forbidden("a rule scan"))
         mp.setattr(jit, "build", forbidden("jit.build"))
         mp.setattr(dispatch, "Dispatch", forbidden("a new Dispatch"))
-        launched = {}
+        run()
+    assert not touched, touched
+
+
+def test_after_the_first_call_the_hot_path_reads_no_file_and_no_table(stub_gpu, monkeypatch):
+    calls = _calls()
+    n0 = len(stub_gpu)
+    for fn in calls.values():
+        fn()
+    first = stub_gpu[n0:]
+    assert {"routing_fused", "routing_topk"} & set(first) and "experts_gemm1" in first and "cute" in first
+    built = dispatch.registry()
+    assert {k[0] for k in built} == set(OPS)
+
+    launched = {}
+
+    def each():
         for name, fn in calls.items():
             n = len(stub_gpu)
             fn()
             launched[name] = len(stub_gpu) - n
-    assert not touched, touched
+
+    hot_path_guard(monkeypatch, each)
     assert all(launched.values()), launched
     assert stub_gpu[n0 + len(first):] == first   # the same launches, in the same order
     assert dispatch.registry().keys() == built.keys()

@@ -1,13 +1,11 @@
 """Dispatch once on the GPU: after the first call of a shape every public op, and a transformers MoE block with
 kerngen enabled, run again with the filesystem, the tier table and the compiler made to fail."""
-import builtins
-import os
-
 import pytest
 import torch
 
 import kerngen
-from kerngen import dispatch, jit, tiers
+from kerngen import dispatch, tiers
+from tests.test_dispatch import hot_path_guard
 from tests.test_integration_transformers import inputs, kt, moe_blocks, run_block, tiny
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
@@ -44,26 +42,11 @@ def _calls():
 
 
 def _poisoned(monkeypatch, fns):
-    touched = []
-
-    def forbidden(what, real=None):
-        def record(*a, **k):
-            touched.append(what)
-            if real is None:
-                raise AssertionError(f"{what} on the hot path")
-            return real(*a, **k)
-        return record
-
-    with monkeypatch.context() as mp:
-        mp.setattr(os, "stat", forbidden("os.stat", os.stat))
-        mp.setattr(builtins, "open", forbidden("open", builtins.open))
-        mp.setattr(tiers, "load", forbidden("tiers.load"))
-        mp.setattr(tiers.Table, "rule", forbidden("a rule scan"))
-        mp.setattr(jit, "build", forbidden("jit.build"))
+    def run():
         for fn in fns:
             fn()
         torch.cuda.synchronize()
-    assert not touched, touched
+    hot_path_guard(monkeypatch, run)
 
 
 def test_every_op_after_its_first_call(monkeypatch):
