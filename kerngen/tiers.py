@@ -18,11 +18,12 @@ from . import env
 from .errors import TierError
 
 SCHEMA = 1
-OPS = ("routing", "finalize", "tail", "permute", "tail_tp", "experts")
+OPS = ("routing", "finalize", "tail", "permute", "tail_tp", "experts", "latent_tail")
 METHODS = ("softmax_topk", "topk_softmax", "sigmoid_bias", "grouped_sigmoid_bias", "top1_sigmoid")
 DTYPES = ("bfloat16", "float16")
 ROUTER_WEIGHT = ("output", "input")
 EXPERT_ACTIVATIONS = ("silu", "gelu", "gpt_oss", "situglu")   # kerngen.experts' gates
+EXPERT_FORMATS = ("bf16", "fp8")   # kerngen.experts' weight formats (fp8: e4m3 with 128 x 128 block scales)
 RANGE_KEYS = ("num_experts", "top_k", "hidden", "tokens", "world_size", "sm_count")
 MAX_EXPERTS, MAX_TOPK = 2048, 32
 NAME = re.compile(r"[a-z][a-z0-9_]*")                 # an op or variant: a file name, never a path
@@ -42,6 +43,7 @@ class Backend:
 BACKENDS = {"nvrtc": Backend(".cu.j2", True, "source.cu", "kernel.cubin", "compile", "launch"),
             "cute": Backend(".py", False, "source.py", "kernel.o", "cute_backend", "cute_backend")}
 UNTEMPLATED = {"tail_tp": ("allreduce",)}            # ops whose variants are host code, not templates
+HOST_VARIANTS = {"latent_tail": ("unfused",)}        # host-code variants of ops that also have templates
 INT32_MAX = 2**31 - 1                                 # every shape and param is a 32-bit int in the kernels
 SMS = 132                                             # the grid bound the routing/permute launchers check
 
@@ -97,6 +99,10 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                        "max_loads": _n(1, 64), "branch_free": FLAG, "pdl": FLAG},
     ("experts", "mma"): {"backend": NVRTC, "tile": _n(1, 16, required=True), "warps": _n(1, 16, required=True),
                          "unroll": _n(1, 8, required=True), "blocks_per_sm": _n(1, 32), "pdl": FLAG},
+    ("latent_tail", "fused"): {"backend": NVRTC, "max_tokens": _n(1, 16, required=True),
+                               "warps": _n(1, 32, required=True), "unroll": _n(1, 8, required=True),
+                               "cluster": _n(1, 8), "blocks_per_sm": _n(1, 32), "pdl": FLAG},
+    ("latent_tail", "unfused"): {},   # kerngen.finalize + torch (host code)
     ("tail_tp", "allreduce"): {"allreduce": Param(str, required=True, choices=("nccl", "symm_mem")),
                                "max_tokens": _n()},
 }
@@ -131,6 +137,8 @@ class Model:
     router_weight: str = "output"   # "input": the expert's input is scaled by w (Llama-4), outputs summed as is
     intermediate: int = 0           # the routed experts' intermediate size (0: kerngen.experts not warmed up)
     activation: str = "silu"        # the experts' gate (kerngen.experts' activation names)
+    model_hidden: int = 0           # the model's hidden size when `hidden` is the experts' latent width (0: not latent)
+    experts_format: str = "bf16"    # the format its checkpoints ship the expert weights in (warmup adds bf16)
     source: str = ""
 
     @property
@@ -269,15 +277,21 @@ def _parse_model(where: str, name: str, d: dict) -> Model:
     if d.get("router_weight") == "input" and K != 1:
         _fail(where, f"router_weight = \"input\" needs top_k = 1 (the outputs are summed unweighted), got {K}")
     inter = _int(where, d, "intermediate", 0, default=0)
+    model_hidden = _int(where, d, "model_hidden", 0, default=0)
+    if model_hidden % 8:
+        _fail(where, f"field 'model_hidden' must be a multiple of 8 (16-byte vectors), got {model_hidden}")
     if inter % 8:
         _fail(where, f"field 'intermediate' must be a multiple of 8 (16-byte vectors), got {inter}")
     if d.get("activation", "silu") not in EXPERT_ACTIVATIONS:
         _fail(where, f"field 'activation' must be one of {', '.join(EXPERT_ACTIVATIONS)}, got {d['activation']!r}")
+    if d.get("experts_format", "bf16") not in EXPERT_FORMATS:
+        _fail(where, f"field 'experts_format' must be one of {', '.join(EXPERT_FORMATS)}, got {d['experts_format']!r}")
     return Model(name=name, num_experts=E, top_k=K, hidden=H, routing=method, tokens=tokens, n_group=G,
                  topk_group=TG, routed_scaling_factor=rsf, renormalize=d.get("renormalize", True),
                  dtype=d.get("dtype", "bfloat16"), weights_dtype=d.get("weights_dtype", "float32"), tile=tile,
-                 router_weight=d.get("router_weight", "output"), intermediate=inter,
-                 activation=d.get("activation", "silu"), source=where)
+                 router_weight=d.get("router_weight", "output"), intermediate=inter, model_hidden=model_hidden,
+                 activation=d.get("activation", "silu"), experts_format=d.get("experts_format", "bf16"),
+                 source=where)
 
 
 def template_path(op: str, variant: str, backend: str) -> Path:
@@ -291,9 +305,9 @@ def variants(op: str) -> list[str]:
     try:
         names = [p.name for p in (env.templates_dir() / op).iterdir() if not p.name.startswith("_")]
     except OSError:
-        return []
+        names = []
     return sorted({n[: -len(ext)] for n in names for ext in (b.template for b in BACKENDS.values())
-                   if n.endswith(ext)})
+                   if n.endswith(ext)} | set(HOST_VARIANTS.get(op, ())))
 
 
 def _known(op: str) -> str:
@@ -307,6 +321,8 @@ def check_variant(where: str, op: str, variant, backend) -> None:
     if op in UNTEMPLATED:
         if variant not in UNTEMPLATED[op]:
             _fail(where, f"unknown variant '{variant}' of {op} (known: {_known(op)})")
+        return
+    if variant in HOST_VARIANTS.get(op, ()):
         return
     if backend not in BACKENDS:
         _fail(where, f"param 'backend' must be one of {', '.join(BACKENDS)}, got {backend!r}")

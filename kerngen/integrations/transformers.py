@@ -166,10 +166,12 @@ class BlockState:
     """What one MoE block keeps between forwards, so a forward only launches: the activation of its experts'
     kernels (None: the grouped-GEMM path), their dispatch, the router's workspaces (grown to the most tokens
     seen) and the permutation the router hands to the experts."""
-    __slots__ = ("activation", "_dispatch", "_workspaces", "_rows", "routing")
+    __slots__ = ("activation", "fp8", "_dispatch", "_workspaces", "_rows", "routing")
 
     def __init__(self, experts: nn.Module | None):
-        self.activation = kernel_activation(experts) if experts is not None else None
+        fp8 = fp8_activation(experts) if experts is not None else None
+        self.fp8 = fp8 is not None   # transformers' FP8Experts: kerngen.experts' fp8 kernels at every token count
+        self.activation = fp8 or (kernel_activation(experts) if experts is not None else None)
         self._dispatch = None
         self._workspaces: dict[tuple, kerngen.RoutingWorkspace] = {}
         self._rows: dict[int, torch.Tensor] = {}
@@ -182,9 +184,10 @@ class BlockState:
         d = self._dispatch
         if d is None:
             w = experts.gate_up_proj
-            if w.dtype != torch.bfloat16 or w.shape[-1] % 8:
+            if w.dtype not in _ex.FORMATS or w.shape[-1] % 8:
                 return TILE
-            d = self._dispatch = _ex.dispatch(w.shape[-1], w.shape[-2] // 2, self.activation, x.get_device())
+            d = self._dispatch = _ex.dispatch(w.shape[-1], w.shape[-2] // 2, self.activation, x.get_device(),
+                                              _ex.FORMATS[w.dtype])
         s = d.spec(x.shape[0])
         return TILE if s is None else _ex.tile_of(s)
 
@@ -257,6 +260,21 @@ def _router_forward(router: nn.Module, spec: Router, kw: dict, experts: nn.Modul
 
 # ------------------------------------------------------------------------------------------------ experts
 _GATES = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu", "PytorchGELUTanh": "gelu"}
+
+
+def fp8_activation(experts: nn.Module) -> str | None:
+    """kerngen.experts' activation for transformers' FP8Experts that its fp8 kernels serve, else None: e4m3 gate
+    and up concatenated, fp32 scales per 128 x 128 block, dynamic activations, the plain gate (no soft cap,
+    clamp or OAI SwiGLU) with SiLU or tanh GeLU."""
+    w = getattr(experts, "gate_up_proj", None)
+    scale = getattr(experts, "gate_up_proj_scale_inv", None)
+    if (not isinstance(w, torch.Tensor) or w.dtype != torch.float8_e4m3fn or not getattr(experts, "has_gate", False)
+            or getattr(experts, "has_bias", True) or not isinstance(scale, torch.Tensor)
+            or scale.dtype != torch.float32 or tuple(getattr(experts, "block_size", None) or ()) != (128, 128)
+            or getattr(experts, "activation_scheme", None) != "dynamic"
+            or any(getattr(experts, a, None) is not None for a in ("gate_softcap", "swiglu_alpha", "limit"))):
+        return None
+    return _GATES.get(type(getattr(experts, "act_fn", None)).__name__)
 
 
 def kernel_activation(experts: nn.Module) -> str | None:
@@ -337,11 +355,19 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The "kerngen" experts implementation (transformers' signature; `self` is the family's experts module)."""
     if self.training:
-        return hf_moe.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        train = _FP8_TRAINING if getattr(self, "gate_up_proj", None) is not None and \
+            self.gate_up_proj.dtype == torch.float8_e4m3fn else hf_moe.grouped_mm_experts_forward
+        return train(self, hidden_states, top_k_index, top_k_weights)
     st = state(self, self)
     tile = st.tile(self, hidden_states)
     r = _permutation(self, st, top_k_index, tile)
     bias = (lambda name: getattr(self, name)) if self.has_bias else (lambda name: None)
+    if st.fp8:   # fp8 weights: kerngen.experts at every size (its fp8 kernels, else its per-expert reference)
+        x = hidden_states.to(torch.bfloat16).contiguous()   # its activations are bf16
+        g = kerngen.experts(x, r, self.gate_up_proj, self.down_proj, activation=st.activation,
+                            w13_scale=self.gate_up_proj_scale_inv, w2_scale=self.down_proj_scale_inv,
+                            out=st.rows(r, x.shape[1], x) if x.is_cuda else None)
+        return _finalize(g, r.expanded_to_permuted, top_k_weights).to(hidden_states.dtype)
     if tile != TILE:   # kerngen.experts' kernels: gather, both projections and the gate in two launches
         x = hidden_states.contiguous()
         g = kerngen.experts(x, r, self.gate_up_proj, self.down_proj, activation=st.activation,
@@ -356,6 +382,12 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
 
 
 hf_moe.ExpertsInterface.register(NAME, experts_forward)
+try:   # transformers' fine-grained fp8 experts dispatch through an interface of their own
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8ExpertsInterface
+    FP8ExpertsInterface.register(NAME, experts_forward)
+    _FP8_TRAINING = ALL_FP8_EXPERTS_FUNCTIONS["grouped_mm"]
+except ImportError:   # a transformers without it has no FP8Experts to serve
+    _FP8_TRAINING = hf_moe.grouped_mm_experts_forward
 
 
 # ------------------------------------------------------------------------------------------------ Llama-4

@@ -37,6 +37,11 @@ PARAMS = Params(("x", "ptr"), ("w13", "ptr"), ("b13", "ptr"), ("inw", "ptr"), ("
                 ("p2t", "ptr"), ("t2e", "ptr"), ("nrows", "ptr"), ("act", "ptr"), ("out", "ptr"), ("tokens", "int"),
                 ("experts", "int"), ("interleaved", "int"), ("tiles", "int"), ("a0", "float"), ("a1", "float"))
 _BF16 = (torch.bfloat16,)
+FP8 = torch.float8_e4m3fn
+QBLOCK = 128   # fp8 weights: one fp32 scale per 128 x 128 block
+FORMATS = {torch.bfloat16: "bf16", FP8: "fp8"}   # weight dtype -> the format its kernels are built for
+# the fp8 build's struct Params: the bf16 one, then the block scales of w13 and w2
+PARAMS_FP8 = Params(*PARAMS.fields, ("s13", "ptr"), ("s2", "ptr"))
 
 
 def activate(h: torch.Tensor, I: int, activation: str, interleaved: bool, alpha: float = 1.702, limit: float = 7.0,
@@ -54,9 +59,18 @@ def activate(h: torch.Tensor, I: int, activation: str, interleaved: bool, alpha:
     return beta * torch.tanh(g / beta) * torch.sigmoid(g) * lin
 
 
+def dequantize(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """fp32 weights [.., N, K] of bf16 ones (scale None) or of fp8 ones with their [.., N/128, K/128] block scales."""
+    if scale is None:
+        return w.float()
+    return w.float() * scale.float().repeat_interleave(QBLOCK, -2).repeat_interleave(QBLOCK, -1)
+
+
 def reference(x, routing, w13, w2, *, activation="silu", interleaved=False, b13=None, b2=None, input_weights=None,
-              tile=None, alpha=1.702, limit=7.0, beta=1.0, linear_beta=0.0) -> torch.Tensor:
-    """Plain torch, row by row of the permutation. Rounding points: xs = bf16(x * input_weights) (fp32 product);
+              tile=None, alpha=1.702, limit=7.0, beta=1.0, linear_beta=0.0, w13_scale=None,
+              w2_scale=None) -> torch.Tensor:
+    """Plain torch, row by row of the permutation, with fp32 weights (fp8 ones dequantized: w * block scale).
+    Rounding points: xs = bf16(x * input_weights) (fp32 product);
     h = xs @ w13[e].T accumulated in fp32, b13 added in fp32, not rounded; the activation in fp32, rounded once to
     bf16 (the intermediate); out = a @ w2[e].T in fp32, b2 added in fp32, rounded to bf16. Padding rows are 0."""
     p2t, t2e = routing.permuted_to_token.long(), routing.tile_to_expert.long()
@@ -68,11 +82,11 @@ def reference(x, routing, w13, w2, *, activation="silu", interleaved=False, b13=
     experts = t2e[rows // tile]
     for e in experts.unique().tolist():
         r = rows[experts == e]
-        h = xs[p2t[r]].float() @ w13[e].float().T
+        h = xs[p2t[r]].float() @ dequantize(w13[e], None if w13_scale is None else w13_scale[e]).T
         if b13 is not None:
             h = h + b13[e].float()
         a = activate(h, I, activation, interleaved, alpha, limit, beta, linear_beta).to(x.dtype)
-        y = a.float() @ w2[e].float().T
+        y = a.float() @ dequantize(w2[e], None if w2_scale is None else w2_scale[e]).T
         if b2 is not None:
             y = y + b2[e].float()
         out[r] = y.to(x.dtype)
@@ -92,8 +106,9 @@ def infer_tile(routing) -> int:
     return tile
 
 
-def check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile) -> tuple[int, int, int]:
-    """Every argument, with a message naming it; returns (tile, H, I)."""
+def check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, w13_scale=None,
+               w2_scale=None) -> tuple[int, int, int, str]:
+    """Every argument, with a message naming it; returns (tile, H, I, format)."""
     dev = getattr(x, "device", None)
     check_tensor(OP, "x", x, dtypes=_BF16, ndim=2, device=dev, contiguous=True)
     if activation not in ACTIVATIONS:
@@ -111,8 +126,9 @@ def check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weig
         raise InputError(OP, "routing", f"the routing of x's {T} tokens ([T, K] expanded_to_permuted)",
                          f"expanded_to_permuted of shape {tuple(routing.expanded_to_permuted.shape)}")
     nl = routing.expert_offsets.shape[0] - 1
-    check_tensor(OP, "w13", w13, dtypes=_BF16, ndim=3, device=dev, contiguous=True)
-    check_tensor(OP, "w2", w2, dtypes=_BF16, ndim=3, device=dev, contiguous=True)
+    check_tensor(OP, "w13", w13, dtypes=tuple(FORMATS), ndim=3, device=dev, contiguous=True)
+    check_tensor(OP, "w2", w2, dtypes=(w13.dtype,), ndim=3, device=dev, contiguous=True)
+    fmt = FORMATS[w13.dtype]
     if w13.shape[0] != nl:
         raise InputError(OP, "w13", f"[E, 2I, H] with E = {nl}, the routing's local experts",
                          f"shape {tuple(w13.shape)}")
@@ -124,6 +140,7 @@ def check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weig
         raise InputError(OP, "w2", f"of shape {(nl, H, I)} (down_proj [E, H, I])", f"shape {tuple(w2.shape)}")
     if H % 8 or I % 8:
         raise InputError(OP, "w13", "H and I multiples of 8 (16-byte vectors)", f"H = {H}, I = {I}")
+    _check_scales(fmt, nl, H, I, w13_scale, w2_scale, dev)
     for name, b, shape in (("b13", b13, (nl, 2 * I)), ("b2", b2, (nl, H))):
         if b is not None:
             check_tensor(OP, name, b, dtypes=_BF16, ndim=2, device=dev, contiguous=True)
@@ -145,7 +162,28 @@ def check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weig
         raise InputError(OP, "tile", f"the routing's tile, an integer in [1, {permute_op.MAX_TILE}]", repr(tile))
     if routing.tile_to_expert.shape[0] * tile > routing.permuted_to_token.shape[0]:
         raise InputError(OP, "tile", "the tile the routing was built with", f"{tile}")
-    return tile, H, I
+    return tile, H, I, fmt
+
+
+def _check_scales(fmt, nl, H, I, w13_scale, w2_scale, dev) -> None:
+    """fp8 weights take their block scales (fp32 [E, 2I/128, H/128] and [E, H/128, I/128]); bf16 ones none."""
+    if fmt == "bf16":
+        for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+            if t is not None:
+                raise InputError(OP, name, "None for bf16 weights (scales go with float8_e4m3fn weights)",
+                                 type(t).__name__)
+        return
+    if H % QBLOCK or I % QBLOCK:
+        raise InputError(OP, "w13", f"H and I multiples of {QBLOCK} for fp8 weights (one scale per {QBLOCK} x "
+                         f"{QBLOCK} block)", f"H = {H}, I = {I}")
+    for name, t, shape in (("w13_scale", w13_scale, (nl, 2 * I // QBLOCK, H // QBLOCK)),
+                           ("w2_scale", w2_scale, (nl, H // QBLOCK, I // QBLOCK))):
+        if t is None:
+            raise InputError(OP, name, f"the fp32 block scales {shape} of the fp8 weights", "None")
+        check_tensor(OP, name, t, dtypes=(torch.float32,), ndim=3, device=dev, contiguous=True)
+        if tuple(t.shape) != shape:
+            raise InputError(OP, name, f"of shape {shape} (one scale per {QBLOCK} x {QBLOCK} block)",
+                             f"shape {tuple(t.shape)}")
 
 
 def _check_act_params(activation, alpha, limit, beta, linear_beta):
@@ -156,27 +194,29 @@ def _check_act_params(activation, alpha, limit, beta, linear_beta):
             raise InputError(OP, name, "a finite number (limit, beta > 0; linear_beta >= 0)", repr(v))
 
 
-def tag_constants(H: int, I: int, tile: int, activation: str) -> tuple[str, dict]:
-    """The cache tag and the template constants of one experts build."""
-    return f"H{H}-I{I}-t{tile}-{activation}-bf16", {"H": H, "I": I, "TILE": tile, "ACT": activation}
+def tag_constants(H: int, I: int, tile: int, activation: str, fmt: str = "bf16") -> tuple[str, dict]:
+    """The cache tag and the template constants of one experts build (fmt: the weights' format, bf16 or fp8)."""
+    return (f"H{H}-I{I}-t{tile}-{activation}-{fmt}",
+            {"H": H, "I": I, "TILE": tile, "ACT": activation, "FORMAT": fmt})
 
 
-def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str) -> plan_mod.KernelSpec:
+def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt: str = "bf16") -> plan_mod.KernelSpec:
     """The kernel of an experts rule at this shape: the rule's `tile` param is the TILE constant (the routing
     tile its kernels take), its other params the launch shape."""
     params = dict(rule.params)
     tile = params.pop("tile")
-    return plan_mod.spec_for(dataclasses.replace(rule, params=params), *tag_constants(H, I, tile, activation), arch_)
+    return plan_mod.spec_for(dataclasses.replace(rule, params=params), *tag_constants(H, I, tile, activation, fmt),
+                             arch_)
 
 
 def spec(H: int, I: int, tile: int | None, activation: str, tokens: int, arch_: str,
-         tbl: tiers.Table | None = None) -> plan_mod.KernelSpec:
+         tbl: tiers.Table | None = None, fmt: str = "bf16") -> plan_mod.KernelSpec:
     """The kernel the tier table gives this shape at `tokens` (tools and tests; calls go through dispatch), built
     for routing tile `tile` (None: the rule's own)."""
     rule = (tbl or table()).rule(OP, {"hidden": H, "tokens": max(tokens, 1), "arch": arch_})
     if tile is not None:
         rule = dataclasses.replace(rule, params={**rule.params, "tile": tile})
-    return rule_spec(rule, H, I, activation, arch_)
+    return rule_spec(rule, H, I, activation, arch_, fmt)
 
 
 def tile_of(s: plan_mod.KernelSpec) -> int:
@@ -187,13 +227,14 @@ class Kernels:
     """The mma variant of one spec on one device: two launches on a persistent grid of blocks_per_sm CTAs per
     SM (at most one per work item) looping over the used tiles' items. The grid follows the routing's tile
     count, so the launchers are kept per tile count; the intermediate scratch per stream."""
-    __slots__ = ("spec", "tile", "device", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I", "_grids", "_act")
+    __slots__ = ("spec", "tile", "device", "fp8", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I", "_grids", "_act")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
         if s.variant not in VARIANTS:
             raise InputError(OP, "tier variant", " or ".join(VARIANTS), s.variant)
         c, p = dict(s.constants), dict(s.params)
         self.spec, self.tile, self.device = s, c["TILE"], device
+        self.fp8 = c.get("FORMAT", "bf16") == "fp8"
         self._warps, self._H, self._I = p["warps"], c["H"], c["I"]
         self._mod = resolve(s)
         self._pdl = bool(p.get("pdl", False))
@@ -207,9 +248,10 @@ class Kernels:
             block = (32 * self._warps, 1, 1)
             grid1 = (min(self._ctas, tiles * -(-self._I // 8)), 1, 1)
             grid2 = (min(self._ctas, tiles * -(-self._H // 16)), 1, 1)
+            params = PARAMS_FP8 if self.fp8 else PARAMS
             pair = self._grids[tiles] = (
-                Launcher(self._mod, "experts_gemm1", self.device, grid1, block, PARAMS, pdl=self._pdl),
-                Launcher(self._mod, "experts_gemm2", self.device, grid2, block, PARAMS, pdl=self._pdl))
+                Launcher(self._mod, "experts_gemm1", self.device, grid1, block, params, pdl=self._pdl),
+                Launcher(self._mod, "experts_gemm2", self.device, grid2, block, params, pdl=self._pdl))
         return pair
 
     def scratch(self, stream: int, tiles: int, device: torch.device) -> torch.Tensor:
@@ -221,7 +263,7 @@ class Kernels:
         return act
 
     def __call__(self, x, routing, w13, w2, out, act=None, *, interleaved=False, b13=None, b2=None,
-                 input_weights=None, a0=0.0, a1=0.0) -> torch.Tensor:
+                 input_weights=None, a0=0.0, a1=0.0, w13_scale=None, w2_scale=None) -> torch.Tensor:
         """Both launches on the current stream over arguments experts() has checked; out [rows, H] is the
         caller's, act [tiles*tile, I] too if given (else this stream's scratch)."""
         T, tiles = x.shape[0], routing.tile_to_expert.shape[0]
@@ -235,6 +277,8 @@ class Kernels:
                     t2e=routing.tile_to_expert.data_ptr(), nrows=routing.num_permuted_rows.data_ptr(),
                     act=act.data_ptr(), out=out.data_ptr(), tokens=T, experts=w13.shape[0],
                     interleaved=int(interleaved), tiles=tiles, a0=float(a0), a1=float(a1))
+        if self.fp8:
+            args.update(s13=w13_scale.data_ptr(), s2=w2_scale.data_ptr())
         g1.launch(stream, **args)
         g2.launch(stream, **args)
         return out
@@ -245,15 +289,15 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Kernels:
     return Kernels(s, device)
 
 
-def dispatch(H: int, I: int, activation: str, device: int) -> Dispatch:
-    """The experts kernels of this shape on `device`, per token bucket (None where torch._grouped_mm serves)."""
+def dispatch(H: int, I: int, activation: str, device: int, fmt: str = "bf16") -> Dispatch:
+    """The experts kernels of this shape and weight format on `device`, per token bucket (None where no rule serves:
+    torch._grouped_mm for bf16, the per-expert reference for fp8)."""
     def build() -> Dispatch:
         a = arch(device)
-        return Dispatch(
-            OP, {"hidden": H}, lambda rule: rule_spec(rule, H, I, activation, a), kernel, device,
-            arch=a)
+        return Dispatch(OP, {"hidden": H}, lambda rule: rule_spec(rule, H, I, activation, a, fmt), kernel, device,
+                        arch=a)
 
-    return lookup((OP, H, I, activation, device), build)
+    return lookup((OP, H, I, activation, device, fmt), build)
 
 
 def tile_for(H: int, I: int, activation: str, tokens: int, device: int) -> int | None:
@@ -264,19 +308,21 @@ def tile_for(H: int, I: int, activation: str, tokens: int, device: int) -> int |
 
 
 def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_mod.KernelSpec]:
-    """Every experts kernel `model` can dispatch to over its token range (models with an intermediate size)."""
+    """Every experts kernel `model` can dispatch to over its token range (models with an intermediate size), for
+    bf16 weights and for the format its checkpoints ship in (`experts_format`)."""
     if not model.intermediate:
         return []
     shape = {"hidden": model.hidden, "arch": arch_}
     out: list[plan_mod.KernelSpec] = []
-    for lo, _ in tiers.token_pieces(tbl.rules, OP, model.tokens):
-        try:
-            rule = tbl.rule(OP, {**shape, "tokens": lo})
-        except TierError:
-            continue   # these tokens run torch._grouped_mm
-        s = rule_spec(rule, model.hidden, model.intermediate, model.activation, arch_)
-        if s not in out:
-            out.append(s)
+    for fmt in dict.fromkeys(("bf16", model.experts_format)):   # bf16, and the format the model ships in
+        for lo, _ in tiers.token_pieces(tbl.rules, OP, model.tokens):
+            try:
+                rule = tbl.rule(OP, {**shape, "tokens": lo})
+            except TierError:
+                continue   # these tokens run torch._grouped_mm
+            s = rule_spec(rule, model.hidden, model.intermediate, model.activation, arch_, fmt)
+            if s not in out:
+                out.append(s)
     return out
 
 
@@ -315,8 +361,8 @@ def _grouped(xs, routing, w13, w2, b13, b2, tile, I, act) -> torch.Tensor:
 def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, activation: str = "silu",
             interleaved: bool = False, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
             input_weights: torch.Tensor | None = None, tile: int | None = None, alpha: float = 1.702,
-            limit: float = 7.0, beta: float = 1.0, linear_beta: float = 0.0,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            limit: float = 7.0, beta: float = 1.0, linear_beta: float = 0.0, w13_scale: torch.Tensor | None = None,
+            w2_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Expert output rows [rows, H] bf16 in permuted order (row = expanded_to_permuted[t, k]) for finalize.
 
     x [T, H] bf16; routing: a kerngen.Routing with its permutation (route(..., tile=...) or permute; tile is
@@ -325,6 +371,12 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     b13 [E, 2I], b2 [E, H] optional bf16 biases; input_weights [T] (Llama-4: x rows scaled before the GEMM).
     activation: silu (SwiGLU), gelu (tanh approximation, times up), gpt_oss (alpha, limit), situglu (beta,
     linear_beta). No host synchronisation: CUDA-graph capturable.
+    fp8 weights (DeepSeek-V3, Kimi K2): w13 / w2 float8_e4m3fn with w13_scale [E, 2I/128, H/128] and w2_scale
+    [E, H/128, I/128] fp32 (the dequantized weight is w * its block's scale; H and I multiples of 128); the
+    kernels widen the weights to bf16 in registers (exactly) and apply each block's scale to the fp32 sums.
+    Token counts no rule serves run the per-expert reference on the GPU for fp8 weights (it reads which experts
+    were hit on the host).
+    CUDA tensors take the kernels; CPU tensors run `reference`.
     """
     try:   # kerngen-built routings carry their checked layout; the signature pins what check_args establishes
         sig = (x.dtype, x.shape, x.is_contiguous(), x.get_device(), routing.checked, tile, w13.dtype, w13.shape,
@@ -333,18 +385,22 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
                None if b2 is None else (b2.dtype, b2.shape, b2.is_contiguous(), b2.get_device()),
                None if input_weights is None else (input_weights.dtype, input_weights.shape,
                                                    input_weights.get_device()),
+               None if w13_scale is None else (w13_scale.dtype, w13_scale.shape, w13_scale.is_contiguous(),
+                                               w13_scale.get_device()),
+               None if w2_scale is None else (w2_scale.dtype, w2_scale.shape, w2_scale.is_contiguous(),
+                                              w2_scale.get_device()),
                activation, interleaved, alpha, limit, beta, linear_beta, out is None)
         hit = _fast.get(sig) if sig[4] is not None else None
     except (AttributeError, TypeError):   # not tensors, a foreign routing, unhashable values: checked below
         sig, hit = None, None
     if hit is None or (x.data_ptr() | w13.data_ptr() | w2.data_ptr()) % 16:
         hit = _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, alpha, limit,
-                       beta, linear_beta)
+                       beta, linear_beta, w13_scale, w2_scale)
         if sig is not None and sig[4] is not None:
             if len(_fast) > 4096:
                 _fast.clear()
             _fast[sig] = hit
-    k, tile, H, I, a0, a1, dev = hit
+    k, tile, H, I, a0, a1, dev, fmt = hit
     p2t = routing.permuted_to_token
     rows = p2t.shape[0]
     if out is None:
@@ -358,10 +414,11 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
         return out
     if k is not None:
         return k(x, routing, w13, w2, out, interleaved=interleaved, b13=b13, b2=b2, input_weights=input_weights,
-                 a0=a0, a1=a1)
+                 a0=a0, a1=a1, w13_scale=w13_scale, w2_scale=w2_scale)
     kw = dict(activation=activation, interleaved=interleaved, b13=b13, b2=b2, input_weights=input_weights,
-              tile=tile, alpha=alpha, limit=limit, beta=beta, linear_beta=linear_beta)
-    if x.device.type not in _common.KERNEL_DEVICES:
+              tile=tile, alpha=alpha, limit=limit, beta=beta, linear_beta=linear_beta, w13_scale=w13_scale,
+              w2_scale=w2_scale)
+    if x.device.type not in _common.KERNEL_DEVICES or fmt != "bf16":
         out.copy_(reference(x, routing, w13, w2, **kw))
         return out
     xs = x if input_weights is None else (x.float() * input_weights.float().reshape(T, 1)).to(x.dtype)
@@ -371,23 +428,24 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     return out
 
 
-_fast: dict[tuple, tuple] = {}   # input signature -> (kernels or None, tile, H, I, a0, a1, device)
+_fast: dict[tuple, tuple] = {}   # input signature -> (kernels or None, tile, H, I, a0, a1, device, format)
 
 
 def _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, alpha, limit, beta,
-             linear_beta) -> tuple:
-    """Full checks, then the kernels serving this call (None: the grouped GEMM or, on the CPU, the reference)."""
-    tile, H, I = check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile)
+             linear_beta, w13_scale=None, w2_scale=None) -> tuple:
+    """Full checks, then the kernels serving this call (None: the grouped GEMM or the reference)."""
+    tile, H, I, fmt = check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile,
+                                 w13_scale, w2_scale)
     _check_act_params(activation, alpha, limit, beta, linear_beta)
     a0, a1 = (alpha, limit) if activation == "gpt_oss" else (beta, linear_beta)
     dev = x.get_device()
     k = None
     if x.device.type in _common.KERNEL_DEVICES and tile <= MAX_TILE and routing.tile_to_expert.shape[0]:
-        d = dispatch(H, I, activation, dev)
+        d = dispatch(H, I, activation, dev, fmt)
         k = d.kernel(x.shape[0])
         if k is not None and k.tile != tile:   # a routing built with another tile: the same rule at that tile
             k = _at_tile(d, k.spec, tile)
-    return k, tile, H, I, a0, a1, dev
+    return k, tile, H, I, a0, a1, dev, fmt
 
 
 def _at_tile(d: Dispatch, s: plan_mod.KernelSpec, tile: int) -> Kernels:
@@ -398,7 +456,8 @@ def _at_tile(d: Dispatch, s: plan_mod.KernelSpec, tile: int) -> Kernels:
     if key not in alt:
         c = dict(s.constants)
         alt[key] = Kernels(plan_mod.spec_for(tiers.Rule(OP, s.variant, {}, {**dict(s.params), "backend": s.backend}),
-                                             *tag_constants(c["H"], c["I"], tile, c["ACT"]), s.arch), d.device)
+                                             *tag_constants(c["H"], c["I"], tile, c["ACT"], c["FORMAT"]), s.arch),
+                                 d.device)
     return alt[key]
 
 
