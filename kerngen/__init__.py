@@ -7,6 +7,7 @@ from .adapters import select_experts
 from .ops.experts import experts
 from .ops.finalize import finalize
 from .ops.finalize import prepare as finalize_prepare
+from .ops.latent_tail import latent_tail
 from .ops.permute import Routing, RoutingWorkspace, permute
 from .ops.routing import route
 from .ops.prerouting import PreRouting
@@ -15,7 +16,7 @@ from .plan import VERSION as __version__
 from . import torch_ops  # noqa: F401,E402  (registers torch.ops.kerngen.*)
 from . import jit as _jit
 
-__all__ = ["route", "experts", "permute", "Routing", "RoutingWorkspace", "PreRouting", "finalize", "finalize_prepare", "moe_tail", "select_experts", "models", "preload", "strict", "clear",
+__all__ = ["route", "experts", "permute", "Routing", "RoutingWorkspace", "PreRouting", "finalize", "finalize_prepare", "moe_tail", "latent_tail", "select_experts", "models", "preload", "strict", "clear",
            "KerngenError", "InputError", "TierError", "CompileError", "CacheMissError", "DeviceError", "CacheError",
            "EnvError", "__version__"]
 

@@ -9,10 +9,10 @@ import torch
 
 import kerngen
 from kerngen import dispatch, jit, tiers, warmup
-from kerngen.ops import OPS, _common, experts, finalize, op_module, permute, routing, tail
+from kerngen.ops import OPS, _common, experts, finalize, latent_tail, op_module, permute, routing, tail
 from kerngen.plan import plan
 
-OP_MODULES = (routing, permute, finalize, tail, experts)
+OP_MODULES = (routing, permute, finalize, tail, experts, latent_tail)
 
 
 def test_the_registry_lists_every_op_with_kernels_and_each_has_the_seam():
@@ -135,6 +135,11 @@ def _calls():
     out = torch.empty(4, H, dtype=torch.bfloat16)
     r8 = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, workspace=ws8)
     eout = torch.empty(r8.permuted_to_token.shape[0], H, dtype=torch.bfloat16)
+    up = torch.randn(2 * H, H, generator=g).bfloat16()                 # latent H -> model 2H
+    sh = torch.randn(4, 2 * H, generator=g).bfloat16()
+    lout = torch.empty(4, 2 * H, dtype=torch.bfloat16)
+    e2p20 = torch.randint(0, 4 * K, (20, K), generator=g).int()        # past the fused rules: the unfused path
+    w20 = torch.rand(20, K, generator=g)
     return {
         "route model= workspace=": lambda: kerngen.route(kimi, bias=bias, model="kimi-k3", tile=128, workspace=ws),
         "route model=": lambda: kerngen.route(kimi, bias=bias, model="kimi-k3", tile=128),
@@ -149,6 +154,9 @@ def _calls():
         "finalize out=": lambda: kerngen.finalize(rows, e2p, w, out=out),
         "finalize": lambda: kerngen.finalize(rows, e2p, w),
         "moe_tail": lambda: kerngen.moe_tail(rows, e2p, w, nw, shared=x, residual=x),
+        "latent_tail out=": lambda: kerngen.latent_tail(rows, e2p, w, nw, up, shared=sh, residual=sh, out=lout),
+        "latent_tail": lambda: kerngen.latent_tail(rows, e2p, w, nw, up),
+        "latent_tail unfused": lambda: kerngen.latent_tail(rows, e2p20, w20, nw, up),
         "experts tile_for": lambda: StubLauncher.log.append(experts.tile_for(H, I, "silu", 4, -1)),
     }
 

@@ -36,8 +36,8 @@ def test_every_rule_of_the_shipped_table_names_a_template_that_is_there():
     assert len(tbl.models) >= 10
     for rule in tbl.rules:
         stem = env.templates_dir() / rule.op.removesuffix("_tp") / rule.variant
-        if rule.op == "tail_tp":
-            continue   # an all-reduce choice, no template of its own
+        if rule.op == "tail_tp" or rule.variant in tiers.HOST_VARIANTS.get(rule.op, ()):
+            continue   # an all-reduce choice, or host code (latent_tail's unfused): no template of its own
         assert stem.with_suffix(".cu.j2").is_file() or stem.with_suffix(".py").is_file(), rule.source
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-OPS = ("routing", "permute", "finalize", "tail", "experts")
+OPS = ("routing", "permute", "finalize", "tail", "experts", "latent_tail")
 
 
 def op_module(op: str):

@@ -1,0 +1,360 @@
+"""latent_tail: the tail of a latent MoE (Kimi K3), whose routed experts work in a latent width L smaller than
+the model's hidden size H. Per token t:
+
+    y[t]   = sum_k w[t, k] * gemm2_out[e2p[t, k], :L]      fp32, k ascending, index -1 / out of range skipped
+    rstd   = 1 / sqrt(mean(y[t]^2) + eps)                   fp32
+    n[t]   = bf16(y[t] * rstd * norm_weight)                fp32 products, rounded to bf16 (the GEMM's input)
+    out[t] = bf16(n[t] @ up_proj.T + shared[t] + residual[t])   fp32 accumulation and adds, one rounding
+
+Rounding points: y stays fp32 (it is finalize's fp32 sum, bitwise); n is rounded to bf16 before the up
+projection, as an engine's RMSNorm output is; the projection accumulates in fp32 and shared and residual are
+added to it in fp32 (in that order) before the one rounding of the result to bf16. `reference` is this in
+plain torch; the fused kernel differs from it only in summation order (sum of squares, dot products).
+
+The "unfused" variant (the tier table's choice for T > 16) is kerngen.finalize + torch: y rounded to bf16 by
+finalize, the norm in fp32, torch.matmul in bf16 (rounded), the adds in fp32: two more roundings, as the
+four-launch path an engine runs today. Both variants agree with `reference` to a few bf16 steps of the row.
+
+Tensor parallelism (group=): each rank holds a partial routed output (its experts' rows); the partial latent
+sums are all-reduced in fp32 before the norm (normalizing partials and adding them is not the tail). up_proj,
+norm_weight, shared and residual are whole on every rank, and every rank gets the whole `out`. On CUDA the
+partial is kerngen.finalize's (rounded to bf16), the fp32 sum is rounded to bf16 once more and fed to this op
+with K = 1 (row t, weight 1); on the CPU the reference runs on the fp32 sum.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import plan as plan_mod
+from .. import tiers
+from ..dispatch import Dispatch, lookup, on_clear
+from ..errors import InputError
+from ..launch import Launcher, Params, current_stream
+from . import _common
+from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_rows, check_tensor, resolve,
+                      sm_count, table)
+from .finalize import finalize
+
+OP = "latent_tail"
+VARIANTS = ("fused", "unfused")
+MAX_K = 64
+MAX_FUSED_TOKENS = 16          # the mma n-blocks of the fused kernel: two of 8 tokens
+SMEM_PER_CTA = 227 * 1024      # sm_90 / sm_100: the most shared memory one CTA may use
+_BF16 = (torch.bfloat16,)
+_W = (torch.float32, torch.bfloat16)
+# struct Params of templates/latent_tail/fused.cu.j2
+PARAMS = Params(("g", "ptr"), ("idx", "ptr"), ("w", "ptr"), ("nw", "ptr"), ("up", "ptr"), ("shared", "ptr"),
+                ("residual", "ptr"), ("out", "ptr"), ("ld", "int"), ("rows", "int"), ("tokens", "int"),
+                ("eps", "float"))
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+def latent_sum(gemm2_out, expanded_to_permuted, topk_weights, L: int) -> torch.Tensor:
+    """y [T, L] fp32: finalize's sum before its rounding (k ascending, separate multiply and add)."""
+    T, K = expanded_to_permuted.shape
+    acc = torch.zeros(T, L, dtype=torch.float32, device=gemm2_out.device)
+    rows = gemm2_out.shape[0]
+    if not rows:
+        return acc
+    for k in range(K):
+        idx = expanded_to_permuted[:, k].long()
+        valid = (idx >= 0) & (idx < rows)
+        x = gemm2_out[idx.clamp(0, rows - 1), :L].float()
+        acc = torch.where(valid[:, None], acc + topk_weights[:, k].float()[:, None] * x, acc)
+    return acc
+
+
+def normalize(y: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """n = bf16(y * rstd(y) * norm_weight) from the fp32 latent rows y."""
+    rstd = torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * rstd * norm_weight.float()).to(torch.bfloat16)
+
+
+def project(n: torch.Tensor, up_proj: torch.Tensor, shared=None, residual=None) -> torch.Tensor:
+    """bf16(n @ up_proj.T + shared + residual), all in fp32 (the reference's projection)."""
+    h = n.float() @ up_proj.float().T
+    if shared is not None:
+        h = h + shared.float()
+    if residual is not None:
+        h = h + residual.float()
+    return h.to(torch.bfloat16)
+
+
+def reference(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, *, shared=None, residual=None,
+              eps: float = 1e-6) -> torch.Tensor:
+    """Plain torch of the op (module docstring): out [T, H] bf16."""
+    y = latent_sum(gemm2_out, expanded_to_permuted, topk_weights, norm_weight.shape[0])
+    return project(normalize(y, norm_weight, eps), up_proj, shared, residual)
+
+
+# ---------------------------------------------------------------------------------------------- specs
+
+def tag_constants(L: int, H: int, top_k: int, weights_dtype: str) -> tuple[str, dict]:
+    """The cache tag and template constants of a fused build (the rule adds its params)."""
+    return f"L{L}-H{H}-K{top_k}-bf16-w{SHORT[weights_dtype]}", {"L": L, "H": H, "K": top_k, "WDTYPE": weights_dtype}
+
+
+def rule_spec(rule: tiers.Rule, L: int, H: int, top_k: int, weights_dtype: str, arch_: str) -> plan_mod.KernelSpec:
+    """The spec of a latent_tail rule at this shape (an "unfused" spec names host code: nothing to build)."""
+    return plan_mod.spec_for(rule, *tag_constants(L, H, top_k, weights_dtype), arch_)
+
+
+def spec(L: int, H: int, top_k: int, weights_dtype: str, tokens: int, arch_: str,
+         tbl: tiers.Table | None = None) -> plan_mod.KernelSpec:
+    """The spec the tier table gives this shape at `tokens` (tools and tests; calls go through dispatch)."""
+    rule = (tbl or table()).rule(OP, {"hidden": L, "top_k": top_k, "tokens": max(tokens, 1), "arch": arch_})
+    return rule_spec(rule, L, H, top_k, weights_dtype, arch_)
+
+
+def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_mod.KernelSpec]:
+    """The fused kernels of a latent model (model_hidden set) over its token range; the unfused variant runs
+    kerngen.finalize (its kernels are finalize's model_specs) and torch."""
+    if not model.model_hidden:
+        return []
+    shape = {"hidden": model.hidden, "top_k": model.top_k, "num_experts": model.num_experts, "arch": arch_}
+    out: list[plan_mod.KernelSpec] = []
+    for rule in tbl.rules_for(OP, shape, model.tokens):
+        if rule.variant != "unfused":
+            s = rule_spec(rule, model.hidden, model.model_hidden, model.top_k, model.weights_dtype, arch_)
+            if s not in out:
+                out.append(s)
+    return out
+
+
+def explain_spec(tbl: tiers.Table, arch_: str, *, hidden: int, top_k: int, tokens: int, model: str | None = None,
+                 model_hidden: int = 0, weights_dtype: str = "float32", **_shape) -> plan_mod.KernelSpec:
+    """`kerngen explain --op latent_tail`: `hidden` is the latent width L; the projection's width is the model's
+    model_hidden (else `model_hidden`, else L itself). Tokens the unfused host path serves have no kernel."""
+    m = tbl.model(model) if model else None
+    H = (m.model_hidden if m and m.model_hidden else 0) or model_hidden or hidden
+    s = spec(hidden, H, top_k, weights_dtype, tokens, arch_, tbl)
+    if s.variant == "unfused":
+        raise InputError(OP, "tokens", f"a count a fused rule serves ({tokens} tokens run the unfused variant: "
+                         "kerngen.finalize and torch, no kernel of its own)", str(tokens))
+    return s
+
+
+# ---------------------------------------------------------------------------------------------- launch objects
+
+def launch_shape(s: plan_mod.KernelSpec, device: int) -> tuple[tuple, tuple, int]:
+    """(grid, block, dynamic shared memory) of a fused spec on `device`, its params checked against the
+    template's limits (the same as its static_asserts, as named errors)."""
+    c, p = dict(s.constants), dict(s.params)
+    L, H, K = c["L"], c["H"], c["K"]
+    mt, warps, cl = p["max_tokens"], p["warps"], p.get("cluster", 1)
+    nt = 32 * warps
+    vs = -(-(L // 8) // cl)
+    vpt = -(-(mt * vs) // nt)
+    nb = -(-mt // 8)
+    dyn = mt * (L + 8) * 2
+    static = mt * K * 8 + mt * vs * 4 + mt * 8 + max(warps - 1, 1) * nb * 4 * 32 * 4
+    if vpt > 8:
+        raise InputError(OP, "tier params", "warps * 32 * 8 >= max_tokens * ceil(L / 8 / cluster) (at most 8 "
+                         "(token, vector) pairs a thread)", f"{s.params} at L = {L}")
+    if static > 48 * 1024 or static + dyn > SMEM_PER_CTA:
+        raise InputError(OP, "tier params", f"shared memory within the CTA's {SMEM_PER_CTA} bytes (static <= 48 KiB)",
+                         f"{static} static + {dyn} dynamic bytes from {s.params} at L = {L}, K = {K}")
+    items = -(-H // 16)
+    ctas = p.get("blocks_per_sm", 1) * (sm_count(device) if device >= 0 else tiers.SMS)
+    grid = max(cl, min(items, ctas) // cl * cl)
+    return (grid, 1, 1), (nt, 1, 1), dyn
+
+
+class Unfused:
+    """The unfused variant: kerngen.finalize, then the norm, torch.matmul and the adds in torch."""
+    __slots__ = ("spec",)
+
+    def __init__(self, s: plan_mod.KernelSpec):
+        self.spec = s
+
+    def run(self, g, e2p, w, nw, up, shared, residual, eps, out) -> torch.Tensor:
+        y = finalize(g, e2p, w, hidden=nw.shape[0]).float()
+        n = normalize(y, nw, eps)
+        h = torch.matmul(n, up.T)
+        if shared is None and residual is None:
+            return out.copy_(h)
+        h = h.float()
+        if shared is not None:
+            h = h + shared.float()
+        if residual is not None:
+            h = h + residual.float()
+        return out.copy_(h)
+
+
+def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | Unfused:
+    """The launch object of spec `s`: the fused kernel's Launcher, or the unfused host path."""
+    if s.variant == "unfused":
+        return Unfused(s)
+    if s.variant != "fused":
+        raise InputError(OP, "tier variant", " or ".join(VARIANTS), s.variant)
+    mt = dict(s.params)["max_tokens"]
+    if tokens > mt:
+        raise InputError(OP, "tier params", f"max_tokens >= {tokens} for the {tokens} tokens the rule serves",
+                         str(s.params))
+    grid, block, smem = launch_shape(s, device)
+    return Launcher(resolve(s), "latent_tail_fused", device, grid, block, PARAMS, smem=smem,
+                    pdl=bool(dict(s.params).get("pdl", False)))
+
+
+def clear() -> None:
+    """Forget the input signatures (the dispatch objects are kerngen.dispatch.clear()'s)."""
+    _fast.clear()
+    _identity.clear()
+
+
+def dispatch(L: int, H: int, top_k: int, weights_dtype: str, device: int) -> Dispatch:
+    """The latent_tail launch objects of this shape on `device`, per token bucket of the tier table."""
+    def build() -> Dispatch:
+        a = arch(device)
+        return Dispatch(OP, {"hidden": L, "top_k": top_k},
+                        lambda rule: rule_spec(rule, L, H, top_k, weights_dtype, a), kernel, device, arch=a)
+
+    return lookup((OP, L, H, top_k, weights_dtype, device), build)
+
+
+# ---------------------------------------------------------------------------------------------- the op
+
+def _sig(t):
+    return None if t is None else (t.dtype, t.shape, t.stride(), t.device)
+
+
+_fast: dict[tuple, tuple] = {}   # input signature -> (launch object or None (reference), T, L, H, device)
+
+
+def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_weights: torch.Tensor,
+                norm_weight: torch.Tensor, up_proj: torch.Tensor, *, shared: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
+                group=None) -> torch.Tensor:
+    """The latent-MoE tail: finalize in the latent width, RMSNorm, the up projection and the shared-expert (and
+    residual) add; returns out [T, H] bf16 (semantics and rounding points: the module docstring).
+
+    gemm2_out: [rows, ld] bf16, ld >= L (padded rows allowed; last dim contiguous, 16-byte aligned).
+    expanded_to_permuted: [T, K] int32 (K <= 64); -1 or any value outside [0, rows) contributes nothing.
+    topk_weights: [T, K] fp32 or bf16. norm_weight: [L] bf16 (L = its length, a multiple of 8).
+    up_proj: [H, L] bf16 contiguous (H a multiple of 8). shared, residual: optional [T, H] bf16 contiguous.
+    out: optional [T, H] bf16 contiguous buffer, returned as given; it may be `residual` (updated in place).
+    group: a torch.distributed ProcessGroup: gemm2_out / expanded_to_permuted / topk_weights are this rank's
+    partial, summed over the group (fp32) before the norm; every rank gets `out`.
+    CUDA tensors run the tier table's variant (the fused kernel up to 16 tokens; CUDA-graph capturable, on
+    torch's current stream); CPU tensors run `reference`.
+    """
+    if group is not None:
+        return _tp(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, shared, residual, eps, out,
+                   group)
+    g, e2p, w, nw, up = gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj
+    try:  # the signature pins everything the full checks establish, except the alignment (checked below)
+        sig = (g.dtype, g.shape, g.stride(), g.device, e2p.dtype, e2p.shape, e2p.stride(), e2p.device,
+               w.dtype, w.shape, w.stride(), w.device, nw.dtype, nw.shape, nw.stride(), nw.device,
+               up.dtype, up.shape, up.stride(), up.device, _sig(shared), _sig(residual), eps)
+        hit = _fast.get(sig)
+    except (AttributeError, TypeError):   # not tensors, or an unhashable eps: _prepare names the argument
+        sig, hit = None, None
+    if hit is None or (hit[0] is not None and (g.data_ptr() | nw.data_ptr() | up.data_ptr()) % 16):
+        hit = _prepare(g, e2p, w, nw, up, shared, residual, eps)
+        if len(_fast) > 4096:
+            _fast.clear()
+        if sig is not None:
+            _fast[sig] = hit
+    k, T, L, H, dev = hit
+    if out is None:
+        out = torch.empty((T, H), dtype=torch.bfloat16, device=g.device)
+    elif out.dtype != torch.bfloat16 or out.shape != (T, H) or not out.is_contiguous() or out.device != g.device:
+        check_buffer(OP, "out", out, torch.bfloat16, (T, H), g.device)
+    if not T:
+        return out
+    if k is None:
+        return out.copy_(reference(g, e2p, w, nw, up, shared=shared, residual=residual, eps=eps))
+    if type(k) is Launcher:
+        k.launch(current_stream(dev), g=g.data_ptr(), idx=e2p.data_ptr(), w=w.data_ptr(), nw=nw.data_ptr(),
+                 up=up.data_ptr(), shared=0 if shared is None else shared.data_ptr(),
+                 residual=0 if residual is None else residual.data_ptr(), out=out.data_ptr(), ld=g.stride(0),
+                 rows=g.shape[0], tokens=T, eps=eps)
+        return out
+    return k.run(g, e2p, w, nw, up, shared, residual, eps, out)
+
+
+def _prepare(g, e2p, w, nw, up, shared, residual, eps) -> tuple:
+    T, L, H = _slow_checks(g, e2p, w, nw, up, shared, residual, eps)
+    dev = g.get_device()
+    if g.device.type not in _common.KERNEL_DEVICES:
+        return None, T, L, H, dev
+    for name, t in (("gemm2_out", g), ("norm_weight", nw), ("up_proj", up)):
+        check_aligned(OP, name, t)
+    d = dispatch(L, H, e2p.shape[1], DTYPE_NAMES[w.dtype], dev)
+    k = d.kernel(T)
+    if k is None:
+        d.require(T)   # raises the table's TierError
+    return k, T, L, H, dev
+
+
+def _slow_checks(g, e2p, w, nw, up, shared, residual, eps) -> tuple[int, int, int]:
+    """Full validation with a message naming the argument; returns (T, L, H)."""
+    check_tensor(OP, "gemm2_out", g, dtypes=_BF16, ndim=2, device=getattr(g, "device", None))
+    dev = g.device   # CUDA tensors run the kernels, CPU tensors the reference
+    check_tensor(OP, "expanded_to_permuted", e2p, dtypes=(torch.int32,), ndim=2, device=dev, contiguous=True)
+    check_tensor(OP, "topk_weights", w, dtypes=_W, ndim=2, device=dev, contiguous=True)
+    T, K = e2p.shape
+    if tuple(w.shape) != (T, K):
+        raise InputError(OP, "topk_weights", f"of shape {(T, K)} like expanded_to_permuted", f"{tuple(w.shape)}")
+    if not 1 <= K <= MAX_K:
+        raise InputError(OP, "expanded_to_permuted", f"[T, K] with 1 <= K <= {MAX_K}", f"K = {K}")
+    check_tensor(OP, "norm_weight", nw, dtypes=_BF16, ndim=1, device=dev, contiguous=True)
+    L = nw.shape[0]
+    if L < 8 or L % 8 or L > g.shape[1]:
+        raise InputError(OP, "norm_weight", f"of length L, a multiple of 8 in [8, {g.shape[1]}] (gemm2_out's width)",
+                         f"length {L}")
+    check_rows(OP, g, L)
+    check_tensor(OP, "up_proj", up, dtypes=_BF16, ndim=2, device=dev, contiguous=True)
+    H = up.shape[0]
+    if up.shape[1] != L or H < 8 or H % 8:
+        raise InputError(OP, "up_proj", f"[H, {L}] with H a multiple of 8 (L = {L}, norm_weight's length)",
+                         f"shape {tuple(up.shape)}")
+    if T * H >= 2**31:
+        raise InputError(OP, "up_proj", f"fewer than 2**31 // {T} rows (T * H output elements)", f"shape {tuple(up.shape)}")
+    for name, t in (("shared", shared), ("residual", residual)):
+        if t is not None:
+            check_tensor(OP, name, t, dtypes=_BF16, ndim=2, device=dev, contiguous=True)
+            if tuple(t.shape) != (T, H):
+                raise InputError(OP, name, f"of shape {(T, H)} (tokens, up_proj's rows)", f"shape {tuple(t.shape)}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 <= eps < float("inf"):
+        raise InputError(OP, "eps", "a finite number >= 0", repr(eps))
+    return T, L, H
+
+
+# ---------------------------------------------------------------------------------------------- tensor parallel
+
+_identity: dict[tuple, tuple] = {}   # (T, device) -> (arange(T) [T, 1] int32, ones [T, 1] fp32)
+
+
+def _rows(T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    hit = _identity.get((T, device))
+    if hit is None:
+        hit = _identity[(T, device)] = (torch.arange(T, dtype=torch.int32, device=device).view(T, 1),
+                                        torch.ones((T, 1), dtype=torch.float32, device=device))
+    return hit
+
+
+def _tp(g, e2p, w, nw, up, shared, residual, eps, out, group) -> torch.Tensor:
+    """latent_tail over a tensor-parallel group: partial sums all-reduced in fp32 before the norm."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise InputError(OP, "group", "a process group of an initialized torch.distributed", "no default group")
+    if not isinstance(group, dist.ProcessGroup):
+        raise InputError(OP, "group", "a torch.distributed.ProcessGroup", type(group).__name__)
+    T, L, H = _slow_checks(g, e2p, w, nw, up, shared, residual, eps)
+    if out is not None:
+        check_buffer(OP, "out", out, torch.bfloat16, (T, H), g.device)
+    if g.device.type in _common.KERNEL_DEVICES:
+        y = finalize(g, e2p, w, hidden=L).float()
+    else:
+        y = latent_sum(g, e2p, w, L)
+    dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+    if g.device.type not in _common.KERNEL_DEVICES:
+        res = project(normalize(y, nw, eps), up, shared, residual)
+        return res if out is None else out.copy_(res)
+    ident, ones = _rows(T, g.device)
+    return latent_tail(y.to(torch.bfloat16), ident, ones, nw, up, shared=shared, residual=residual, eps=eps, out=out)
+
+
+on_clear(clear)

@@ -1,0 +1,128 @@
+"""latent_tail on the GPU against the torch reference: the fused kernel (T <= 16) and the unfused path (T > 16),
+-1 rows, shared / residual on and off, CUDA graphs, and the signature fast path after the first call.
+
+Tolerance: the fused kernel computes y bitwise as finalize does, the sum of squares and the projection's dot
+products in another order than the reference (fp32 either way), and rounds n and the output to bf16 at the
+same points: |got - ref| within one bf16 step of the output plus 1e-2 of the row's RMS (an n element one
+bf16 step apart, carried through the projection). The unfused variant rounds y and the projection to bf16
+too: 2e-2 of the row's RMS.
+"""
+import pytest
+import torch
+
+import kerngen
+from kerngen.ops import latent_tail as lt
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
+BF = torch.bfloat16
+KIMI = (16, 3584, 7168)   # K, L, H of kimi-k3 (H assumed: Kimi K2's hidden size)
+
+
+def make(T, K, L, H, *, pad=0, skip=0.1, shared=True, residual=True, wdtype=torch.float32, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = max(T * K, 1)
+    gemm2 = torch.randn(rows, L + pad, device="cuda", generator=g).to(BF)
+    e2p = torch.randperm(rows, device="cuda", generator=g)[: T * K].view(T, K).int()
+    e2p = torch.where(torch.rand(T, K, device="cuda", generator=g) < skip, -1, e2p).int().contiguous()
+    w = torch.rand(T, K, device="cuda", generator=g).to(wdtype)
+    nw = (0.5 + torch.rand(L, device="cuda", generator=g)).to(BF)
+    up = (torch.randn(H, L, device="cuda", generator=g) / L ** 0.5).to(BF)
+    sh = torch.randn(T, H, device="cuda", generator=g).to(BF) if shared else None
+    res = (3 * torch.randn(T, H, device="cuda", generator=g)).to(BF) if residual else None
+    return gemm2, e2p, w, nw, up, sh, res
+
+
+def reference(gemm2, e2p, w, nw, up, sh, res, eps=1e-6):
+    return lt.reference(gemm2.cpu(), e2p.cpu(), w.cpu(), nw.cpu(), up.cpu(), shared=None if sh is None else sh.cpu(),
+                        residual=None if res is None else res.cpu(), eps=eps)
+
+
+def close(got, ref, rel):
+    got, ref = got.cpu().double(), ref.double()
+    scale = ref.pow(2).mean(-1, keepdim=True).sqrt()
+    err = (got - ref).abs()
+    bad = err > 2 ** -8 * ref.abs() + rel * scale + 1e-6
+    assert not bad.any(), f"{int(bad.sum())} elements off, max abs diff {err.max().item():.4g}"
+    assert torch.isfinite(got).all()
+
+
+def check(T, K, L, H, **kw):
+    args = make(T, K, L, H, **kw)
+    out = torch.full((T, H), float("nan"), dtype=BF, device="cuda")   # poisoned
+    got = kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6], out=out)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr()
+    close(got, reference(*args), 1e-2 if T <= lt.MAX_FUSED_TOKENS else 2e-2)
+
+
+@pytest.mark.parametrize("T", range(1, 17))
+def test_fused_kimi_k3(T):
+    check(T, *KIMI, seed=T)
+
+
+@pytest.mark.parametrize("T", [17, 24, 33, 64])
+def test_unfused_kimi_k3(T):
+    check(T, *KIMI, seed=T)
+
+
+@pytest.mark.parametrize("T", [1, 8, 16])
+@pytest.mark.parametrize("K,L,H,pad,wdtype", [(8, 1024, 2048, 8, torch.float32), (4, 1000, 1224, 0, BF),
+                                              (64, 256, 512, 0, torch.float32)])
+def test_other_shapes(T, K, L, H, pad, wdtype):
+    check(T, K, L, H, pad=pad, wdtype=wdtype, seed=K + T)
+
+
+@pytest.mark.parametrize("shared,residual", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("T", [1, 12])
+def test_without_shared_or_residual(T, shared, residual):
+    check(T, *KIMI, shared=shared, residual=residual)
+
+
+def test_every_slot_skipped_gives_shared_plus_residual():
+    gemm2, e2p, w, nw, up, sh, res = make(4, *KIMI)
+    got = kerngen.latent_tail(gemm2, torch.full_like(e2p, -1), w, nw, up, shared=sh, residual=res)
+    assert torch.equal(got, (sh.float() + res.float()).to(BF))
+
+
+def test_in_place_residual():
+    gemm2, e2p, w, nw, up, sh, res = make(8, *KIMI)
+    want = reference(gemm2, e2p, w, nw, up, sh, res)
+    got = kerngen.latent_tail(gemm2, e2p, w, nw, up, shared=sh, residual=res, out=res)
+    assert got is res
+    close(got, want, 1e-2)
+
+
+@pytest.mark.parametrize("T", [1, 8, 16, 32])
+def test_inside_cuda_graph(T):
+    args = make(T, *KIMI, seed=7)
+    out = torch.empty(T, KIMI[2], dtype=BF, device="cuda")
+    kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6], out=out)   # first call: build, outside
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6], out=out)
+    fresh = make(T, *KIMI, seed=8)
+    for dst, src in zip(args, fresh):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    close(out, reference(*fresh), 1e-2 if T <= 16 else 2e-2)
+
+
+def test_after_the_first_call_the_signature_serves():
+    args = make(4, *KIMI, seed=3)
+    first = kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6])
+    assert len(lt._fast) >= 1
+    k = next(v for v in lt._fast.values() if v[1] == 4)[0]
+    assert type(k).__name__ == "Launcher"
+    again = kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6])
+    torch.cuda.synchronize()
+    assert torch.equal(first, again)   # deterministic: fixed reduction orders
+    with pytest.raises(kerngen.InputError) as e:
+        kerngen.latent_tail(*args[:5], shared=args[5][:, :64].contiguous())
+    assert e.value.arg == "shared"
+    with pytest.raises(kerngen.InputError) as e:   # a misaligned view of a signature seen before
+        g = torch.empty(args[0].numel() + 8, dtype=BF, device="cuda")[1:1 + args[0].numel()].view_as(args[0])
+        kerngen.latent_tail(g, *args[1:5])
+    assert e.value.arg == "gemm2_out"

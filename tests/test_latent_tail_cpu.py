@@ -1,0 +1,374 @@
+"""kerngen.latent_tail on CPU tensors: the reference against an independent fp64 computation, the argument checks,
+the tier rules, the fused kernel compiled for sm_90a without spills (kimi-k3's shapes and others), its params
+struct against the Python packing, the unfused host path, and the tensor-parallel form on two gloo ranks.
+The kernel itself runs in tests/gpu/test_latent_tail.py."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import kerngen
+from kerngen import jit, render, tiers, warmup
+from kerngen.cache import DiskCache
+from kerngen.ops import _common
+from kerngen.ops import finalize as fin
+from kerngen.ops import latent_tail as lt
+from kerngen.plan import spec_for
+from tests.helpers import assert_no_spills
+
+BF = torch.bfloat16
+
+
+def make(T, K, L, H, *, rows=None, pad=0, skip=0.15, shared=True, residual=True, wdtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = T * K if rows is None else rows
+    gemm2 = torch.randn(rows, L + pad, generator=g).to(BF)
+    e2p = torch.randint(0, max(rows, 1), (T, K), generator=g, dtype=torch.int32)
+    r = torch.rand(T, K, generator=g)
+    e2p = torch.where(r < skip, -1, torch.where(r > 1 - skip / 2, rows + 3, e2p)).int().contiguous()  # -1, past end
+    w = torch.rand(T, K, generator=g).to(wdtype)
+    nw = (0.5 + torch.rand(L, generator=g)).to(BF)
+    up = (torch.randn(H, L, generator=g) / L ** 0.5).to(BF)
+    sh = torch.randn(T, H, generator=g).to(BF) if shared else None
+    res = (3 * torch.randn(T, H, generator=g)).to(BF) if residual else None
+    return gemm2, e2p, w, nw, up, sh, res
+
+
+def fp64(gemm2, e2p, w, nw, up, sh, res, eps=1e-6):
+    """The tail in fp64, written from the definition (n rounded to bf16 at the documented point)."""
+    T, K = e2p.shape
+    L = nw.shape[0]
+    y = torch.zeros(T, L, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            i = int(e2p[t, k])
+            if 0 <= i < gemm2.shape[0]:
+                y[t] += float(w[t, k]) * gemm2[i, :L].double()
+    n = y / torch.sqrt((y * y).mean(-1, keepdim=True) + eps) * nw.double()
+    out = n.to(BF).double() @ up.double().T
+    for extra in (sh, res):
+        if extra is not None:
+            out = out + extra.double()
+    return out
+
+
+def assert_close_to(got, want, what="", rel=1e-2):
+    """Within one bf16 rounding of the result plus bf16 steps of n carried through the projection (`rel` of the
+    row's RMS: 1e-2 for one rounding of n, 2e-2 where y and the projection are rounded too)."""
+    scale = want.pow(2).mean(-1, keepdim=True).sqrt()
+    err = (got.double() - want).abs()
+    assert (err <= 2 ** -8 * want.abs() + rel * scale + 1e-6).all(), (what, err.max().item())
+
+
+@pytest.mark.parametrize("T", [1, 5, 17])
+@pytest.mark.parametrize("K", [1, 4, 16])
+@pytest.mark.parametrize("L,H", [(64, 128), (256, 96)])
+@pytest.mark.parametrize("shared,residual", [(True, True), (False, False), (True, False), (False, True)])
+def test_reference_matches_fp64(T, K, L, H, shared, residual):
+    args = make(T, K, L, H, pad=8 if L == 64 else 0, shared=shared, residual=residual, seed=T * K)
+    got = lt.reference(*args[:5], shared=args[5], residual=args[6])
+    assert got.shape == (T, H) and got.dtype == BF
+    assert_close_to(got, fp64(*args), (T, K, L, H))
+    assert torch.equal(kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6]), got)   # CPU: reference
+
+
+def test_latent_sum_is_finalize_before_its_rounding():
+    gemm2, e2p, w, *_ = make(6, 8, 128, 64, pad=16)
+    y = lt.latent_sum(gemm2, e2p, w, 128)
+    assert y.dtype == torch.float32 and torch.equal(y.to(BF), fin.reference(gemm2, e2p, w, 128))
+
+
+def test_bf16_weights_eps_and_in_place_residual():
+    gemm2, e2p, w, nw, up, sh, res = make(3, 4, 64, 64, wdtype=BF)
+    want = lt.reference(gemm2, e2p, w, nw, up, shared=sh, residual=res, eps=1e-3)
+    assert_close_to(want, fp64(gemm2, e2p, w, nw, up, sh, res, eps=1e-3))
+    got = kerngen.latent_tail(gemm2, e2p, w, nw, up, shared=sh, residual=res, eps=1e-3, out=res)
+    assert got is res and torch.equal(got, want)
+
+
+def test_no_tokens_and_no_rows():
+    gemm2, e2p, w, nw, up, *_ = make(0, 4, 64, 32)
+    assert kerngen.latent_tail(gemm2, e2p, w, nw, up).shape == (0, 32)
+    g0 = torch.zeros(0, 64, dtype=BF)
+    e = torch.full((2, 3), -1, dtype=torch.int32)
+    out = kerngen.latent_tail(g0, e, torch.rand(2, 3), nw, up, shared=torch.ones(2, 32, dtype=BF))
+    assert torch.equal(out, torch.ones(2, 32, dtype=BF))   # y = 0: n = 0, out = shared
+
+
+def _args(**over):
+    gemm2, e2p, w, nw, up, sh, res = make(2, 4, 64, 32)
+    a = dict(gemm2_out=gemm2, expanded_to_permuted=e2p, topk_weights=w, norm_weight=nw, up_proj=up, shared=sh,
+             residual=res)
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize("over,arg", [
+    (dict(gemm2_out=torch.zeros(8, 64)), "gemm2_out"),
+    (dict(gemm2_out=torch.zeros(8, 64, dtype=torch.float16)), "gemm2_out"),
+    (dict(gemm2_out=[1, 2]), "gemm2_out"),
+    (dict(gemm2_out=torch.zeros(64, 8, dtype=BF).t()), "gemm2_out"),            # last dim not contiguous
+    (dict(expanded_to_permuted=torch.zeros(2, 4, dtype=torch.int64)), "expanded_to_permuted"),
+    (dict(expanded_to_permuted=torch.zeros(2, 65, dtype=torch.int32), topk_weights=torch.rand(2, 65)),
+     "expanded_to_permuted"),                                                   # K > 64
+    (dict(topk_weights=torch.rand(2, 3)), "topk_weights"),
+    (dict(topk_weights=torch.rand(2, 4).half()), "topk_weights"),
+    (dict(norm_weight=torch.ones(60, dtype=BF)), "norm_weight"),                 # L not a multiple of 8
+    (dict(norm_weight=torch.ones(72, dtype=BF)), "norm_weight"),                 # L wider than gemm2_out
+    (dict(norm_weight=torch.ones(64)), "norm_weight"),
+    (dict(up_proj=torch.zeros(32, 72, dtype=BF)), "up_proj"),                   # not [H, L]
+    (dict(up_proj=torch.zeros(36, 64, dtype=BF), shared=None, residual=None), "up_proj"),   # H not a multiple of 8
+    (dict(up_proj=torch.zeros(32, 64, dtype=torch.float16)), "up_proj"),
+    (dict(up_proj=torch.zeros(64, 32, dtype=BF).t()), "up_proj"),                # not contiguous
+    (dict(shared=torch.zeros(2, 40, dtype=BF)), "shared"),
+    (dict(shared=torch.zeros(2, 32)), "shared"),
+    (dict(residual=torch.zeros(3, 32, dtype=BF)), "residual"),
+    (dict(out=torch.zeros(2, 40, dtype=BF)), "out"),
+    (dict(out=torch.zeros(2, 32)), "out"),
+    (dict(eps="1e-6"), "eps"),
+    (dict(eps=-1.0), "eps"),
+])
+def test_bad_inputs_name_the_argument(over, arg):
+    with pytest.raises(kerngen.InputError) as e:
+        kerngen.latent_tail(**_args(**over))
+    assert e.value.arg == arg and e.value.op == "latent_tail"
+
+
+def test_a_wrong_argument_after_a_good_call_is_still_named():
+    a = _args()
+    kerngen.latent_tail(**a)
+    with pytest.raises(kerngen.InputError) as e:
+        kerngen.latent_tail(**{**a, "shared": a["shared"][:, :16].contiguous()})
+    assert e.value.arg == "shared"
+    kerngen.latent_tail(**a)
+    with pytest.raises(kerngen.InputError) as e:
+        kerngen.latent_tail(**{**a, "eps": float("inf")})
+    assert e.value.arg == "eps"
+
+
+def test_a_group_without_torch_distributed_is_rejected():
+    assert not dist.is_initialized()
+    with pytest.raises(kerngen.InputError) as e:
+        kerngen.latent_tail(**_args(), group=object())
+    assert e.value.arg == "group"
+
+
+# ---------------------------------------------------------------------------------------------- tiers, warmup
+
+def test_kimi_k3_is_latent_and_its_rules_pick_fused_then_unfused():
+    t = tiers.load()
+    m = t.model("kimi-k3")
+    assert (m.hidden, m.model_hidden) == (3584, 7168)
+    assert all(not o.model_hidden for name, o in t.models.items() if name != "kimi-k3")
+    for T, variant, mt in ((1, "fused", 8), (8, "fused", 8), (9, "fused", 16), (16, "fused", 16), (17, "unfused", 0),
+                           (8192, "unfused", 0)):
+        s = lt.spec(m.hidden, m.model_hidden, m.top_k, m.weights_dtype, T, "sm_90a", t)
+        assert s.variant == variant and dict(s.params).get("max_tokens", 0) == mt, T
+    specs = lt.model_specs(m, t, "sm_90a")
+    assert [dict(s.params)["max_tokens"] for s in specs] == [8, 16]
+    assert set(specs) <= set(warmup.model_specs(m, t, "sm_90a"))
+    assert not lt.model_specs(t.model("deepseek-v3"), t, "sm_90a")
+
+
+def test_explain_names_the_fused_kernel_and_says_when_there_is_none():
+    t = tiers.load()
+    s = lt.explain_spec(t, "sm_90a", hidden=3584, top_k=16, tokens=4, model="kimi-k3")
+    assert dict(s.constants)["H"] == 7168 and s.variant == "fused"
+    with pytest.raises(kerngen.InputError, match="unfused"):
+        lt.explain_spec(t, "sm_90a", hidden=3584, top_k=16, tokens=64, model="kimi-k3")
+
+
+def test_the_dispatch_buckets(monkeypatch):
+    d = lt.dispatch(3584, 7168, 16, "float32", -1)
+    assert d.starts == [1, 9, 17] and [s.variant for s in d.specs] == ["fused", "fused", "unfused"]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[models.m]\nnum_experts = 8\ntop_k = 2\nhidden = 64\nmodel_hidden = 100\nrouting = 'softmax_topk'\n"
+     "tokens = [1, 8]\n", "field 'model_hidden' must be a multiple of 8"),
+    ("[[tier]]\nop = 'latent_tail'\nvariant = 'unfused'\nparams = { warps = 4 }\n",
+     "unknown param 'warps' of latent_tail variant 'unfused'"),
+    ("[[tier]]\nop = 'latent_tail'\nvariant = 'split'\n", "unknown variant 'split' of latent_tail for backend 'nvrtc'"),
+    ("[[tier]]\nop = 'latent_tail'\nvariant = 'fused'\nparams = { max_tokens = 17, warps = 8, unroll = 2 }\n",
+     "param 'max_tokens' of latent_tail variant 'fused' must be an integer in [1, 16]"),
+    ("[[tier]]\nop = 'latent_tail'\nvariant = 'fused'\nparams = { max_tokens = 8, warps = 8 }\n",
+     "missing param 'unroll'"),
+])
+def test_bad_rules_are_named(tmp_path, text, needle):
+    p = tmp_path / "t.toml"
+    p.write_text("schema = 1\n" + text)
+    with pytest.raises(kerngen.TierError) as e:
+        tiers.parse(p)
+    assert needle in str(e.value)
+
+
+def test_variants_list_the_template_and_the_host_path():
+    assert tiers.variants("latent_tail") == ["fused", "unfused"]
+
+
+# ---------------------------------------------------------------------------------------------- the fused kernel
+
+def fused(L, H, K, wdtype="float32", **params):
+    p = {"max_tokens": 16, "warps": 16, "unroll": 2, "cluster": 8, "blocks_per_sm": 1, "pdl": True, **params}
+    return spec_for(tiers.Rule("latent_tail", "fused", {}, p), *lt.tag_constants(L, H, K, wdtype), "sm_90a")
+
+
+def fused_specs():
+    """kimi-k3's (warmup's list), a square deepseek-width projection at 8 tokens, and odd widths: L not a multiple
+    of 64 (a partial last k step) nor of 8 * cluster, H not of 16, plain CTAs, K = 64, bf16 weights."""
+    t = tiers.load()
+    specs = lt.model_specs(t.model("kimi-k3"), t, "sm_90a")
+    specs += [fused(7168, 7168, 8, max_tokens=8), fused(2048, 4096, 10, "bfloat16", warps=8, unroll=4, cluster=4),
+              fused(1000, 1224, 64, max_tokens=4, warps=8, cluster=1, pdl=False), fused(136, 8, 1, max_tokens=1,
+                                                                                       warps=1, unroll=1, cluster=2)]
+    return specs
+
+
+@pytest.mark.parametrize("spec", fused_specs(), ids=lambda s: f"{s.tag}-{dict(s.params)['max_tokens']}")
+def test_the_fused_kernel_compiles_without_spills(spec, tmp_path):
+    lt.launch_shape(spec, -1)   # the params fit the template's limits
+    built = jit.build(spec, store=DiskCache(tmp_path))
+    cubin = built.files["kernel.cubin"]
+    assert built.status == "compiled" and cubin[:4] == b"\x7fELF" and b"latent_tail_fused" in cubin
+    assert_no_spills(built.files)
+
+
+def test_python_packing_matches_the_params_struct():
+    from tests.test_params_layout import check_layout
+    assert lt.PARAMS.format == "8Q3if" and lt.PARAMS.size == 80
+    for s in (fused(3584, 7168, 16), fused(64, 64, 2, "bfloat16", cluster=1, warps=2)):
+        check_layout(f"latent_tail {s.tag}", render.render(s), lt.PARAMS)
+
+
+def test_launch_shape():
+    s = fused(3584, 7168, 16)
+    grid, block, smem = lt.launch_shape(s, -1)
+    assert grid == (128, 1, 1) and block == (512, 1, 1) and smem == 16 * 3592 * 2   # 448 items, 132 SMs, cluster 8
+    assert lt.launch_shape(fused(64, 16, 2, cluster=8), -1)[0] == (8, 1, 1)         # one item: still a cluster
+    with pytest.raises(kerngen.InputError, match="token, vector"):
+        lt.launch_shape(fused(3584, 7168, 16, cluster=1, warps=4), -1)
+    with pytest.raises(kerngen.InputError, match="shared memory"):
+        lt.launch_shape(fused(8192, 7168, 16), -1)
+    with pytest.raises(kerngen.InputError, match="max_tokens >= 12"):
+        lt.kernel(fused(3584, 7168, 16, max_tokens=8), 12, -1)
+
+
+# ---------------------------------------------------------------------------------------------- the unfused path
+
+def _finalize_reference(g, e2p, w, *, hidden=None, out=None):
+    r = fin.reference(g, e2p, w, hidden)
+    return r if out is None else out.copy_(r)
+
+
+def test_the_unfused_variant_is_finalize_and_torch(monkeypatch):
+    """T > 16 dispatches to the unfused variant: finalize (its reference standing in for the kernel) + torch."""
+    monkeypatch.setattr(_common, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(lt, "finalize", _finalize_reference)
+    kerngen.clear()
+    try:
+        args = make(20, 16, 256, 512, seed=3)
+        got = kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6])
+        assert type(lt.dispatch(256, 512, 16, "float32", -1).kernel(20)) is lt.Unfused
+        assert_close_to(got, fp64(*args), "unfused", rel=2e-2)
+        plain = kerngen.latent_tail(*args[:5])   # no adds: the matmul's own bf16 output
+        assert_close_to(plain, fp64(*args[:5], None, None), "unfused, no adds", rel=2e-2)
+    finally:
+        kerngen.clear()
+
+
+# ---------------------------------------------------------------------------------------------- tensor parallel
+
+WORLD, TT, KK, LL, HH = 2, 5, 4, 128, 96
+
+
+def rank_inputs(rank):
+    gemm2, e2p, w, *_ = make(TT, KK, LL, HH, seed=10 + rank)
+    return gemm2, e2p, w
+
+
+def common_inputs():
+    _, _, _, nw, up, sh, res = make(TT, KK, LL, HH, seed=99)
+    return nw, up, sh, res
+
+
+def single_expected():
+    """The single-process tail over every rank's rows at once (what the TP form must give)."""
+    parts = [rank_inputs(r) for r in range(WORLD)]
+    nw, up, sh, res = common_inputs()
+    gemm2 = torch.cat([p[0] for p in parts])
+    e2p = torch.cat([torch.where((p[1] >= 0) & (p[1] < TT * KK), p[1] + r * TT * KK, -1)
+                     for r, p in enumerate(parts)], dim=1).int()
+    w = torch.cat([p[2] for p in parts], dim=1)
+    return lt.reference(gemm2, e2p, w, nw, up, shared=sh, residual=res)
+
+
+def _tp_worker(rank, init, results):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        gemm2, e2p, w = rank_inputs(rank)
+        nw, up, sh, res = common_inputs()
+        out = torch.empty(TT, HH, dtype=BF)
+        plain = kerngen.latent_tail(gemm2, e2p, w, nw, up, shared=sh, residual=res, out=out, group=dist.group.WORLD)
+        # the GPU orchestration, with references for the kernels: finalize's bf16 partial, the fp32 sum rounded
+        # to bf16 and fed back with K = 1
+        _common.KERNEL_DEVICES = ("cuda", "cpu")
+        lt.finalize = _finalize_reference
+        seen = []
+        whole = lt.latent_tail
+
+        def local(g, e, ww, n, u, **kw):
+            seen.append((tuple(g.shape), g.dtype, e.flatten().tolist(), ww.flatten().tolist()))
+            return kw["out"].copy_(lt.reference(g, e, ww, n, u, shared=kw["shared"], residual=kw["residual"]))
+
+        lt.latent_tail = local
+        kernel_path = whole(gemm2, e2p, w, nw, up, shared=sh, residual=res, out=torch.empty(TT, HH, dtype=BF),
+                            group=dist.group.WORLD)
+        lt.latent_tail = whole
+        _common.KERNEL_DEVICES = ("cuda",)
+        errors = []
+        for kw, name in ((dict(group="not a group"), "group"), (dict(group=dist.group.WORLD, shared=sh[:, :8]), "shared"),
+                         (dict(group=dist.group.WORLD, out=torch.empty(TT, 8, dtype=BF)), "out")):
+            try:
+                kerngen.latent_tail(gemm2, e2p, w, nw, up, **kw)
+            except kerngen.InputError as e:
+                errors.append(e.arg == name)
+        results[rank] = (plain, plain is out, kernel_path, seen, errors)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    init = "file://" + str(tmp_path_factory.mktemp("latent-tp") / "rendezvous")
+    with mp.Manager() as m:
+        results = m.dict()
+        mp.start_processes(_tp_worker, args=(init, results), nprocs=WORLD, start_method="spawn", join=True)
+        return dict(results)
+
+
+def _rel(a, b):
+    scale = b.float().pow(2).mean(-1, keepdim=True).sqrt()
+    return ((a.float() - b.float()).abs() / (scale + b.float().abs())).max().item()
+
+
+def test_every_rank_gets_the_single_process_result(tp_results):
+    want = single_expected()
+    for rank in range(WORLD):
+        plain, given, kernel_path, seen, _ = tp_results[rank]
+        assert given and plain.shape == (TT, HH)
+        assert _rel(plain, want) < 1e-2, rank   # fp32 partial sums: only the summation order differs
+        assert _rel(kernel_path, want) < 2e-2, rank   # bf16 partial and bf16 sum on the GPU path
+        assert seen == [((TT, LL), BF, list(range(TT)), [1.0] * TT)]   # the summed rows, K = 1, weight 1
+    assert torch.equal(tp_results[0][0], tp_results[1][0])
+
+
+def test_normalizing_partials_would_be_detected():
+    want = single_expected()
+    nw, up, sh, res = common_inputs()
+    wrong = sum(lt.reference(*rank_inputs(r), nw, up).float() for r in range(WORLD)) + sh.float() + res.float()
+    assert _rel(wrong, want) > 2e-2
+
+
+def test_bad_tp_arguments_name_the_argument(tp_results):
+    for rank in range(WORLD):
+        assert tp_results[rank][4] == [True, True, True]

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""kerngen.latent_tail against the unfused path and its torch.compile: the latent-MoE tail of a decode step
+(finalize in the latent width, RMSNorm, the up projection, the shared + residual add), CUDA graphs.
+
+    python3 -m tools.bench.latent_tail [--tokens 1,2,4,8,16,32,64] [--shape 16,3584,7168] [--layers 4]
+                                       [--chained] [--rule max_tokens=16,warps=16,...] [--json FILE]
+
+Peers, on the same inputs in the same process: "unfused" is what an engine runs today (kerngen.finalize, torch
+RMSNorm in fp32, torch.matmul in bf16, the adds: four launches and more); "compiled" is the same after
+finalize under torch.compile (the norm, matmul and adds fused where Inductor can). Each step follows a producer
+kernel (an elementwise write of 4 MB that does not trigger early) unless --chained; its time is taken off.
+Consecutive steps use `--layers` different up_proj copies, as consecutive layers do, so the weights are read
+from memory and not L2. The floor is the up projection's weights, L * H * 2 bytes, at the measured copy
+bandwidth (the streaming-read rate the experts bench uses). Every result is checked against the reference
+before it is timed. --rule times one fused launch shape (a tier rule's params) at every T <= its max_tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import kerngen
+from .lib import copy_bandwidth_tbs, graph_time_us
+from kerngen.ops import latent_tail as lt
+from kerngen.plan import spec_for, target_arch
+from kerngen.tiers import Rule
+
+BF = torch.bfloat16
+
+
+def inputs(T, K, L, H, layers, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = T * K
+    gemm2 = torch.randn(rows, L, device="cuda", generator=gen).to(BF)
+    e2p = torch.randperm(rows, device="cuda", generator=gen).view(T, K).int()
+    w = torch.rand(T, K, device="cuda", generator=gen)
+    nw = (0.5 + torch.rand(L, device="cuda", generator=gen)).to(BF)
+    ups = [torch.empty(H, L, dtype=BF, device="cuda").normal_(0, L ** -0.5, generator=gen) for _ in range(layers)]
+    sh = torch.randn(T, H, device="cuda", generator=gen).to(BF)
+    res = torch.randn(T, H, device="cuda", generator=gen).to(BF)
+    return gemm2, e2p, w, nw, ups, sh, res
+
+
+def unfused_rest(y, nw, up, sh, res, eps: float = 1e-6):
+    """Everything after finalize, in torch: RMSNorm (fp32), bf16 matmul, the adds."""
+    yf = y.float()
+    n = (yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps) * nw.float()).to(BF)
+    return (torch.matmul(n, up.T).float() + sh.float() + res.float()).to(BF)
+
+
+def timed(step, producer, chained: bool) -> float:
+    if chained:
+        return graph_time_us(step, calls=20)
+    return graph_time_us(lambda: (producer(), step()), calls=20) - graph_time_us(producer, calls=20)
+
+
+def check(got, ref, what):
+    scale = ref.float().pow(2).mean(-1, keepdim=True).sqrt()
+    err = ((got.float() - ref.float()).abs() - 2 ** -8 * ref.float().abs()).max().item()
+    if not err <= 2e-2 * scale.min().item():
+        raise SystemExit(f"{what}: max error {err} against the reference (row RMS {scale.min().item():.3g})")
+
+
+def case(T, K, L, H, bw, args, compiled):
+    gemm2, e2p, w, nw, ups, sh, res = inputs(T, K, L, H, args.layers, seed=T)
+    ref = lt.reference(gemm2, e2p, w, nw, ups[0], shared=sh, residual=res)
+    producer_buf = torch.empty(2 << 20, dtype=BF, device="cuda")
+    producer = lambda: producer_buf.mul_(1.0)  # noqa: E731   a 4 MB write, no early trigger
+    floor = L * H * 2 / (bw * 1e12) * 1e6
+    out = torch.empty(T, H, dtype=BF, device="cuda")
+    y = torch.empty(T, L, dtype=BF, device="cuda")
+    row = dict(T=T, K=K, L=L, H=H, floor_us=floor)
+
+    def cycle(fn):
+        it = iter(range(10 ** 9))
+        return lambda: fn(ups[next(it) % len(ups)])
+
+    def ours(up):
+        return kerngen.latent_tail(gemm2, e2p, w, nw, up, shared=sh, residual=res, out=out)
+
+    def unfused(up):
+        kerngen.finalize(gemm2, e2p, w, out=y)
+        return unfused_rest(y, nw, up, sh, res)
+
+    def unfused_compiled(up):
+        kerngen.finalize(gemm2, e2p, w, out=y)
+        return compiled(y, nw, up, sh, res)
+
+    for name, fn in (("kerngen", ours), ("unfused", unfused), ("compiled", unfused_compiled)):
+        check(fn(ups[0]), ref, f"T={T} {name}")
+        row[f"{name}_us"] = timed(cycle(fn), producer, args.chained)
+    if args.rule and T <= args.rule["max_tokens"]:
+        s = spec_for(Rule(lt.OP, "fused", {}, args.rule), *lt.tag_constants(L, H, K, "float32"), target_arch())
+        k = lt.kernel(s, T, torch.cuda.current_device())
+        from kerngen.launch import current_stream
+        dev = torch.cuda.current_device()
+
+        def rule_step(up):
+            k.launch(current_stream(dev), g=gemm2.data_ptr(), idx=e2p.data_ptr(), w=w.data_ptr(), nw=nw.data_ptr(),
+                     up=up.data_ptr(), shared=sh.data_ptr(), residual=res.data_ptr(), out=out.data_ptr(),
+                     ld=gemm2.stride(0), rows=gemm2.shape[0], tokens=T, eps=1e-6)
+            return out
+        check(rule_step(ups[0]), ref, f"T={T} rule {args.rule}")
+        row["rule_us"] = timed(cycle(rule_step), producer, args.chained)
+    row["variant"] = lt.dispatch(L, H, K, "float32", torch.cuda.current_device()).spec(T).variant
+    del ups
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1,2,4,8,12,16,17,32,64")
+    ap.add_argument("--shape", default="16,3584,7168", help="K,L,H (default kimi-k3: H assumed, Kimi K2's)")
+    ap.add_argument("--layers", type=int, default=4, help="up_proj copies cycled through (cold weights)")
+    ap.add_argument("--chained", action="store_true", help="back to back, no producer kernel between steps")
+    ap.add_argument("--rule", default=None, help="fused params to time, e.g. max_tokens=16,warps=16,unroll=2,cluster=8")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.rule:
+        args.rule = {k: (v == "true" if v in ("true", "false") else int(v))
+                     for k, v in (kv.split("=") for kv in args.rule.split(","))}
+    K, L, H = (int(v) for v in args.shape.split(","))
+    bw = copy_bandwidth_tbs()
+    compiled = torch.compile(unfused_rest, dynamic=False)
+    print(f"latent_tail K={K} L={L} H={H}; copy bandwidth {bw:.2f} TB/s; "
+          f"{'chained' if args.chained else 'after a producer kernel'}; floor = L*H*2 bytes at that bandwidth")
+    print(f"{'T':>4s} {'variant':>8s} {'kerngen':>9s} {'unfused':>9s} {'compiled':>9s} {'floor':>7s} "
+          f"{'% floor':>8s} {'vs best peer':>12s}" + ("  rule" if args.rule else ""))
+    rows = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        r = case(T, K, L, H, bw, args, compiled)
+        rows.append(r)
+        peer = min(r["unfused_us"], r["compiled_us"])
+        print(f"{T:4d} {r['variant']:>8s} {r['kerngen_us']:9.2f} {r['unfused_us']:9.2f} {r['compiled_us']:9.2f} "
+              f"{r['floor_us']:7.2f} {100 * r['floor_us'] / r['kerngen_us']:7.1f}% {peer / r['kerngen_us']:11.2f}x"
+              + (f"  {r['rule_us']:.2f}" if "rule_us" in r else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(bandwidth_tbs=bw, chained=args.chained, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
