@@ -23,7 +23,8 @@ METHODS = ("softmax_topk", "topk_softmax", "sigmoid_bias", "grouped_sigmoid_bias
 DTYPES = ("bfloat16", "float16")
 ROUTER_WEIGHT = ("output", "input")
 EXPERT_ACTIVATIONS = ("silu", "gelu", "gpt_oss", "situglu")   # kerngen.experts' gates
-EXPERT_FORMATS = ("bf16", "fp8")   # kerngen.experts' weight formats (fp8: e4m3 with 128 x 128 block scales)
+EXPERT_FORMATS = ("bf16", "fp8", "mxfp4")   # kerngen.experts' weight formats (fp8: e4m3 with 128 x 128 block
+#                                            scales; mxfp4: e2m1 pairs with an e8m0 scale per 32 values)
 RANGE_KEYS = ("num_experts", "top_k", "hidden", "tokens", "world_size", "sm_count")
 MAX_EXPERTS, MAX_TOPK = 2048, 32
 NAME = re.compile(r"[a-z][a-z0-9_]*")                 # an op or variant: a file name, never a path

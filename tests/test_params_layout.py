@@ -39,7 +39,8 @@ def families():
     yield "permute histogram", pm.spec(m.num_experts, m.top_k, 4096, "sm_90a", t), pm.PARAMS
     yield "permute onepass", pm.spec(m.num_experts, m.top_k, 1, "sm_90a", t), pm.PARAMS
     yield "experts mma", ex.spec(7168, 2048, 8, "silu", 1, "sm_90a", t), ex.PARAMS
-    yield "experts mma fp8", ex.spec(7168, 2048, 8, "silu", 1, "sm_90a", t, "fp8"), ex.PARAMS_FP8
+    yield "experts mma fp8", ex.spec(7168, 2048, 8, "silu", 1, "sm_90a", t, "fp8"), ex.PARAMS_SCALED
+    yield "experts mma mxfp4", ex.spec(2880, 2880, 8, "gpt_oss", 1, "sm_90a", t, "mxfp4"), ex.PARAMS_SCALED
 
 
 def check_layout(name, src, params: Params):

@@ -39,9 +39,11 @@ PARAMS = Params(("x", "ptr"), ("w13", "ptr"), ("b13", "ptr"), ("inw", "ptr"), ("
 _BF16 = (torch.bfloat16,)
 FP8 = torch.float8_e4m3fn
 QBLOCK = 128   # fp8 weights: one fp32 scale per 128 x 128 block
-FORMATS = {torch.bfloat16: "bf16", FP8: "fp8"}   # weight dtype -> the format its kernels are built for
-# the fp8 build's struct Params: the bf16 one, then the block scales of w13 and w2
-PARAMS_FP8 = Params(*PARAMS.fields, ("s13", "ptr"), ("s2", "ptr"))
+FORMATS = {torch.bfloat16: "bf16", FP8: "fp8", torch.uint8: "mxfp4"}   # weight dtype -> its kernels' format
+MX_GROUP = 32  # MXFP4: values per e8m0 scale; a group is 16 bytes of two e2m1 values each
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# the quantized builds' struct Params (fp8, mxfp4): the bf16 one, then the scales of w13 and w2
+PARAMS_SCALED = Params(*PARAMS.fields, ("s13", "ptr"), ("s2", "ptr"))
 
 
 def activate(h: torch.Tensor, I: int, activation: str, interleaved: bool, alpha: float = 1.702, limit: float = 7.0,
@@ -60,9 +62,16 @@ def activate(h: torch.Tensor, I: int, activation: str, interleaved: bool, alpha:
 
 
 def dequantize(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """fp32 weights [.., N, K] of bf16 ones (scale None) or of fp8 ones with their [.., N/128, K/128] block scales."""
+    """fp32 weights [.., N, K] of bf16 ones (scale None), of fp8 ones with their [.., N/128, K/128] block scales, or
+    of MXFP4 blocks [.., N, K/32, 16] (two e2m1 values a byte, low nibble first) with their e8m0 scales
+    [.., N, K/32] (2^(s - 127) each)."""
     if scale is None:
         return w.float()
+    if w.dtype == torch.uint8:
+        lut = torch.tensor(E2M1, dtype=torch.float32, device=w.device)
+        vals = torch.stack([lut[(w & 15).long()], lut[(w >> 4).long()]], dim=-1).flatten(-2)   # [.., N, K/32, 32]
+        vals = vals * torch.exp2(scale.float() - 127.0)[..., None]
+        return vals.flatten(-2)
     return w.float() * scale.float().repeat_interleave(QBLOCK, -2).repeat_interleave(QBLOCK, -1)
 
 
@@ -75,7 +84,7 @@ def reference(x, routing, w13, w2, *, activation="silu", interleaved=False, b13=
     bf16 (the intermediate); out = a @ w2[e].T in fp32, b2 added in fp32, rounded to bf16. Padding rows are 0."""
     p2t, t2e = routing.permuted_to_token.long(), routing.tile_to_expert.long()
     tile = tile or getattr(routing, "tile", None) or infer_tile(routing)
-    I, H = w2.shape[2], w2.shape[1]
+    I, H = w2.shape[2] * (MX_GROUP if w2.dtype == torch.uint8 else 1), w2.shape[1]
     xs = x if input_weights is None else (x.float() * input_weights.float()[:, None]).to(x.dtype)
     out = torch.zeros(p2t.shape[0], H, dtype=x.dtype, device=x.device)
     rows = torch.nonzero(p2t >= 0).flatten()
@@ -126,18 +135,27 @@ def check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weig
         raise InputError(OP, "routing", f"the routing of x's {T} tokens ([T, K] expanded_to_permuted)",
                          f"expanded_to_permuted of shape {tuple(routing.expanded_to_permuted.shape)}")
     nl = routing.expert_offsets.shape[0] - 1
-    check_tensor(OP, "w13", w13, dtypes=tuple(FORMATS), ndim=3, device=dev, contiguous=True)
-    check_tensor(OP, "w2", w2, dtypes=(w13.dtype,), ndim=3, device=dev, contiguous=True)
+    check_tensor(OP, "w13", w13, dtypes=tuple(FORMATS), device=dev, contiguous=True)
     fmt = FORMATS[w13.dtype]
-    if w13.shape[0] != nl:
-        raise InputError(OP, "w13", f"[E, 2I, H] with E = {nl}, the routing's local experts",
-                         f"shape {tuple(w13.shape)}")
-    I = w13.shape[1] // 2
-    if w13.shape[1] % 2 or w13.shape[2] != H or I < 1:
+    mx = fmt == "mxfp4"
+    check_tensor(OP, "w13", w13, ndim=4 if mx else 3, device=dev)
+    check_tensor(OP, "w2", w2, dtypes=(w13.dtype,), ndim=4 if mx else 3, device=dev, contiguous=True)
+    s13, s2 = tuple(w13.shape), tuple(w2.shape)
+    if mx:   # the checkpoint's blocks [E, N, K/32, 16]: checked as the [E, N, K] values they hold
+        for name, t in (("w13", w13), ("w2", w2)):
+            if t.shape[3] != MX_GROUP // 2:
+                raise InputError(OP, name, f"MXFP4 blocks [E, N, K/32, {MX_GROUP // 2}] (uint8, two values a byte)",
+                                 f"shape {tuple(t.shape)}")
+        s13, s2 = (*s13[:2], s13[2] * MX_GROUP), (*s2[:2], s2[2] * MX_GROUP)
+    if s13[0] != nl:
+        raise InputError(OP, "w13", f"[E, 2I, H] with E = {nl}, the routing's local experts", f"shape {s13}")
+    I = s13[1] // 2
+    if s13[1] % 2 or s13[2] != H or I < 1:
         raise InputError(OP, "w13", f"[{nl}, 2I, {H}] (gate_up_proj: 2I rows of x's width H = {H})",
-                         f"shape {tuple(w13.shape)}")
-    if tuple(w2.shape) != (nl, H, I):
-        raise InputError(OP, "w2", f"of shape {(nl, H, I)} (down_proj [E, H, I])", f"shape {tuple(w2.shape)}")
+                         f"shape {s13}" + (" (values)" if mx else ""))
+    if s2 != (nl, H, I):
+        raise InputError(OP, "w2", f"of shape {(nl, H, I)} (down_proj [E, H, I])",
+                         f"shape {s2}" + (" (values)" if mx else ""))
     if H % 8 or I % 8:
         raise InputError(OP, "w13", "H and I multiples of 8 (16-byte vectors)", f"H = {H}, I = {I}")
     _check_scales(fmt, nl, H, I, w13_scale, w2_scale, dev)
@@ -166,24 +184,34 @@ def check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weig
 
 
 def _check_scales(fmt, nl, H, I, w13_scale, w2_scale, dev) -> None:
-    """fp8 weights take their block scales (fp32 [E, 2I/128, H/128] and [E, H/128, I/128]); bf16 ones none."""
+    """fp8 weights take their block scales (fp32 [E, 2I/128, H/128] and [E, H/128, I/128]), MXFP4 ones their e8m0
+    scales (uint8 [E, 2I, H/32] and [E, H, I/32]); bf16 ones none."""
     if fmt == "bf16":
         for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
             if t is not None:
-                raise InputError(OP, name, "None for bf16 weights (scales go with float8_e4m3fn weights)",
+                raise InputError(OP, name, "None for bf16 weights (scales go with fp8 or MXFP4 weights)",
                                  type(t).__name__)
         return
-    if H % QBLOCK or I % QBLOCK:
-        raise InputError(OP, "w13", f"H and I multiples of {QBLOCK} for fp8 weights (one scale per {QBLOCK} x "
-                         f"{QBLOCK} block)", f"H = {H}, I = {I}")
-    for name, t, shape in (("w13_scale", w13_scale, (nl, 2 * I // QBLOCK, H // QBLOCK)),
-                           ("w2_scale", w2_scale, (nl, H // QBLOCK, I // QBLOCK))):
+    if fmt == "fp8":
+        if H % QBLOCK or I % QBLOCK:
+            raise InputError(OP, "w13", f"H and I multiples of {QBLOCK} for fp8 weights (one scale per {QBLOCK} x "
+                             f"{QBLOCK} block)", f"H = {H}, I = {I}")
+        want = (("w13_scale", w13_scale, (nl, 2 * I // QBLOCK, H // QBLOCK), torch.float32),
+                ("w2_scale", w2_scale, (nl, H // QBLOCK, I // QBLOCK), torch.float32))
+        what = f"the fp32 block scales (one per {QBLOCK} x {QBLOCK} block)"
+    else:
+        if H % 64 or I % 64:
+            raise InputError(OP, "w13", "H and I multiples of 64 for MXFP4 weights (the kernels' 64-wide steps)",
+                             f"H = {H}, I = {I}")
+        want = (("w13_scale", w13_scale, (nl, 2 * I, H // MX_GROUP), torch.uint8),
+                ("w2_scale", w2_scale, (nl, H, I // MX_GROUP), torch.uint8))
+        what = f"the e8m0 scales (uint8, one per {MX_GROUP} values)"
+    for name, t, shape, dtype in want:
         if t is None:
-            raise InputError(OP, name, f"the fp32 block scales {shape} of the fp8 weights", "None")
-        check_tensor(OP, name, t, dtypes=(torch.float32,), ndim=3, device=dev, contiguous=True)
+            raise InputError(OP, name, f"{what} {shape} of the {fmt} weights", "None")
+        check_tensor(OP, name, t, dtypes=(dtype,), ndim=3, device=dev, contiguous=True)
         if tuple(t.shape) != shape:
-            raise InputError(OP, name, f"of shape {shape} (one scale per {QBLOCK} x {QBLOCK} block)",
-                             f"shape {tuple(t.shape)}")
+            raise InputError(OP, name, f"of shape {shape}: {what}", f"shape {tuple(t.shape)}")
 
 
 def _check_act_params(activation, alpha, limit, beta, linear_beta):
@@ -195,7 +223,8 @@ def _check_act_params(activation, alpha, limit, beta, linear_beta):
 
 
 def tag_constants(H: int, I: int, tile: int, activation: str, fmt: str = "bf16") -> tuple[str, dict]:
-    """The cache tag and the template constants of one experts build (fmt: the weights' format, bf16 or fp8)."""
+    """The cache tag and the template constants of one experts build (fmt: the weights' format, bf16, fp8 or
+    mxfp4)."""
     return (f"H{H}-I{I}-t{tile}-{activation}-{fmt}",
             {"H": H, "I": I, "TILE": tile, "ACT": activation, "FORMAT": fmt})
 
@@ -227,14 +256,14 @@ class Kernels:
     """The mma variant of one spec on one device: two launches on a persistent grid of blocks_per_sm CTAs per
     SM (at most one per work item) looping over the used tiles' items. The grid follows the routing's tile
     count, so the launchers are kept per tile count; the intermediate scratch per stream."""
-    __slots__ = ("spec", "tile", "device", "fp8", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I", "_grids", "_act")
+    __slots__ = ("spec", "tile", "device", "scaled", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I", "_grids", "_act")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
         if s.variant not in VARIANTS:
             raise InputError(OP, "tier variant", " or ".join(VARIANTS), s.variant)
         c, p = dict(s.constants), dict(s.params)
         self.spec, self.tile, self.device = s, c["TILE"], device
-        self.fp8 = c.get("FORMAT", "bf16") == "fp8"
+        self.scaled = c.get("FORMAT", "bf16") != "bf16"   # a quantized build: its scales are launch fields
         self._warps, self._H, self._I = p["warps"], c["H"], c["I"]
         self._mod = resolve(s)
         self._pdl = bool(p.get("pdl", False))
@@ -248,7 +277,7 @@ class Kernels:
             block = (32 * self._warps, 1, 1)
             grid1 = (min(self._ctas, tiles * -(-self._I // 8)), 1, 1)
             grid2 = (min(self._ctas, tiles * -(-self._H // 16)), 1, 1)
-            params = PARAMS_FP8 if self.fp8 else PARAMS
+            params = PARAMS_SCALED if self.scaled else PARAMS
             pair = self._grids[tiles] = (
                 Launcher(self._mod, "experts_gemm1", self.device, grid1, block, params, pdl=self._pdl),
                 Launcher(self._mod, "experts_gemm2", self.device, grid2, block, params, pdl=self._pdl))
@@ -277,7 +306,7 @@ class Kernels:
                     t2e=routing.tile_to_expert.data_ptr(), nrows=routing.num_permuted_rows.data_ptr(),
                     act=act.data_ptr(), out=out.data_ptr(), tokens=T, experts=w13.shape[0],
                     interleaved=int(interleaved), tiles=tiles, a0=float(a0), a1=float(a1))
-        if self.fp8:
+        if self.scaled:
             args.update(s13=w13_scale.data_ptr(), s2=w2_scale.data_ptr())
         g1.launch(stream, **args)
         g2.launch(stream, **args)
@@ -374,8 +403,11 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     fp8 weights (DeepSeek-V3, Kimi K2): w13 / w2 float8_e4m3fn with w13_scale [E, 2I/128, H/128] and w2_scale
     [E, H/128, I/128] fp32 (the dequantized weight is w * its block's scale; H and I multiples of 128); the
     kernels widen the weights to bf16 in registers (exactly) and apply each block's scale to the fp32 sums.
-    Token counts no rule serves run the per-expert reference on the GPU for fp8 weights (it reads which experts
-    were hit on the host).
+    MXFP4 weights (gpt-oss): w13 [E, 2I, H/32, 16] / w2 [E, H, I/32, 16] uint8 blocks (two e2m1 values a byte,
+    low nibble first) with w13_scale [E, 2I, H/32] / w2_scale [E, H, I/32] uint8 e8m0 scales (2^(s - 127));
+    widened to bf16 with the scale applied in registers (exact for scale bytes 2..252); H, I multiples of 64.
+    Token counts no rule serves run the per-expert reference on the GPU for fp8 and MXFP4 weights (it reads
+    which experts were hit on the host).
     CUDA tensors take the kernels; CPU tensors run `reference`.
     """
     try:   # kerngen-built routings carry their checked layout; the signature pins what check_args establishes
