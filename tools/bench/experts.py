@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """kerngen.experts against torch._grouped_mm: the two expert projections of a decode step, CUDA graphs.
 
-    python3 -m tools.bench.experts [--models qwen3-30b-a3b,...] [--tokens 1,8,64] [--sweep] [--json FILE]
+    python3 -m tools.bench.experts [--models qwen3-30b-a3b,...] [--tokens 1,8,64] [--format bf16|fp8|mxfp4]
+                                   [--layers 4] [--peer DIR] [--sweep] [--json FILE]
 
 Both run on the same inputs in the same process: one graph captures `calls` steps, each with its own routing
 (random logits), so consecutive steps read different experts, as the layers of a model do. Each step follows a
@@ -9,6 +10,13 @@ producer kernel (an elementwise write of 4 MB, as an attention output projection
 trigger early) unless --chained; its time is taken off. The floor is the step's active expert weight bytes at the measured copy bandwidth. Every result is
 checked against kerngen's torch reference before it is timed. --sweep times every candidate launch shape at
 each case and prints the best (for the tier table); --rule times one launch shape at every T (past the rules too).
+
+--format fp8 / mxfp4 quantizes the weights (fp8: e4m3 with a scale per 128 x 128 block; mxfp4: e2m1 with an e8m0
+scale per 32 values) and runs kerngen.experts' builds for them; the floor is then the quantized weight bytes plus
+the scale bytes of the active experts, torch._grouped_mm runs on the dequantized bf16 weights, and with --peer DIR
+(a folder holding triton_fused_moe.py) the Triton fp8 block-scaled GEMMs vLLM runs (best of a small config sweep)
+time beside them for fp8. --layers L cycles the weights of L layers (fewer where they would not fit) so no step
+finds its experts in L2.
 """
 from __future__ import annotations
 
@@ -53,6 +61,24 @@ def weights(H, I, E, bias, gen):
     return w13, w2, b13, b2
 
 
+def quantize(w: torch.Tensor, fmt: str):
+    """bf16 weights [E, N, K] as kerngen.experts takes them in `fmt`: (weights, scales), or (w, None) for bf16."""
+    if fmt == "bf16":
+        return w, None
+    E, N, K = w.shape
+    if fmt == "fp8":
+        b = w.float().view(E, N // 128, 128, K // 128, 128)
+        sc = b.abs().amax(dim=(2, 4)).clamp_min(1e-12) / 448.0
+        return (b / sc[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(E, N, K), sc.contiguous()
+    g = w.float().view(E, N, K // 32, 32)   # mxfp4: the scale is the power of two that brings the group under 6
+    e = torch.ceil(torch.log2(g.abs().amax(-1).clamp_min(2.0 ** -100) / 6.0)).clamp(-125, 125)
+    v = g / torch.exp2(e)[..., None]
+    lut = torch.tensor(ex.E2M1[:8], device=w.device)
+    code = (v.abs()[..., None] - lut).abs().argmin(-1) | ((v < 0).long() << 3)
+    code = code.view(E, N, K // 32, 16, 2).to(torch.uint8)
+    return (code[..., 0] | (code[..., 1] << 4)).contiguous(), (e + 127).to(torch.uint8).contiguous()
+
+
 def grouped_step(x, r, w13, w2, b13, b2, act):
     """What a client writes with torch._grouped_mm (tile-1 routing: no padding rows)."""
     xs = x[r.permuted_to_token]
@@ -76,6 +102,18 @@ def case(name, T, bw, args, kernels_of):
     H, I, E, K, act_name, gpt = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(T)
     w13, w2, b13, b2 = weights(H, I, E, gpt, gen)
+    fmt = args.format
+    per_weight = {"bf16": 2.0, "fp8": 1.0 + 4 / 128 ** 2, "mxfp4": 0.5 + 1 / 32}[fmt]   # bytes per weight, scales too
+    free = torch.cuda.mem_get_info()[0]
+    layers = max(1, min(args.layers, int(0.5 * free // (3 * E * H * I * per_weight))))
+    quant = []   # the weights kerngen.experts reads, layer by layer: (w13, w2, w13_scale, w2_scale)
+    for layer in range(layers):
+        a, b = (w13, w2) if layer == 0 else weights(H, I, E, False, gen)[:2]
+        (q13, s13), (q2, s2) = quantize(a, fmt), quantize(b, fmt)
+        quant.append((q13, q2, s13, s2))
+    if fmt != "bf16":   # the grouped GEMM (and the check) on layer 0's weights as kerngen reads them
+        w13, w2 = (ex.dequantize(quant[0][0], quant[0][2]).to(torch.bfloat16),
+                   ex.dequantize(quant[0][1], quant[0][3]).to(torch.bfloat16))
     calls = 20
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
     logits = [torch.randn(T, E, device="cuda", generator=gen) for _ in range(calls)]
@@ -86,11 +124,12 @@ def case(name, T, bw, args, kernels_of):
     a0, a1 = (1.702, 7.0) if act_name == "gpt_oss" else (1.0, 0.0)
     act = lambda h: ex.activate(h, I, act_name, gpt, 1.702, 7.0, 1.0, 0.0)  # noqa: E731
     active = sum(int(torch.unique(r.topk_ids).numel()) for r in r1) / calls
-    floor = active * 3 * H * I * 2 / (bw * 1e12) * 1e6
+    floor = active * 3 * H * I * per_weight / (bw * 1e12) * 1e6
     producer_buf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
     producer = lambda: producer_buf.mul_(1.0)  # noqa: E731   a 4 MB write, no early trigger
 
     ref = ex.reference(x, rt[0], w13, w2, **kw)
+    qkw = [dict(w13_scale=q[2], w2_scale=q[3]) if fmt != "bf16" else {} for q in quant]
     ok_rows = rt[0].permuted_to_token >= 0
     outs = [torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda") for r in rt]
     acts = [torch.empty(r.tile_to_expert.shape[0] * tile, I, dtype=torch.bfloat16, device="cuda") for r in rt]
@@ -112,20 +151,58 @@ def case(name, T, bw, args, kernels_of):
     grouped_us = timed(gstep, producer, args.chained)
     for label, k in kernels_of(H, I, tile, act_name, T, rt[0].tile_to_expert.shape[0]):
         outs[0].zero_()
-        k(x, rt[0], w13, w2, outs[0], acts[0], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1)
+        k(x, rt[0], quant[0][0], quant[0][1], outs[0], acts[0], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1,
+          **qkw[0])
         torch.cuda.synchronize()
         check(outs[0], label)
         it2 = iter(range(10 ** 9))
 
         def step():
-            i = next(it2) % calls
-            k(x, rt[i], w13, w2, outs[i], acts[i], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1)
+            n = next(it2)
+            i, q = n % calls, quant[n % layers]
+            k(x, rt[i], q[0], q[1], outs[i], acts[i], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1,
+              **qkw[n % layers])
         us = timed(step, producer, args.chained)
         rows.append(dict(model=name, T=T, tile=tile, kernel=label, us=us, grouped_us=grouped_us, floor_us=floor,
-                         active=active))
-    del w13, w2
+                         active=active, format=fmt, layers=layers, peer_us=peer_fp8(args, x, rt, r1, quant, K, I,
+                                                                                    act, producer, calls)))
+    del w13, w2, quant
     torch.cuda.empty_cache()
     return rows
+
+
+def peer_fp8(args, x, rt, r1, quant, K, I, act, producer, calls):
+    """The Triton fp8 block-scaled GEMMs (w8a8: activations quantized per token group of 128) vLLM runs, both
+    projections and the activation between them, best of a small config sweep; None without --peer or for
+    another format."""
+    if not args.peer or args.format != "fp8":
+        return None
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("triton_fused_moe", os.path.join(args.peer, "triton_fused_moe.py"))
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    T, H = x.shape
+    aligned = [peer.align(r.topk_ids, quant[0][0].shape[0], 16) for r in r1]
+    c1 = torch.empty(T * K, 2 * I, dtype=torch.bfloat16, device="cuda")
+    c2 = torch.empty(T * K, H, dtype=torch.bfloat16, device="cuda")
+    best = None
+    for bn, warps, stages in ((64, 4, 3), (128, 4, 3), (64, 4, 4), (32, 4, 4)):
+        it = iter(range(10 ** 9))
+
+        def step():
+            n = next(it)
+            q, al = quant[n % len(quant)], aligned[n % calls]
+            aq, s_ = peer.quant_fp8_groups(x)
+            peer.gemm_fp8_block(aq, s_, q[0], q[2], c1, al, K, block_n=bn, warps=warps, stages=stages)
+            hq, hs = peer.quant_fp8_groups(act(c1.float()).to(torch.bfloat16))
+            peer.gemm_fp8_block(hq, hs, q[1], q[3], c2, al, 1, block_n=bn, warps=warps, stages=stages)
+        try:
+            us = timed(step, producer, args.chained)
+        except Exception as e:   # a config the compiler refuses
+            print(f"  peer config {bn},{warps},{stages}: {type(e).__name__}: {e}")
+            continue
+        best = us if best is None else min(best, us)
+    return best
 
 
 def main(argv=None) -> int:
@@ -136,6 +213,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rule", default=None, help="time these params at every T, e.g. warps=4,unroll=2,blocks_per_sm=8")
     ap.add_argument("--chained", action="store_true", help="back to back, no producer kernel between steps")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--format", default="bf16", choices=("bf16", "fp8", "mxfp4"), help="the expert weights' format")
+    ap.add_argument("--layers", type=int, default=4, help="layers of weights cycled (fewer where they do not fit)")
+    ap.add_argument("--peer", default=None, help="folder of triton_fused_moe.py: time the Triton fp8 peer too")
     args = ap.parse_args(argv)
     if args.rule:
         args.rule = {k: (v == "true" if v in ("true", "false") else int(v))
@@ -177,7 +257,9 @@ def main(argv=None) -> int:
             print(f"{m:16s} T={T:3d} tile={b['tile']:2d} active={b['active']:6.1f} floor {b['floor_us']:7.1f} µs | "
                   f"kerngen {b['us']:7.1f} ({100 * b['floor_us'] / b['us']:4.0f}%) [{b['kernel']}] | grouped_mm "
                   f"{b['grouped_us']:7.1f} ({100 * b['floor_us'] / b['grouped_us']:4.0f}%) | "
-                  f"{b['grouped_us'] / b['us']:.2f}x", flush=True)
+                  f"{b['grouped_us'] / b['us']:.2f}x | {b['format']} x{b['layers']} layers"
+                  + (f" | triton fp8 {b['peer_us']:7.1f} ({b['peer_us'] / b['us']:.2f}x)" if b["peer_us"] else ""),
+                  flush=True)
             for r in rows[1:4] if args.sweep else ():
                 print(f"{'':24s} {r['us']:7.1f} [{r['kernel']}]")
     if args.json:
