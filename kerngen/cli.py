@@ -7,7 +7,7 @@ import os
 import sys
 
 from . import cache as cache_mod
-from . import env, jit, tiers, warmup
+from . import env, jit, tiers, trust, warmup
 from .errors import CacheError, InputError, KerngenError, TierError
 from .plan import VERSION
 
@@ -94,8 +94,8 @@ def cmd_warmup(args) -> int:
     specs = list(dict.fromkeys(specs))
     names = names or [_plural(len(specs), "kernel")]
     store = cache_mod.default()
-    if found := cache_mod.root_problem(store.root):
-        raise CacheError(f"warmup: {cache_mod.refusal(store.root, *found)}; nothing was compiled")
+    if found := trust.root_problem(store.root):
+        raise CacheError(f"warmup: {trust.refusal(store.root, *found)}; nothing was compiled")
     if problem := store.write_problem():
         print(f"kerngen warmup: cache directory {store.root} cannot be written ({problem}): the kernels it holds "
               "are used, the ones it lacks are compiled but cannot be stored. Make it writable, or set "
@@ -249,7 +249,7 @@ def cmd_cache(args) -> int:
     store = cache_mod.DiskCache(env.cache_dir(), quiet=True)   # what is wrong is printed here
     keys = store.keys()
     if store.distrust():
-        print(f"kerngen cache: {cache_mod.refusal(store.root, store.refusal_reason, store.distrust())}",
+        print(f"kerngen cache: {trust.refusal(store.root, store.refusal_reason, store.distrust())}",
               file=sys.stderr)
     if args.action == "ls":
         for k in keys:

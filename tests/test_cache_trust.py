@@ -115,7 +115,7 @@ def test_a_cache_others_can_write_is_not_used(tmp_path, mode, group, who):
 
 
 def test_a_group_of_the_owner_alone_may_write(tmp_path):
-    from kerngen.cache import _private_group
+    from kerngen.trust import _private_group
     if not _private_group(os.getegid(), os.geteuid()):
         pytest.skip("this user's group is not a private group")
     root = tmp_path / "c"
@@ -224,3 +224,23 @@ def test_warmup_onto_a_full_disk_says_what_was_stored(tmp_path):
         assert "No space left on device" in r.stderr and "Traceback" not in r.stderr
         verify = run_kerngen("-m", "kerngen", "cache", "verify", cache=disk)
         assert f"{len(stored)} ok, 0 bad" in verify.stdout   # no partial entry left behind
+
+
+def test_the_trust_policy_is_one_module_the_store_applies(tmp_path):
+    """kerngen.trust says whom a cache directory, an entry or a file is trusted from; kerngen.cache stores and
+    applies it without a policy of its own."""
+    from kerngen import cache, trust
+    for name in ("owner_problem", "path_problem", "not_a_directory", "root_problem", "refusal"):
+        assert getattr(trust, name).__module__ == "kerngen.trust"
+        assert getattr(cache, name, None) in (None, getattr(trust, name)), f"cache.{name} is a second policy"
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    assert trust.root_problem(mine / "cache") is None and trust.owner_problem(os.stat(mine)) is None
+    (tmp_path / "file").write_text("")
+    reason, detail = trust.root_problem(tmp_path / "file" / "cache")
+    assert (reason, detail) == ("unusable", f"{tmp_path / 'file'} is not a directory")
+    assert "cannot be used" in trust.refusal(tmp_path / "file" / "cache", reason, detail)
+    mine.chmod(0o777)
+    reason, detail = trust.root_problem(mine / "cache")
+    assert reason == "untrusted" and detail == f"{mine} is writable by everyone"
+    assert "another user's code" in trust.refusal(mine / "cache", reason, detail)

@@ -1,4 +1,4 @@
-"""kerngen's imports run one way: tiers → plan → render → compile → cache → jit → launch/dispatch → ops →
+"""kerngen's imports run one way: tiers → plan → render → compile → trust → cache → jit → launch/dispatch → ops →
 warmup/tune/cli. Every import in the package, lazy ones inside functions too, is read from the source: none
 reaches a module of a later tier, and the graph has no cycle. (The modules the backend table names, tiers.BACKENDS'
 compiler and loader, are imported by name from jit and ops/_common: compile and cute_backend, launch; all below
@@ -15,6 +15,7 @@ TIERS = [
     ("plan",),
     ("render",),
     ("compile", "cute_backend", "resources"),
+    ("trust",),                                  # who may have written a cache: the policy cache applies
     ("cache",),
     ("jit",),
     ("launch", "timing", "dispatch"),
