@@ -44,6 +44,13 @@ Tiling and thread mapping:
   store); the first lane of the half-warp stores the scale.
 * With `pdl`, the kernel waits for its predecessor grid (griddepcontrol.wait) before reading any input
   and lets its dependents launch at once; they in turn wait for this grid to finish before reading.
+
+Code: `MoeTail.kernel` is the sequence of phases: prologue, load_routing, then per group load_vector and
+finalize_vector (combine_topk, shared, residual) for each owned vector, sum_squares -> warp_reduce -> cta_reduce
+-> cluster_reduce, rstd, norm_store or quantize_store (block_amax). Each phase is a @cute.jit helper, traced
+inline where it is called, whose docstring says what each thread does. Helpers take a tensor and the token
+(mOut, t) rather than the token's row, so each row is sliced where the original inline code sliced it: the
+kernels' SASS is what it was before the split.
 """
 from __future__ import annotations
 
@@ -91,7 +98,16 @@ class MoeTail:
 
     @cute.jit
     def _vec(self, row: cute.Tensor, v: Int32) -> cute.Tensor:
+        """Vector v (VEC consecutive elements, 16 bytes) of a row."""
         return cute.local_tile(row, (self.vec,), (v,))
+
+    @cute.jit
+    def _in_range(self, v: Int32):
+        """Whether vector v lies inside the row (True at compile time when the tiling covers it exactly)."""
+        in_range = True
+        if const_expr(self.need_pred):
+            in_range = v < self.num_vec
+        return in_range
 
     @cute.jit
     def __call__(self, mG: cute.Tensor, mE2p: cute.Tensor, mW: cute.Tensor, mShared: Optional[cute.Tensor],
@@ -112,23 +128,64 @@ class MoeTail:
                mScales: Optional[cute.Tensor], mResOut: Optional[cute.Tensor], eps: Float32):
         VEC, K, NT = self.vec, self.topk, self.stride
         tidx, _, _ = cute.arch.thread_idx()
+        t, base = self.prologue(tidx)
+        smem = cutlass.memory.SmemAllocator()
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps,)), 16)
+        sPeer = smem.allocate_tensor(Float32, cute.make_layout((self.cluster,)), 16)
+
+        rIdx, rSafe, rW = self.load_routing(mE2p, mW, t, mG.shape[0])
+        acc = cute.make_rmem_tensor((VEC, self.iters), Float32)   # y, fp32, owned vector i in acc[None, i]
+        rNw = cute.make_rmem_tensor((VEC, self.iters), self.dtype)
+        rX = cute.make_rmem_tensor((VEC, K, self.group), self.dtype)
+        rS = rR = None   # shared and residual vectors, when given
+        if const_expr(mShared is not None):
+            rS = cute.make_rmem_tensor((VEC, self.group), self.dtype)
+        if const_expr(mRes is not None):
+            rR = cute.make_rmem_tensor((VEC, self.group), self.dtype)
+        rTmp = cute.make_rmem_tensor((VEC,), self.dtype)
+        for g0 in cutlass.range_constexpr(0, self.iters, self.group):
+            # every load of the group in flight at once (memory-level parallelism), then the sums
+            for j in cutlass.range_constexpr(min(self.group, self.iters - g0)):
+                self.load_vector(mG, mShared, mRes, mNormW, t, base + (g0 + j) * NT, rIdx, rSafe, rX, rS, rR, j,
+                                 rNw[None, g0 + j])
+            for j in cutlass.range_constexpr(min(self.group, self.iters - g0)):
+                self.finalize_vector(acc[None, g0 + j], mResOut, t, base + (g0 + j) * NT, rIdx, rW, rX, rS, rR, j,
+                                     rTmp)
+
+        total = self.cta_reduce(self.warp_reduce(self.sum_squares(acc)), sRed)
+        if const_expr(self.cluster > 1):
+            total = self.cluster_reduce(total, sPeer, tidx)
+        rstd = cute.math.rsqrt(total / Float32(self.hidden) + eps)
+
+        rO = cute.make_rmem_tensor((VEC,), self.odtype)
+        rN = cute.make_rmem_tensor((VEC,), Float32)
+        for i in cutlass.range_constexpr(self.iters):
+            if const_expr(not self.fp8):
+                self.norm_store(acc[None, i], rNw[None, i], rstd, mOut, t, base + i * NT, rO)
+            else:
+                self.quantize_store(acc[None, i], rNw[None, i], rstd, mOut, mScales, t, base + i * NT, tidx, rN, rO)
+
+    @cute.jit
+    def prologue(self, tidx: Int32):
+        """Each thread: (its token t, its first owned vector); arrives on the cluster barrier, waits for the
+        previous grid (pdl)."""
         bidx, _, _ = cute.arch.block_idx()
         t = bidx
         base = tidx
         if const_expr(self.cluster > 1):
             cute.arch.cluster_arrive_relaxed()  # paired with the wait before the first remote store
             t = bidx // self.cluster
-            base = (bidx % self.cluster) * (NT * self.iters) + tidx
+            base = (bidx % self.cluster) * (self.stride * self.iters) + tidx
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
+        return t, base
 
-        smem = cutlass.memory.SmemAllocator()
-        sRed = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps,)), 16)
-        sPeer = smem.allocate_tensor(Float32, cute.make_layout((self.cluster,)), 16)
-
-        # routing data of this token; an index outside [0, rows) becomes -1 and is skipped
-        rows = mG.shape[0]
+    @cute.jit
+    def load_routing(self, mE2p: cute.Tensor, mW: cute.Tensor, t: Int32, rows: Int32):
+        """Each thread: the token's K row indices and fp32 weights (broadcast loads); an index outside [0, rows)
+        becomes -1 with weight 0, and its safe index (the row branch-free loads read) 0."""
+        K = self.topk
         rIdx = cute.make_rmem_tensor((K,), Int32)
         rWn = cute.make_rmem_tensor((K,), self.wdtype)
         cute.autovec_copy(mE2p[t, None], rIdx)
@@ -143,115 +200,141 @@ class MoeTail:
             if rIdx[k] < 0:
                 rSafe[k] = Int32(0)
                 rW[k] = Float32(0.0)
+        return rIdx, rSafe, rW
 
-        acc = cute.make_rmem_tensor((VEC, self.iters), Float32)
-        rNw = cute.make_rmem_tensor((VEC, self.iters), self.dtype)
-        rX = cute.make_rmem_tensor((VEC, K, self.group), self.dtype)
-        rS = cute.make_rmem_tensor((VEC, self.group), self.dtype)
-        rR = cute.make_rmem_tensor((VEC, self.group), self.dtype)
-        rTmp = cute.make_rmem_tensor((VEC,), self.dtype)
-        for g0 in cutlass.range_constexpr(0, self.iters, self.group):
-            # issue every load of this group first (memory-level parallelism) ...
-            for j in cutlass.range_constexpr(self.group):
-                if const_expr(g0 + j < self.iters):
-                    v = base + (g0 + j) * NT
-                    in_range = True
-                    if const_expr(self.need_pred):
-                        in_range = v < self.num_vec
-                    if in_range:
-                        for k in cutlass.range_constexpr(K):
-                            if const_expr(self.branch_free):  # no branch: no load waits for another
-                                cute.autovec_copy(self._vec(mG[rSafe[k], None], v), rX[None, k, j])
-                            else:
-                                if rIdx[k] >= 0:
-                                    cute.autovec_copy(self._vec(mG[rIdx[k], None], v), rX[None, k, j])
-                                else:
-                                    rX[None, k, j].fill(0.0)
-                        if const_expr(mShared is not None):
-                            cute.autovec_copy(self._vec(mShared[t, None], v), rS[None, j])
-                        if const_expr(mRes is not None):
-                            cute.autovec_copy(self._vec(mRes[t, None], v), rR[None, j])
-                        cute.autovec_copy(self._vec(mNormW, v), rNw[None, g0 + j])
-            # ... then accumulate in ascending k, add shared and residual
-            for j in cutlass.range_constexpr(self.group):
-                if const_expr(g0 + j < self.iters):
-                    i = g0 + j
-                    v = base + i * NT
-                    in_range = True
-                    if const_expr(self.need_pred):
-                        in_range = v < self.num_vec
-                    acc[None, i].fill(0.0)
-                    if in_range:
-                        if const_expr(self.branch_free):
-                            for k in cutlass.range_constexpr(K):
-                                if rIdx[k] >= 0:  # a skipped slot's row 0 stand-in (maybe NaN) never enters the sum
-                                    acc[None, i].store(acc[None, i].load() + rW[k] * rX[None, k, j].load().to(Float32))
-                        a = acc[None, i].load()
-                        if const_expr(not self.branch_free):  # skipped slots hold x = 0 and w = 0
-                            for k in cutlass.range_constexpr(K):
-                                a = a + rW[k] * rX[None, k, j].load().to(Float32)
-                        acc[None, i].store(a)
-                        if const_expr(mShared is not None):
-                            acc[None, i].store(acc[None, i].load() + rS[None, j].load().to(Float32))
-                        if const_expr(mRes is not None):
-                            acc[None, i].store(acc[None, i].load() + rR[None, j].load().to(Float32))
-                        if const_expr(mResOut is not None):
-                            rTmp.store(acc[None, i].load().to(self.dtype))
-                            cute.autovec_copy(rTmp, self._vec(mResOut[t, None], v))
+    @cute.jit
+    def load_vector(self, mG: cute.Tensor, mShared: Optional[cute.Tensor], mRes: Optional[cute.Tensor],
+                    mNormW: cute.Tensor, t: Int32, v: Int32, rIdx: cute.Tensor, rSafe: cute.Tensor,
+                    rX: cute.Tensor, rS: Optional[cute.Tensor], rR: Optional[cute.Tensor], j: int,
+                    rNw: cute.Tensor):
+        """Each thread: issues the K expert-row loads of its vector v (row 0 for a skipped slot when branch-free,
+        else zeros), and the shared, residual and norm weight loads, into load slot j; none waits on another."""
+        if self._in_range(v):
+            for k in cutlass.range_constexpr(self.topk):
+                if const_expr(self.branch_free):  # no branch: no load waits for another
+                    cute.autovec_copy(self._vec(mG[rSafe[k], None], v), rX[None, k, j])
+                else:
+                    if rIdx[k] >= 0:
+                        cute.autovec_copy(self._vec(mG[rIdx[k], None], v), rX[None, k, j])
+                    else:
+                        rX[None, k, j].fill(0.0)
+            if const_expr(mShared is not None):
+                cute.autovec_copy(self._vec(mShared[t, None], v), rS[None, j])
+            if const_expr(mRes is not None):
+                cute.autovec_copy(self._vec(mRes[t, None], v), rR[None, j])
+            cute.autovec_copy(self._vec(mNormW, v), rNw)
 
-        # sum of squares: thread -> warp (shuffle) -> CTA (shared memory) -> cluster (distributed smem)
+    @cute.jit
+    def finalize_vector(self, y: cute.Tensor, mResOut: Optional[cute.Tensor], t: Int32, v: Int32,
+                        rIdx: cute.Tensor, rW: cute.Tensor, rX: cute.Tensor, rS: Optional[cute.Tensor],
+                        rR: Optional[cute.Tensor], j: int, rTmp: cute.Tensor):
+        """Each thread: y = sum_k w[k] * x[k] in ascending k (+ shared + residual) in fp32 for its vector v from
+        load slot j, written rounded as the new residual (optional); y = 0 out of range."""
+        y.fill(0.0)
+        if self._in_range(v):
+            self.combine_topk(y, rIdx, rW, rX, j)
+            if const_expr(rS is not None):
+                y.store(y.load() + rS[None, j].load().to(Float32))
+            if const_expr(rR is not None):
+                y.store(y.load() + rR[None, j].load().to(Float32))
+            if const_expr(mResOut is not None):
+                rTmp.store(y.load().to(self.dtype))
+                cute.autovec_copy(rTmp, self._vec(mResOut[t, None], v))
+
+    @cute.jit
+    def combine_topk(self, y: cute.Tensor, rIdx: cute.Tensor, rW: cute.Tensor, rX: cute.Tensor, j: int):
+        """Each thread: y += sum_k w[k] * x[k] over the K rows of load slot j in ascending k, skipped slots left
+        out."""
+        if const_expr(self.branch_free):
+            for k in cutlass.range_constexpr(self.topk):
+                if rIdx[k] >= 0:  # a skipped slot's row 0 stand-in (maybe NaN) never enters the sum
+                    y.store(y.load() + rW[k] * rX[None, k, j].load().to(Float32))
+        a = y.load()
+        if const_expr(not self.branch_free):  # skipped slots hold x = 0 and w = 0
+            for k in cutlass.range_constexpr(self.topk):
+                a = a + rW[k] * rX[None, k, j].load().to(Float32)
+        y.store(a)
+
+    @cute.jit
+    def sum_squares(self, acc: cute.Tensor) -> Float32:
+        """Each thread: the sum of y^2 over its owned values."""
         y = acc.load()
-        ss = (y * y).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        ss = cute.arch.warp_reduction_sum(ss)
+        return (y * y).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+
+    @cute.jit
+    def warp_reduce(self, val: Float32) -> Float32:
+        """Each lane: the sum of val over its warp (butterfly shuffle)."""
+        return cute.arch.warp_reduction_sum(val)
+
+    @cute.jit
+    def cta_reduce(self, val: Float32, sRed: cute.Tensor) -> Float32:
+        """Each thread: the CTA's sum; lane 0 of each warp stores its warp's sum in shared memory, all threads add
+        them in warp order."""
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
         if lane == 0:
-            sRed[warp] = ss
+            sRed[warp] = val
         cute.arch.sync_threads()
         total = Float32(0.0)
         for w in cutlass.range_constexpr(self.num_warps):
             total = total + sRed[w]
-        if const_expr(self.cluster > 1):
-            rank = cute.arch.block_idx_in_cluster()
-            cute.arch.cluster_wait()  # every peer CTA is running: its shared memory may be written
-            if tidx < self.cluster:
-                local = (sPeer.iterator + rank).toint()
-                cute.arch.inline_ptx("{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
-                                     "st.shared::cluster.f32 [remote], {$r2};\n\t}",
-                                     read_only_args=[local, tidx, total])
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            total = Float32(0.0)
-            for p in cutlass.range_constexpr(self.cluster):
-                total = total + sPeer[p]
-        rstd = cute.math.rsqrt(total / Float32(self.hidden) + eps)
+        return total
 
-        rO = cute.make_rmem_tensor((VEC,), self.odtype)
-        rN = cute.make_rmem_tensor((VEC,), Float32)
-        for i in cutlass.range_constexpr(self.iters):
-            v = base + i * NT
-            in_range = True
-            if const_expr(self.need_pred):
-                in_range = v < self.num_vec
-            if const_expr(not self.fp8):
-                if in_range:
-                    rO.store((acc[None, i].load() * rstd * rNw[None, i].load().to(Float32)).to(self.odtype))
-                    cute.autovec_copy(rO, self._vec(mOut[t, None], v))
-            else:
-                # block amax over the 16 lanes of a half-warp; every lane shuffles (out-of-range lanes add 0)
-                amax = Float32(0.0)
-                if in_range:
-                    rN.store(acc[None, i].load() * rstd * rNw[None, i].load().to(Float32))
-                    for e in cutlass.range_constexpr(VEC):
-                        amax = cute.arch.fmax(amax, abs(rN[e]), nan=True)
-                amax = cute.arch.warp_reduction(amax, lambda a, b: cute.arch.fmax(a, b, nan=True),
-                                                threads_in_group=self.lanes_per_block)
-                if in_range:
-                    scale = cute.arch.fmax(amax, Float32(SCALE_FLOOR), nan=True) / Float32(FP8_MAX)
-                    rO.store((rN.load() / scale).to(self.odtype))  # cvt.rn.satfinite: RNE, saturates to 448
-                    cute.autovec_copy(rO, self._vec(mOut[t, None], v))
-                    if tidx % self.lanes_per_block == 0:
-                        mScales[t, v // self.lanes_per_block] = scale
+    @cute.jit
+    def cluster_reduce(self, val: Float32, sPeer: cute.Tensor, tidx: Int32) -> Float32:
+        """Each thread: the cluster's sum; thread p stores its CTA's sum into CTA p's shared memory (distributed
+        shared memory), then every thread adds the C partials in rank order."""
+        rank = cute.arch.block_idx_in_cluster()
+        cute.arch.cluster_wait()  # every peer CTA is running: its shared memory may be written
+        if tidx < self.cluster:
+            self.store_peer(sPeer.iterator + rank, tidx, val)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        total = Float32(0.0)
+        for p in cutlass.range_constexpr(self.cluster):
+            total = total + sPeer[p]
+        return total
+
+    @cute.jit
+    def store_peer(self, ptr, peer: Int32, val: Float32):
+        """This thread: stores val at ptr's address in the shared memory of CTA `peer` of the cluster (inline PTX:
+        the DSL's map_dsmem_ptr result takes neither a tensor store nor cute.arch.store)."""
+        cute.arch.inline_ptx("{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
+                             "st.shared::cluster.f32 [remote], {$r2};\n\t}",
+                             read_only_args=[ptr.toint(), peer, val])
+
+    @cute.jit
+    def norm_store(self, y: cute.Tensor, nw: cute.Tensor, rstd: Float32, mOut: cute.Tensor, t: Int32, v: Int32,
+                   rO: cute.Tensor):
+        """Each thread: out[t, vector v] = y * rstd * norm_w rounded to ODTYPE, one 128-bit store."""
+        if self._in_range(v):
+            rO.store((y.load() * rstd * nw.load().to(Float32)).to(self.odtype))
+            cute.autovec_copy(rO, self._vec(mOut[t, None], v))
+
+    @cute.jit
+    def quantize_store(self, y: cute.Tensor, nw: cute.Tensor, rstd: Float32, mOut: cute.Tensor,
+                       mScales: cute.Tensor, t: Int32, v: Int32, tidx: Int32, rN: cute.Tensor, rO: cute.Tensor):
+        """Each thread: n = y * rstd * norm_w, divided by its 128-column block's scale and rounded to e4m3 (one
+        64-bit store); the first lane of the block also stores the scale."""
+        in_range = self._in_range(v)
+        amax = Float32(0.0)
+        if in_range:
+            rN.store(y.load() * rstd * nw.load().to(Float32))
+            for e in cutlass.range_constexpr(self.vec):
+                amax = cute.arch.fmax(amax, abs(rN[e]), nan=True)
+        amax = self.block_amax(amax)  # every lane shuffles (out-of-range lanes add 0)
+        if in_range:
+            scale = cute.arch.fmax(amax, Float32(SCALE_FLOOR), nan=True) / Float32(FP8_MAX)
+            rO.store((rN.load() / scale).to(self.odtype))  # cvt.rn.satfinite: RNE, saturates to 448
+            cute.autovec_copy(rO, self._vec(mOut[t, None], v))
+            if tidx % self.lanes_per_block == 0:
+                mScales[t, v // self.lanes_per_block] = scale
+
+    @cute.jit
+    def block_amax(self, val: Float32) -> Float32:
+        """Each lane: the max of val over its half-warp, the 16 lanes of one 128-column block (NaN propagates)."""
+        return cute.arch.warp_reduction(val, lambda a, b: cute.arch.fmax(a, b, nan=True),
+                                        threads_in_group=self.lanes_per_block)
 
 
 def compile_kernel(*, H: int, K: int, DTYPE: str, WDTYPE: str, ODTYPE: str, SHARED: bool, RESIDUAL: bool,
