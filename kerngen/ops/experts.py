@@ -295,21 +295,27 @@ class Kernels:
                  input_weights=None, a0=0.0, a1=0.0, w13_scale=None, w2_scale=None) -> torch.Tensor:
         """Both launches on the current stream over arguments experts() has checked; out [rows, H] is the
         caller's, act [tiles*tile, I] too if given (else this stream's scratch)."""
-        T, tiles = x.shape[0], routing.tile_to_expert.shape[0]
+        return self.run(x, routing, w13, w2, out, b13, b2, input_weights, interleaved, a0, a1, w13_scale, w2_scale,
+                        x.shape[0], routing.tile_to_expert.shape[0], w13.shape[0], act)
+
+    def run(self, x, routing, w13, w2, out, b13, b2, input_weights, interleaved, a0, a1, w13_scale, w2_scale, T,
+            tiles, experts_, act=None) -> torch.Tensor:
+        """__call__ with the counts experts() already knows: the launch fields packed in order, no keywords."""
         stream = current_stream(self.device)
         if act is None:
-            act = self.scratch(stream, tiles, x.device)
+            act = self._act.get((stream, tiles))
+            if act is None:
+                act = self.scratch(stream, tiles, x.device)
+        pair = self._grids.get(tiles) or self.launchers(tiles)
         inw = 0 if input_weights is None else input_weights.float().reshape(T).contiguous().data_ptr()
-        g1, g2 = self.launchers(tiles)
-        args = dict(x=x.data_ptr(), w13=w13.data_ptr(), b13=0 if b13 is None else b13.data_ptr(), inw=inw,
-                    w2=w2.data_ptr(), b2=0 if b2 is None else b2.data_ptr(), p2t=routing.permuted_to_token.data_ptr(),
-                    t2e=routing.tile_to_expert.data_ptr(), nrows=routing.num_permuted_rows.data_ptr(),
-                    act=act.data_ptr(), out=out.data_ptr(), tokens=T, experts=w13.shape[0],
-                    interleaved=int(interleaved), tiles=tiles, a0=float(a0), a1=float(a1))
+        fields = (x.data_ptr(), w13.data_ptr(), 0 if b13 is None else b13.data_ptr(), inw, w2.data_ptr(),
+                  0 if b2 is None else b2.data_ptr(), routing.permuted_to_token.data_ptr(),
+                  routing.tile_to_expert.data_ptr(), routing.num_permuted_rows.data_ptr(), act.data_ptr(),
+                  out.data_ptr(), T, experts_, int(interleaved), tiles, a0, a1)
         if self.scaled:
-            args.update(s13=w13_scale.data_ptr(), s2=w2_scale.data_ptr())
-        g1.launch(stream, **args)
-        g2.launch(stream, **args)
+            fields += (w13_scale.data_ptr(), w2_scale.data_ptr())
+        pair[0](stream, *fields)
+        pair[1](stream, *fields)
         return out
 
 
@@ -432,7 +438,7 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
             if len(_fast) > 4096:
                 _fast.clear()
             _fast[sig] = hit
-    k, tile, H, I, a0, a1, dev, fmt = hit
+    k, tile, H, I, a0, a1, dev, fmt, tiles, experts_ = hit
     p2t = routing.permuted_to_token
     rows = p2t.shape[0]
     if out is None:
@@ -445,8 +451,8 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     if not T or not rows:   # no tokens: no row holds an expert output
         return out
     if k is not None:
-        return k(x, routing, w13, w2, out, interleaved=interleaved, b13=b13, b2=b2, input_weights=input_weights,
-                 a0=a0, a1=a1, w13_scale=w13_scale, w2_scale=w2_scale)
+        return k.run(x, routing, w13, w2, out, b13, b2, input_weights, interleaved, a0, a1, w13_scale, w2_scale, T,
+                     tiles, experts_)
     kw = dict(activation=activation, interleaved=interleaved, b13=b13, b2=b2, input_weights=input_weights,
               tile=tile, alpha=alpha, limit=limit, beta=beta, linear_beta=linear_beta, w13_scale=w13_scale,
               w2_scale=w2_scale)
@@ -460,7 +466,8 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     return out
 
 
-_fast: dict[tuple, tuple] = {}   # input signature -> (kernels or None, tile, H, I, a0, a1, device, format)
+_fast: dict[tuple, tuple] = {}   # input signature -> (kernels or None, tile, H, I, a0, a1, device, format, tiles,
+#                                                     local experts)
 
 
 def _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, alpha, limit, beta,
@@ -477,7 +484,7 @@ def _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weight
         k = d.kernel(x.shape[0])
         if k is not None and k.tile != tile:   # a routing built with another tile: the same rule at that tile
             k = _at_tile(d, k.spec, tile)
-    return k, tile, H, I, a0, a1, dev, fmt
+    return (k, tile, H, I, float(a0), float(a1), dev, fmt, routing.tile_to_expert.shape[0], w13.shape[0])
 
 
 def _at_tile(d: Dispatch, s: plan_mod.KernelSpec, tile: int) -> Kernels:

@@ -16,7 +16,6 @@ needed) and tile_to_expert that many rows / tile; everything past num_permuted_r
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +24,7 @@ from .. import plan as plan_mod
 from ..errors import InputError, TierError
 from ..dispatch import Dispatch, lookup, on_clear, rule_spec
 from ..launch import Launcher, Params, current_stream
-from ..tiers import MAX_EXPERTS, MAX_TOPK, Model, Table
+from ..tiers import MAX_EXPERTS, MAX_TOPK, SMS, Model, Table
 from ._common import arch, check_int, check_local, check_tensor, require_gpu, resolve, table
 
 OP = "permute"
@@ -365,8 +364,8 @@ class Permute:
         p, E, K = dict(s.params), dict(s.constants)["E"], dict(s.constants)["K"]
         if s.variant == "onepass":
             threads, ctas = int(p.get("threads", 1024)), int(p.get("ctas", 1))
-            if threads % 32 or not 32 <= threads <= 1024 or not 1 <= ctas <= 132:
-                raise InputError(OP, "tier params", "threads a multiple of 32 in [32, 1024], ctas in [1, 132]",
+            if threads % 32 or not 32 <= threads <= 1024 or not 1 <= ctas <= SMS:
+                raise InputError(OP, "tier params", f"threads a multiple of 32 in [32, 1024], ctas in [1, {SMS}]",
                                  str(s.params))
             smem = onepass_smem_bytes(E, K, T)
             if smem > MAX_DYNAMIC_SMEM:
@@ -437,7 +436,7 @@ def _planned(E: int, K: int, T: int, dev: int, align: bool) -> Permute:
     return p
 
 
-_fast: dict[tuple, tuple] = {}   # input signature -> (launches, prototype workspace or None, T, K, ls, nl, device)
+_fast: dict[tuple, tuple] = {}   # signature -> (launches, prototype workspace or None, T, K, ls, nl, device, [T, 0])
 
 
 def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_experts: tuple[int, int] | None = None,
@@ -463,16 +462,19 @@ def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_expert
             if len(_fast) > 4096:
                 _fast.clear()
             _fast[sig] = hit
-    launches, proto, T, K, ls, nl, dev = hit
+    launches, proto, T, K, ls, nl, dev, proto_weights = hit
     ws = proto.fresh(T) if workspace is None else workspace
     launches(current_stream(dev), topk_ids.data_ptr(), ws, T, tile, ls, nl)
-    res = ws.result(T, nl, pad_sorted_ids)
-    return mark_checked(dataclasses.replace(res, topk_ids=topk_ids, topk_weights=_no_weights(topk_ids, T)),
-                        ws.device)
+    return _with_ids(ws.result(T, nl, pad_sorted_ids), topk_ids, proto_weights)
 
 
-def _no_weights(ids: torch.Tensor, T: int) -> torch.Tensor:
-    return ids.new_empty((T, 0), dtype=torch.float32)
+def _with_ids(res: Routing, topk_ids: torch.Tensor, no_weights: torch.Tensor) -> Routing:
+    """The workspace's Routing with the caller's ids and no weights ([T, 0]); its checked layout carried over."""
+    r = Routing(topk_ids, no_weights, res.expert_counts, res.expert_offsets, res.expanded_to_permuted,
+                res.permuted_to_token, res.tile_to_expert, res.num_permuted_rows, res.sorted_token_ids,
+                res.expert_ids, res.num_tokens_post_padded, res.tile)
+    object.__setattr__(r, "checked", res.checked)
+    return r
 
 
 def _prepare(topk_ids, num_experts, tile, local_experts, workspace, layout, pad_sorted_ids) -> tuple:
@@ -489,7 +491,9 @@ def _prepare(topk_ids, num_experts, tile, local_experts, workspace, layout, pad_
     else:
         check_workspace(OP, workspace, T, num_experts, K, tile, nl, topk_ids.device, layout)
     dev = topk_ids.get_device()
-    return _planned(num_experts, K, T, dev, align), proto, T, K, ls, nl, dev
+    # an empty [T, 0] topk_weights, shared by the calls of this signature (it holds no data)
+    no_weights = topk_ids.new_empty((T, 0), dtype=torch.float32)
+    return _planned(num_experts, K, T, dev, align), proto, T, K, ls, nl, dev, no_weights
 
 
 class _AlignTarget:
