@@ -1,24 +1,63 @@
 """kerngen: JIT-generated MoE kernels (routing, finalize, fused tail), compiled per shape and cached on disk.
 
-Importing kerngen touches no GPU, imports no CuTe DSL and creates no directory.
+Importing kerngen touches no GPU, imports no CuTe DSL, creates no directory and imports no torch of its own: the
+ops (`kerngen.route`, `permute`, `finalize`, ...) are imported on first use, so the command line checks its
+arguments without loading torch. The torch custom ops `torch.ops.kerngen.*` (kerngen/torch_ops.py) are
+registered by `import kerngen` when torch is already imported, else on first use of any name below, or by
+`import kerngen.torch_ops`.
 """
+import sys
+from importlib import import_module
+
 from .errors import CacheError, CacheMissError, CompileError, DeviceError, EnvError, InputError, KerngenError, TierError
-from .adapters import select_experts
-from .ops.experts import experts
-from .ops.finalize import finalize
-from .ops.finalize import prepare as finalize_prepare
-from .ops.latent_tail import latent_tail
-from .ops.permute import Routing, RoutingWorkspace, permute
-from .ops.routing import route
-from .ops.prerouting import PreRouting
-from .ops.tail import moe_tail
 from .plan import VERSION as __version__
-from . import torch_ops  # noqa: F401,E402  (registers torch.ops.kerngen.*)
 from . import jit as _jit
 
 __all__ = ["route", "experts", "permute", "Routing", "RoutingWorkspace", "PreRouting", "finalize", "finalize_prepare", "moe_tail", "latent_tail", "select_experts", "models", "preload", "strict", "clear",
            "KerngenError", "InputError", "TierError", "CompileError", "CacheMissError", "DeviceError", "CacheError",
            "EnvError", "__version__"]
+
+# The ops, imported on first access (PEP 562): public name -> (module under kerngen, its attribute).
+_LAZY = {
+    "select_experts": ("adapters", "select_experts"),
+    "experts": ("ops.experts", "experts"),
+    "finalize": ("ops.finalize", "finalize"),
+    "finalize_prepare": ("ops.finalize", "prepare"),
+    "latent_tail": ("ops.latent_tail", "latent_tail"),
+    "Routing": ("ops.permute", "Routing"),
+    "RoutingWorkspace": ("ops.permute", "RoutingWorkspace"),
+    "permute": ("ops.permute", "permute"),
+    "route": ("ops.routing", "route"),
+    "PreRouting": ("ops.prerouting", "PreRouting"),
+    "moe_tail": ("ops.tail", "moe_tail"),
+}
+# Submodules `import kerngen` has always made attributes (kerngen.tiers, kerngen.ops, ...): the ones not
+# imported above are imported on first access too.
+_SUBMODULES = ("adapters", "cache", "dispatch", "env", "errors", "jit", "launch", "ops", "plan", "render", "tiers",
+               "torch_ops")
+
+
+def _register_torch_ops() -> None:
+    """Register torch.ops.kerngen.* (once; it imports the ops) wherever torch is imported."""
+    if "torch" in sys.modules:
+        import_module(".torch_ops", __name__)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(import_module(f".{module}", __name__), attr)
+    elif name in _SUBMODULES:
+        value = import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _register_torch_ops()
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})
 
 
 def models() -> dict:
@@ -54,3 +93,4 @@ def strict(on: bool | None = True) -> None:
 
 
 _jit.set_miss_command(_miss_command)   # strict-mode misses name the model's warmup (jit never imports warmup)
+_register_torch_ops()   # torch already imported (as wherever tensors are made): torch.ops.kerngen.* now

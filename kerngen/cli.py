@@ -6,6 +6,8 @@ import difflib
 import os
 import sys
 
+# Nothing imported here imports torch: the op modules (warmup.op_module) are imported once the model and the
+# target are checked, so a wrong argument is refused at once.
 from . import cache as cache_mod
 from . import env, jit, tiers, trust, warmup
 from .errors import CacheError, InputError, KerngenError, TierError

@@ -160,6 +160,24 @@ def test_an_arch_kerngen_cannot_build_is_refused_up_front(tmp_path, arch, monkey
     assert "sm_90a (H100, H200), sm_100a (B200, GB200)" in capsys.readouterr().err
 
 
+def test_an_unsupported_arch_is_refused_in_under_two_seconds_without_torch(tmp_path):
+    """The whole command, interpreter start and imports included: the CLI reaches its argument checks without
+    importing torch (about 2 s on its own on a 2-core CPU box); locally it takes about 0.4 s, so the bound
+    leaves room for a loaded machine."""
+    t0 = time.perf_counter()
+    r = kerngen("warmup", "--model", "kimi-k3", "--arch", "sm_80", cache=tmp_path / "c", check=False)
+    seconds = time.perf_counter() - t0
+    assert r.returncode == 2 and "sm_90a (H100, H200), sm_100a (B200, GB200)" in r.stderr, r.stderr
+    assert seconds < 2, f"{seconds:.2f}s"
+    assert not (tmp_path / "c").exists()
+    probe = ("import runpy, sys; sys.argv = ['kerngen', 'warmup', '--model', 'kimi-k3', '--arch', 'sm_80']\n"
+             "try:\n    runpy.run_module('kerngen', run_name='__main__')\n"
+             "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       env={**os.environ, "KERNGEN_CACHE_DIR": str(tmp_path / "c")})
+    assert r.stdout.split() == ["2", "False"], r.stdout + r.stderr
+
+
 def test_an_unsupported_kerngen_arch_is_refused_naming_the_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("KERNGEN_ARCH", "sm_89")
     for args in (("warmup", "--model", "kimi-k3"), ("explain", "--op", "finalize", "--topk", "8", "--hidden", "1024")):

@@ -58,3 +58,18 @@ def test_commands_print_no_warning(args, tmp_path):
     r = run(*args, tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "Warning" not in r.stderr and "warning" not in r.stderr, r.stderr
+
+
+def test_import_kerngen_loads_no_torch_and_its_ops_on_first_use(tmp_path):
+    """The ops are imported on first access; torch.ops.kerngen.* are registered by `import kerngen` when torch
+    is already imported, else with the first op."""
+    code = ("import sys, kerngen\n"
+            "assert 'torch' not in sys.modules and not set(kerngen.__all__) - set(dir(kerngen))\n"
+            "from kerngen import route, PreRouting\n"
+            "import torch\n"
+            "assert kerngen.route is route and torch.ops.kerngen.route and kerngen.tiers.load()\n"
+            "try:\n    kerngen.no_such_name\nexcept AttributeError as e:\n    print(e)\n")
+    r = run("-c", code, tmp_path=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "module 'kerngen' has no attribute 'no_such_name'", r.stderr
+    r = run("-c", "import torch, kerngen; print(torch.ops.kerngen.finalize.default)", tmp_path=tmp_path)
+    assert r.returncode == 0 and "kerngen.finalize" in r.stdout, r.stderr
