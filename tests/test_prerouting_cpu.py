@@ -139,6 +139,37 @@ def test_launch_and_take_check_logits_and_bias(verb, kw, arg, says):
     assert e.value.op == f"PreRouting.{verb}" and e.value.arg == arg, e.value
 
 
+ROUTE_CHECKED = [kw for kw, arg, says in BAD_CALL
+                 if "896" not in says and not (arg == "logits" and says == "cpu")]   # E and device are its own
+
+
+@pytest.mark.parametrize("verb", ["launch", "take"])
+@pytest.mark.parametrize("kw", ROUTE_CHECKED, ids=[f"{next(iter(kw))}-{i}" for i, kw in enumerate(ROUTE_CHECKED)])
+def test_launch_and_take_say_what_route_says(verb, kw, monkeypatch):
+    """PreRouting checks its tensors with route's own checks (rt.check_args), named as its own."""
+    p = cpu()
+    args = {"logits": logits(), "bias": bias(), **kw}
+    with pytest.raises(kerngen.InputError) as route_says:
+        rt.check_args(args["logits"], p.top_k, p.method, args["bias"], p.n_group, p.topk_group, p.renormalize,
+                      rsf=p.routed_scaling_factor, cuda=False)
+    calls, route_check = [], rt.check_args
+    monkeypatch.setattr(rt, "check_args", lambda *a, **k: calls.append(a) or route_check(*a, **k))
+    with pytest.raises(kerngen.InputError) as e:
+        getattr(p, verb)(args["logits"], args["bias"])
+    assert len(calls) == 1 and e.value.op == f"PreRouting.{verb}"
+    assert (e.value.arg, e.value.expected, e.value.got) == (route_says.value.arg, route_says.value.expected,
+                                                            route_says.value.got)
+
+
+def test_model_constants_of_the_wrong_kind_are_input_errors_for_route_too():
+    """route(model=...) checks a constant's kind before comparing it with the model's (PreRouting relies on it)."""
+    for kw in (dict(top_k=torch.zeros(3)), dict(n_group=torch.zeros(2, 2)), dict(renormalize=1), dict(top_k=16.0),
+               dict(routed_scaling_factor=True)):
+        with pytest.raises(kerngen.InputError) as e:
+            kerngen.route(logits(), model="kimi-k3", **kw)
+        assert e.value.op == "routing" and e.value.arg == next(iter(kw)), e.value
+
+
 @pytest.mark.parametrize("verb", ["launch", "take"])
 def test_a_bias_is_refused_for_a_method_without_one(verb):
     p = kerngen.PreRouting(num_experts=64, top_k=2, method="softmax_topk", device="cpu")

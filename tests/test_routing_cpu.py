@@ -86,6 +86,17 @@ def test_a_onepass_rule_too_large_for_shared_memory_is_a_tier_error():
         pm.kernel(pm.spec(896, 16, 4096, "sm_90a", t), 4096, 0)
 
 
+def test_a_onepass_grid_is_bounded_by_the_sm_count_of_tiers(monkeypatch):
+    """permute's launcher bounds its CTAs by tiers.SMS, as routing's does, not by a number of its own."""
+    import dataclasses
+    s = pm.spec(896, 16, 1, "sm_90a")
+    assert s.variant == "onepass" and pm.SMS is tiers.SMS
+    monkeypatch.setattr(pm, "SMS", 4)
+    over = dataclasses.replace(s, params=tuple({**dict(s.params), "ctas": 5}.items()))
+    with pytest.raises(InputError, match=r"ctas in \[1, 4\]"):
+        pm.Permute(over, 1, 0)
+
+
 def test_explain_routing_names_the_fused_tier(capsys):
     from kerngen import cli
     assert cli.main(["explain", "--op", "routing", "--model", "kimi-k3", "--tokens", "4"]) == 0

@@ -15,7 +15,7 @@ import torch
 from ..errors import DeviceError, InputError
 from ..launch import current_stream
 from ..tiers import MAX_EXPERTS
-from . import routing as rt
+from . import routing as rt   # route's checks (check_args, model_args) are PreRouting's, under its own name
 from ._common import check_int, check_local, require_gpu, table
 from . import permute as permute_op
 from .permute import Routing, RoutingWorkspace
@@ -23,8 +23,6 @@ from .permute import Routing, RoutingWorkspace
 OP = "PreRouting"
 LAUNCH, TAKE = "PreRouting.launch", "PreRouting.take"
 DEFAULT_MAX_TOKENS = 8
-_LOGITS = (torch.float32, torch.bfloat16)
-_BIAS = (torch.float32, torch.bfloat16)
 _WEIGHTS = (torch.float32, torch.bfloat16)
 _OWN_TILE = object()   # take(tile=...) left out: the object's tile
 _NOTHING = object()    # no event recorded since the last take
@@ -80,7 +78,8 @@ class PreRouting:
                  routed_scaling_factor: float = 1.0, renormalize: bool = True, tile: int | None = None,
                  local_experts: tuple[int, int] | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
                  weights_dtype: torch.dtype = torch.float32, device: torch.device | str | int | None = None):
-        _check_types(num_experts, top_k, method, n_group, topk_group, routed_scaling_factor, renormalize)
+        if num_experts is not None:   # the one constant route takes from its logits: checked here
+            check_int(OP, "num_experts", num_experts, 1, MAX_EXPERTS)
         if model is not None:
             models = table().models
             if not isinstance(model, str) or model not in models:
@@ -94,15 +93,14 @@ class PreRouting:
                 top_k, method, n_group, topk_group, routed_scaling_factor, renormalize = rt.model_args(
                     model, top_k, method, n_group, topk_group, routed_scaling_factor, renormalize)
             except InputError as e:
-                raise InputError(OP, e.arg, e.expected, e.got) from None
+                raise _as(OP, e) from None
         if num_experts is None:
             raise InputError(OP, "num_experts", "given (or model=)", "None")
-        check_int(OP, "num_experts", num_experts, 1, MAX_EXPERTS)
-        try:   # route's own checks of the constants, on a CPU stand-in for the logits
+        try:   # route's checks of the constants, on a CPU stand-in for the logits
             rt.check_args(torch.empty((1, num_experts)), top_k, method, None, n_group, topk_group, renormalize,
                           tile, local_experts, routed_scaling_factor, cuda=False)
         except InputError as e:
-            raise InputError(OP, e.arg, e.expected, e.got) from None
+            raise _as(OP, e) from None
         check_int(OP, "max_tokens", max_tokens, 1, 1 << 24)
         if not isinstance(weights_dtype, torch.dtype) or weights_dtype not in _WEIGHTS:
             raise InputError(OP, "weights_dtype", "torch.float32 or torch.bfloat16", repr(weights_dtype))
@@ -123,7 +121,7 @@ class PreRouting:
         try:
             self.workspace = self._new_workspace(max_tokens, tile, dev)
         except InputError as e:
-            raise InputError(OP, e.arg, e.expected, e.got) from None
+            raise _as(OP, e) from None
         self.device = self.workspace.device
         self._own = {tile: self._new_workspace(max_tokens, tile, self.device)}   # take's, for shapes it routes
         self.event = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -194,31 +192,18 @@ class PreRouting:
                                    weights_dtype=self.weights_dtype, device=device)
 
     def _check(self, op, logits, bias) -> tuple:
-        """logits [T, E] and bias [E] (or None) as route takes them, on the object's device: (T, dtypes)."""
-        E = self.num_experts
-        if not isinstance(logits, torch.Tensor):
-            raise InputError(op, "logits", "a torch.Tensor", type(logits).__name__)
-        if logits.dtype not in _LOGITS:
-            raise InputError(op, "logits", "of dtype torch.float32 or torch.bfloat16", str(logits.dtype))
-        if logits.dim() != 2 or logits.shape[1] != E:
-            raise InputError(op, "logits", f"[T, {E}] (one column per expert)", f"shape {tuple(logits.shape)}")
-        if logits.stride(1) != 1:
-            raise InputError(op, "logits", "row-major with a contiguous last dim", f"strides {logits.stride()}")
-        if logits.device != self.device:
-            raise InputError(op, "logits", f"on {self.device} (the PreRouting's device)", str(logits.device))
-        if bias is not None:
-            if self.method not in ("sigmoid_bias", "grouped_sigmoid_bias"):
-                raise InputError(op, "bias", f"None for method {self.method!r}", "a tensor")
-            if not isinstance(bias, torch.Tensor):
-                raise InputError(op, "bias", "a torch.Tensor or None", type(bias).__name__)
-            if bias.dtype not in _BIAS:
-                raise InputError(op, "bias", "of dtype torch.float32 or torch.bfloat16", str(bias.dtype))
-            if tuple(bias.shape) != (E,):
-                raise InputError(op, "bias", f"of shape ({E},) (one per expert)", f"shape {tuple(bias.shape)}")
-            if not bias.is_contiguous():
-                raise InputError(op, "bias", "contiguous", f"strides {bias.stride()}")
-            if bias.device != self.device:
-                raise InputError(op, "bias", f"on {self.device} (the PreRouting's device)", str(bias.device))
+        """logits [T, E] and bias [E] (or None) as route checks them, on the object's device: (T, dtypes)."""
+        if isinstance(logits, torch.Tensor):   # what route cannot know: the object's expert count and device
+            if logits.dim() != 2 or logits.shape[1] != self.num_experts:
+                raise InputError(op, "logits", f"[T, {self.num_experts}] (one column per expert)",
+                                 f"shape {tuple(logits.shape)}")
+            if logits.device != self.device:
+                raise InputError(op, "logits", f"on {self.device} (the PreRouting's device)", str(logits.device))
+        try:   # the rest as route checks it (bias on the logits' device)
+            rt.check_args(logits, self.top_k, self.method, bias, self.n_group, self.topk_group, self.renormalize,
+                          rsf=self.routed_scaling_factor, cuda=False)
+        except InputError as e:
+            raise _as(op, e) from None
         return logits.shape[0], logits.dtype, None if bias is None else bias.dtype
 
     # the CUDA calls, apart from route's (tests/test_prerouting_cpu.py replaces them to follow the bookkeeping)
@@ -240,21 +225,9 @@ class PreRouting:
         return self.device.index
 
 
-def _check_types(num_experts, top_k, method, n_group, topk_group, rsf, renormalize) -> None:
-    """The constants' types, before model= compares them with the table's values."""
-    def integer(v):
-        return isinstance(v, int) and not isinstance(v, bool)
-    checks = (("num_experts", num_experts, num_experts is None or integer(num_experts),
-               "an integer (or left out with model=)"),
-              ("top_k", top_k, top_k is None or integer(top_k), "an integer (or left out with model=)"),
-              ("method", method, method is None or isinstance(method, str), "a method name (or left out with model=)"),
-              ("n_group", n_group, integer(n_group), "an integer"),
-              ("topk_group", topk_group, integer(topk_group), "an integer"),
-              ("routed_scaling_factor", rsf, integer(rsf) or isinstance(rsf, float), "a positive finite number"),
-              ("renormalize", renormalize, isinstance(renormalize, bool), "True or False"))
-    for name, v, ok, want in checks:
-        if not ok:
-            raise InputError(OP, name, want, repr(v))
+def _as(op: str, e: InputError) -> InputError:
+    """route's InputError (or RoutingWorkspace's) as `op`'s: the same argument, expectation and value."""
+    return InputError(op, e.arg, e.expected, e.got)
 
 
 def _ident(t) -> tuple | None:

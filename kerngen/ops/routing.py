@@ -357,6 +357,10 @@ def _check_unkeyed(tile, local_experts, rsf, E) -> tuple[int, int]:
     return ls_nl
 
 
+_KINDS = {"top_k": int, "method": str, "n_group": int, "topk_group": int, "routed_scaling_factor": (int, float),
+          "renormalize": bool}   # what model_args compares with the model's value (only renormalize a bool)
+
+
 def model_args(name, top_k, method, n_group, topk_group, rsf, renormalize, logits=None) -> tuple:
     """route's (top_k, method, n_group, topk_group, routed_scaling_factor, renormalize) from model `name` of
     the tier table; an explicit value that disagrees with the model is an InputError, and so are `logits` whose
@@ -368,8 +372,9 @@ def model_args(name, top_k, method, n_group, topk_group, rsf, renormalize, logit
              "n_group": (n_group, m.n_group, 1), "topk_group": (topk_group, m.topk_group, 1),
              "routed_scaling_factor": (rsf, m.routed_scaling_factor, 1.0),
              "renormalize": (renormalize, m.renormalize, True)}
-    for arg, (v, want, default) in given.items():
-        if v is not None and v != default and v != want:
+    for arg, (v, want, default) in given.items():   # of the value's kind first: a tensor is not compared
+        if v is not None and (not isinstance(v, _KINDS[arg]) or isinstance(v, bool) != (arg == "renormalize")
+                              or v != default and v != want):
             raise InputError(OP, arg, f"{want!r} as model '{name}' says (or left out)", repr(v))
     if isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.shape[1] != m.num_experts:
         raise InputError(OP, "logits", f"[T, {m.num_experts}] (model '{name}' has {m.num_experts} experts)",
