@@ -40,3 +40,14 @@ op = "finalize"
 variant = "cute"
 params = { backend = "cute", ctas = 1, threads = 256, max_loads = 8, pdl = true }
 """
+
+
+def gloo_world(worker, tmp_dir, world: int) -> dict:
+    """Run worker(rank, init_method, results) in `world` spawned processes (a gloo group each joins through a file
+    in tmp_dir); returns the results they left, by rank."""
+    import torch.multiprocessing as mp
+    init = "file://" + str(tmp_dir / "rendezvous")
+    with mp.Manager() as m:
+        results = m.dict()
+        mp.start_processes(worker, args=(init, results), nprocs=world, start_method="spawn", join=True)
+        return dict(results)

@@ -1,16 +1,12 @@
 """kerngen.experts with fp8 block-scaled weights (float8_e4m3fn, one fp32 scale per 128 x 128 block, the layout
 DeepSeek-V3 / Kimi K2 checkpoints and transformers' FP8Experts keep), on CPU tensors: the reference against an
 fp64 computation written from the format's definition, the argument checks, the kernels' build per model and
-activation, and the dispatch of the fp8 kernels with their scales (stub launchers)."""
+activation and their dispatch: tests/test_experts_quantized_cpu.py."""
 import pytest
 import torch
 
 import kerngen
-from kerngen import jit, tiers
-from kerngen.cache import DiskCache
-from kerngen.ops import _common
 from kerngen.ops import experts as ex
-from tests.helpers import assert_no_spills
 from tests.test_experts_cpu import routing_of
 
 FP8 = torch.float8_e4m3fn
@@ -77,14 +73,19 @@ def test_every_e4m3_value_is_a_bf16_value():
     assert torch.equal(finite.to(torch.bfloat16).float(), finite)
 
 
-def _args(**over):
-    T, E, H, I = 2, 4, 256, 128
-    w13, s13, w2, s2 = fp8_weights(E, H, I)
+def quantized_args(make, H: int, I: int, **over) -> dict:
+    """kerngen.experts' arguments for 2 tokens over 4 experts with quantized weights from `make`, `over` replaced."""
+    T, E = 2, 4
+    w13, s13, w2, s2 = make(E, H, I)
     ids = torch.tensor([[0, 1], [1, 3]], dtype=torch.int32)
     a = dict(x=torch.zeros(T, H, dtype=torch.bfloat16), routing=routing_of(ids, E, 2), w13=w13, w2=w2,
              w13_scale=s13, w2_scale=s2)
     a.update(over)
     return a
+
+
+def _args(**over):
+    return quantized_args(fp8_weights, 256, 128, **over)
 
 
 @pytest.mark.parametrize("over,arg", [
@@ -102,58 +103,3 @@ def test_bad_inputs_name_the_argument(over, arg):
     with pytest.raises(kerngen.InputError) as e:
         kerngen.experts(**_args(**over))
     assert e.value.arg == arg
-
-
-def fp8_specs():
-    """Every shipped model's fp8 experts kernels (warmup's list) and each activation at one shape."""
-    t = tiers.load()
-    specs = [s for m in t.models.values() for s in ex.model_specs(m, t, "sm_90a") if dict(s.constants)["FORMAT"] == "fp8"]
-    for act in ex.ACTIVATIONS:
-        s = ex.spec(2048, 768, ex.MAX_TILE, act, 64, "sm_90a", t, "fp8")
-        if s not in specs:
-            specs.append(s)
-    return specs
-
-
-def test_the_fp8_models_warm_up_both_formats():
-    t = tiers.load()
-    fp8_models = [m for m in t.models.values() if m.experts_format == "fp8"]
-    assert {m.name for m in fp8_models} >= {"deepseek-v3", "kimi-k2"}
-    for m in fp8_models:
-        formats = {dict(s.constants)["FORMAT"] for s in ex.model_specs(m, t, "sm_90a")}
-        assert formats == {"bf16", "fp8"}, m.name
-
-
-@pytest.mark.parametrize("spec", fp8_specs(), ids=lambda s: s.tag)
-def test_every_fp8_kernel_compiles_without_spills(spec, tmp_path):
-    built = jit.build(spec, store=DiskCache(tmp_path))
-    cubin = built.files["kernel.cubin"]
-    assert built.status == "compiled" and b"experts_gemm1" in cubin and b"experts_gemm2" in cubin
-    assert_no_spills(built.files)
-
-
-def test_fp8_weights_dispatch_the_fp8_kernels_with_their_scales(monkeypatch):
-    """On CPU tensors with a stub launcher: the fp8 build is chosen, and both launches get the scale pointers."""
-    launches = []
-
-    class Stub:
-        def __init__(self, module, name, device, grid, block, params, smem=0, pdl=False):
-            self.name, self.params = name, params
-
-        def __call__(self, stream, *values):   # the fields in the struct's order
-            assert len(values) == len(self.params.names)
-            launches.append((self.name, dict(zip(self.params.names, values))))
-
-    monkeypatch.setattr(_common, "KERNEL_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(ex, "resolve", lambda spec: spec)
-    monkeypatch.setattr(ex, "current_stream", lambda dev: 0)
-    monkeypatch.setattr(ex, "Launcher", Stub)
-    monkeypatch.setattr(ex, "sm_count", lambda dev: 132)
-    kerngen.clear()
-    a = _args()
-    kerngen.experts(**a)
-    kerngen.clear()
-    assert [n for n, _ in launches] == ["experts_gemm1", "experts_gemm2"]
-    for _, f in launches:
-        assert f["s13"] == a["w13_scale"].data_ptr() and f["s2"] == a["w2_scale"].data_ptr()
-    assert ex.dispatch(256, 128, "silu", -1, "fp8").spec(2).tag.endswith("-fp8")

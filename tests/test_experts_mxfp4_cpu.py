@@ -1,17 +1,14 @@
 """kerngen.experts with MXFP4 weights as gpt-oss checkpoints store them (`*_blocks` [E, N, K/32, 16] uint8, two e2m1
 values a byte, low nibble first; `*_scales` [E, N, K/32] uint8 e8m0, 2^(s - 127)), on CPU tensors: the reference
-against an fp64 decoding written from the format's definition, the argument checks, every shipped model's MXFP4
-kernels compiled without spills, and the dispatch of the MXFP4 build with its scales (stub launchers)."""
+against an fp64 decoding written from the format's definition and the argument checks (the builds and their
+dispatch: tests/test_experts_quantized_cpu.py)."""
 import pytest
 import torch
 
 import kerngen
-from kerngen import jit, tiers
-from kerngen.cache import DiskCache
-from kerngen.ops import _common
 from kerngen.ops import experts as ex
-from tests.helpers import assert_no_spills
 from tests.test_experts_cpu import loop_expert, routing_of
+from tests.test_experts_fp8_cpu import quantized_args
 
 
 def mx_weights(E, H, I, seed=0, scale_range=(118, 124)):
@@ -78,13 +75,7 @@ def test_reference_is_a_per_token_loop_on_the_decoded_weights(act, interleaved, 
 
 
 def _args(**over):
-    T, E, H, I = 2, 4, 128, 64
-    w13, s13, w2, s2 = mx_weights(E, H, I)
-    ids = torch.tensor([[0, 1], [1, 3]], dtype=torch.int32)
-    a = dict(x=torch.zeros(T, H, dtype=torch.bfloat16), routing=routing_of(ids, E, 2), w13=w13, w2=w2,
-             w13_scale=s13, w2_scale=s2)
-    a.update(over)
-    return a
+    return quantized_args(mx_weights, 128, 64, **over)
 
 
 @pytest.mark.parametrize("over,arg", [
@@ -102,56 +93,3 @@ def test_bad_inputs_name_the_argument(over, arg):
     with pytest.raises(kerngen.InputError) as e:
         kerngen.experts(**_args(**over))
     assert e.value.arg == arg
-
-
-def mx_specs():
-    """Every shipped model's MXFP4 experts kernels (warmup's list) and each activation at one shape."""
-    t = tiers.load()
-    specs = [s for m in t.models.values() for s in ex.model_specs(m, t, "sm_90a")
-             if dict(s.constants)["FORMAT"] == "mxfp4"]
-    for act in ex.ACTIVATIONS:
-        s = ex.spec(2048, 768, ex.MAX_TILE, act, 64, "sm_90a", t, "mxfp4")
-        if s not in specs:
-            specs.append(s)
-    return specs
-
-
-def test_the_mxfp4_models_warm_up_both_formats():
-    t = tiers.load()
-    names = {m.name for m in t.models.values() if m.experts_format == "mxfp4"}
-    assert names >= {"gpt-oss-120b", "kimi-k3"}
-    for name in names:
-        assert {dict(s.constants)["FORMAT"] for s in ex.model_specs(t.model(name), t, "sm_90a")} == {"bf16", "mxfp4"}
-
-
-@pytest.mark.parametrize("spec", mx_specs(), ids=lambda s: s.tag)
-def test_every_mxfp4_kernel_compiles_without_spills(spec, tmp_path):
-    built = jit.build(spec, store=DiskCache(tmp_path))
-    assert built.status == "compiled" and b"experts_gemm1" in built.files["kernel.cubin"]
-    assert_no_spills(built.files)
-
-
-def test_mxfp4_weights_dispatch_the_mxfp4_kernels_with_their_scales(monkeypatch):
-    launches = []
-
-    class Stub:
-        def __init__(self, module, name, device, grid, block, params, smem=0, pdl=False):
-            self.name, self.params = name, params
-
-        def __call__(self, stream, *values):   # the fields in the struct's order
-            assert len(values) == len(self.params.names)
-            launches.append((self.name, dict(zip(self.params.names, values))))
-
-    monkeypatch.setattr(_common, "KERNEL_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(ex, "resolve", lambda spec: spec)
-    monkeypatch.setattr(ex, "current_stream", lambda dev: 0)
-    monkeypatch.setattr(ex, "Launcher", Stub)
-    monkeypatch.setattr(ex, "sm_count", lambda dev: 132)
-    kerngen.clear()
-    a = _args()
-    kerngen.experts(**a)
-    kerngen.clear()
-    assert [n for n, _ in launches] == ["experts_gemm1", "experts_gemm2"]
-    for _, f in launches:
-        assert f["s13"] == a["w13_scale"].data_ptr() and f["s2"] == a["w2_scale"].data_ptr()
-        assert f["w13"] == a["w13"].data_ptr()

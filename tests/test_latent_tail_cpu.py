@@ -5,7 +5,6 @@ The kernel itself runs in tests/gpu/test_latent_tail.py."""
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import kerngen
 from kerngen import jit, render, tiers, warmup
@@ -14,7 +13,7 @@ from kerngen.ops import _common
 from kerngen.ops import finalize as fin
 from kerngen.ops import latent_tail as lt
 from kerngen.plan import spec_for
-from tests.helpers import assert_no_spills
+from tests.helpers import assert_no_spills, gloo_world
 
 BF = torch.bfloat16
 
@@ -339,11 +338,7 @@ def _tp_worker(rank, init, results):
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    init = "file://" + str(tmp_path_factory.mktemp("latent-tp") / "rendezvous")
-    with mp.Manager() as m:
-        results = m.dict()
-        mp.start_processes(_tp_worker, args=(init, results), nprocs=WORLD, start_method="spawn", join=True)
-        return dict(results)
+    return gloo_world(_tp_worker, tmp_path_factory.mktemp("latent-tp"), WORLD)
 
 
 def _rel(a, b):

@@ -5,9 +5,9 @@ arguments raise named errors. The kernels themselves run under torchrun in tests
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import kerngen
+from tests.helpers import gloo_world
 from kerngen.ops import finalize as fin
 from kerngen.ops import tail, tail_tp
 
@@ -78,11 +78,7 @@ def _worker(rank: int, init: str, results):
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    init = "file://" + str(tmp_path_factory.mktemp("tp") / "rendezvous")
-    with mp.Manager() as m:
-        results = m.dict()
-        mp.start_processes(_worker, args=(init, results), nprocs=WORLD, start_method="spawn", join=True)
-        return dict(results)
+    return gloo_world(_worker, tmp_path_factory.mktemp("tp"), WORLD)
 
 
 def test_every_rank_gets_the_single_gpu_result_on_the_summed_inputs(tp_results):

@@ -26,7 +26,7 @@ from ..launch import Launcher, Params, current_stream
 from ..dispatch import Dispatch, lookup, on_clear
 from . import _common
 from . import permute as permute_op
-from ._common import arch, check_aligned, check_tensor, resolve, sm_count, table
+from ._common import arch, check_aligned, check_tensor, remember, resolve, sm_count, table
 
 OP = "experts"
 ACTIVATIONS = tiers.EXPERT_ACTIVATIONS
@@ -432,12 +432,9 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     except (AttributeError, TypeError):   # not tensors, a foreign routing, unhashable values: checked below
         sig, hit = None, None
     if hit is None or (x.data_ptr() | w13.data_ptr() | w2.data_ptr()) % 16:
-        hit = _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, alpha, limit,
-                       beta, linear_beta, w13_scale, w2_scale)
-        if sig is not None and sig[4] is not None:
-            if len(_fast) > 4096:
-                _fast.clear()
-            _fast[sig] = hit
+        hit = remember(_fast, sig if sig is not None and sig[4] is not None else None,
+                       _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, alpha,
+                                limit, beta, linear_beta, w13_scale, w2_scale))
     k, tile, H, I, a0, a1, dev, fmt, tiles, experts_ = hit
     p2t = routing.permuted_to_token
     rows = p2t.shape[0]

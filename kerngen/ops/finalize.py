@@ -12,7 +12,7 @@ from ..dispatch import Dispatch, lookup, on_clear, rule_spec
 from ..launch import Launcher, Params, current_stream
 from ..tiers import BACKENDS, Model, Table
 from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
-                      resolve, table)
+                      remember, resolve, table)
 
 OP = "finalize"
 MAX_K = 64
@@ -139,12 +139,8 @@ def finalize(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
         sig, hit = None, None
     g_ptr = g.data_ptr() if hit is not None else 1
     if g_ptr % 16:
-        hit = _prepare(g, e2p, w, hidden)
+        hit = remember(_fast, sig, _prepare(g, e2p, w, hidden))
         g_ptr = g.data_ptr()
-        if len(_fast) > 4096:
-            _fast.clear()
-        if sig is not None:
-            _fast[sig] = hit
     launcher, T, H, ld, rows, dev = hit
     if out is None:
         out = torch.empty((T, H), dtype=g.dtype, device=g.device)

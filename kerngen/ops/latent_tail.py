@@ -31,8 +31,8 @@ from ..dispatch import Dispatch, lookup, on_clear
 from ..errors import InputError
 from ..launch import Launcher, Params, current_stream
 from . import _common
-from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_rows, check_tensor, resolve,
-                      sm_count, table)
+from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_rows, check_tensor, remember,
+                      resolve, sm_count, table)
 from .finalize import finalize
 
 OP = "latent_tail"
@@ -251,11 +251,7 @@ def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, top
     except (AttributeError, TypeError):   # not tensors, or an unhashable eps: _prepare names the argument
         sig, hit = None, None
     if hit is None or (hit[0] is not None and (g.data_ptr() | nw.data_ptr() | up.data_ptr()) % 16):
-        hit = _prepare(g, e2p, w, nw, up, shared, residual, eps)
-        if len(_fast) > 4096:
-            _fast.clear()
-        if sig is not None:
-            _fast[sig] = hit
+        hit = remember(_fast, sig, _prepare(g, e2p, w, nw, up, shared, residual, eps))
     k, T, L, H, dev = hit
     if out is None:
         out = torch.empty((T, H), dtype=torch.bfloat16, device=g.device)

@@ -25,7 +25,7 @@ from ..errors import InputError, TierError
 from ..dispatch import Dispatch, lookup, on_clear, rule_spec
 from ..launch import Launcher, Params, current_stream
 from ..tiers import MAX_EXPERTS, MAX_TOPK, SMS, Model, Table
-from ._common import arch, check_int, check_local, check_tensor, require_gpu, resolve, table
+from ._common import arch, check_int, check_local, check_tensor, remember, require_gpu, resolve, table
 
 OP = "permute"
 _WEIGHTS = (torch.float32, torch.bfloat16)
@@ -457,11 +457,8 @@ def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_expert
     except (AttributeError, TypeError):   # a wrong type or an unhashable value: the checks name it
         sig, hit = None, None
     if hit is None:
-        hit = _prepare(topk_ids, num_experts, tile, local_experts, workspace, layout, pad_sorted_ids)
-        if sig is not None:
-            if len(_fast) > 4096:
-                _fast.clear()
-            _fast[sig] = hit
+        hit = remember(_fast, sig, _prepare(topk_ids, num_experts, tile, local_experts, workspace, layout,
+                                            pad_sorted_ids))
     launches, proto, T, K, ls, nl, dev, proto_weights = hit
     ws = proto.fresh(T) if workspace is None else workspace
     launches(current_stream(dev), topk_ids.data_ptr(), ws, T, tile, ls, nl)

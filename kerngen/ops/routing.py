@@ -34,7 +34,7 @@ from ..dispatch import Dispatch, lookup, on_clear, rule_spec
 from ..launch import Launcher, Params, current_stream
 from ..tiers import MAX_EXPERTS, MAX_TOPK, METHODS, SMS, Model, Table
 from . import permute as permute_op
-from ._common import SHORT, DTYPE_NAMES, arch, check_int, check_local, check_tensor, resolve, table
+from ._common import SHORT, DTYPE_NAMES, arch, check_int, check_local, check_tensor, remember, resolve, table
 from .permute import Routing, RoutingWorkspace, check_layout, check_workspace, with_align
 
 OP = "routing"
@@ -266,12 +266,8 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
     except (AttributeError, TypeError):   # a wrong type or an unhashable value: the checks name it
         sig, hit = None, None
     if hit is None:
-        hit = _prepare(logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor, renormalize, tile,
-                       local_experts, model, workspace, layout)
-        if sig is not None:
-            if len(_fast) > 4096:
-                _fast.clear()
-            _fast[sig] = hit
+        hit = remember(_fast, sig, _prepare(logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor,
+                                            renormalize, tile, local_experts, model, workspace, layout))
     r, proto, T, tile, ls, nl, rsf, dev = hit
     ws = proto.fresh(T) if workspace is None else workspace
     r.run(current_stream(dev), logits, bias, ws, T, tile, ls, nl, rsf)

@@ -29,7 +29,7 @@ from ..errors import InputError
 from ..dispatch import Dispatch, lookup, on_clear
 from ..tiers import Model, Rule, Table
 from ._common import (DTYPE_NAMES, SHORT, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
-                      check_tensor, resolve, table)
+                      check_tensor, remember, resolve, table)
 from .tail_tp import moe_tail_tp
 
 OP = "tail"
@@ -200,11 +200,7 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
     except (AttributeError, TypeError):   # not tensors, or an unhashable out_dtype: _prepare names the argument
         sig, hit = None, None
     if hit is None:
-        hit = _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype)
-        if len(_fast) > 4096:
-            _fast.clear()
-        if sig is not None:
-            _fast[sig] = hit
+        hit = remember(_fast, sig, _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype))
     fn, T, H, odt, g_arg, dev, blocks = hit
     if out is None:
         out = torch.empty((T, H), dtype=odt, device=g.device)

@@ -85,10 +85,10 @@ def best_host_us(fn, repeats: int = 3, n: int = 2000) -> float:
     return min(host_us(fn, n) for _ in range(repeats))
 
 
-def events_us(fn, n: int = 200) -> float:
-    """µs per call between two CUDA events around `n` back-to-back calls on the current stream (after a warm-up):
-    the GPU's time per call where the GPU is the bottleneck, the host's where the host is."""
-    for _ in range(5):
+def events_us(fn, n: int = 200, warmup: int = 5) -> float:
+    """µs per call between two CUDA events around `n` back-to-back calls on the current stream (after `warmup`
+    calls): the GPU's time per call where the GPU is the bottleneck, the host's where the host is."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

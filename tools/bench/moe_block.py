@@ -33,7 +33,7 @@ import torch
 
 import kerngen
 import kerngen.integrations.transformers as kt
-from .lib import graph_time_us
+from .lib import events_us, graph_time_us
 
 IMPLS = ("eager", "grouped_mm", "kerngen")
 TOL = 2 ** -5
@@ -104,17 +104,7 @@ def stream_time_us(fn, calls: int = 10, replays: int = 10) -> float:
     """Median µs per call of `fn` launched on the stream (no graph; host cost included when it dominates)."""
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / calls)
-    return statistics.median(times)
+    return statistics.median(events_us(fn, calls, warmup=0) for _ in range(replays))
 
 
 def graphed(fn):
