@@ -48,8 +48,9 @@ def test_every_implementation_matches_eager(method, T):
 
 def test_the_check_catches_a_wrong_weight(monkeypatch):
     m, cls, block, x = case("sigmoid_bias", 8)
-    real = bench.kt._finalize
-    monkeypatch.setattr(bench.kt, "_finalize", lambda g, e2p, w: real(g, e2p, w.flip(-1)))   # weights of other slots
+    from kerngen.integrations import transformers_experts as kx
+    real = kx._finalize
+    monkeypatch.setattr(kx, "_finalize", lambda g, e2p, w: real(g, e2p, w.flip(-1)))   # weights of other slots
     errs = bench.errors(bench.check(block, x, graph=False)["outputs"])
     assert errs["kerngen"] > bench.TOL and errs["grouped_mm"] <= bench.TOL
 

@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 
 import kerngen.integrations.transformers as kt  # noqa: E402
+from kerngen.integrations import transformers_experts as kx  # noqa: E402
 from kerngen.errors import KerngenError  # noqa: E402
 from tests.helpers import one_thread  # noqa: E402
 
@@ -112,7 +113,7 @@ def inputs(model, T, dtype, seed=1):
 @pytest.mark.parametrize("case", sorted(FAMILIES))
 def test_block_matches_eager(case, dtype, monkeypatch):
     """Kerngen's experts path alone (transformers' router) and with kerngen routing, T = 1 and 13 tokens."""
-    finalized = counting(monkeypatch, kt, "_finalize")
+    finalized = counting(monkeypatch, kx, "_finalize")
     model = tiny(case).to(dtype)
     block = moe_blocks(model)[0]
     for T in (1, 13):
