@@ -134,7 +134,6 @@ class Model:
     renormalize: bool = True
     dtype: str = "bfloat16"
     weights_dtype: str = "float32"
-    tile: int = 128
     router_weight: str = "output"   # "input": the expert's input is scaled by w (Llama-4), outputs summed as is
     intermediate: int = 0           # the routed experts' intermediate size (0: kerngen.experts not warmed up)
     activation: str = "silu"        # the experts' gate (kerngen.experts' activation names)
@@ -241,6 +240,9 @@ def _positive_number(where, d, key, default):
 
 def _parse_model(where: str, name: str, d: dict) -> Model:
     known = {f for f in Model.__dataclass_fields__} - {"name", "source"}
+    if "tile" in d:   # a model field nothing read: the tile is a call's argument and the experts rules' param
+        _fail(where, "field 'tile' is not a model field: give the permutation's tile to the call (route / permute "
+              "tile=), and kerngen.experts' tile is its tier rules' `tile` param")
     for k in d:
         if k not in known:
             _fail(where, f"unknown field '{k}' (known: {', '.join(sorted(known))})")
@@ -271,7 +273,6 @@ def _parse_model(where: str, name: str, d: dict) -> Model:
     tokens = _range(where, d, "tokens")
     if tokens[0] < 1:
         _fail(where, "field 'tokens' must start at 1 or more")
-    tile = _int(where, d, "tile", 1, 1024, default=128)
     if d.get("router_weight", "output") not in ROUTER_WEIGHT:
         _fail(where, f"field 'router_weight' must be one of {', '.join(ROUTER_WEIGHT)} (where the router weight "
               f"multiplies: the expert's output, or its input as Llama-4 does), got {d['router_weight']!r}")
@@ -289,7 +290,7 @@ def _parse_model(where: str, name: str, d: dict) -> Model:
         _fail(where, f"field 'experts_format' must be one of {', '.join(EXPERT_FORMATS)}, got {d['experts_format']!r}")
     return Model(name=name, num_experts=E, top_k=K, hidden=H, routing=method, tokens=tokens, n_group=G,
                  topk_group=TG, routed_scaling_factor=rsf, renormalize=d.get("renormalize", True),
-                 dtype=d.get("dtype", "bfloat16"), weights_dtype=d.get("weights_dtype", "float32"), tile=tile,
+                 dtype=d.get("dtype", "bfloat16"), weights_dtype=d.get("weights_dtype", "float32"),
                  router_weight=d.get("router_weight", "output"), intermediate=inter, model_hidden=model_hidden,
                  activation=d.get("activation", "silu"), experts_format=d.get("experts_format", "bf16"),
                  source=where)

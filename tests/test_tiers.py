@@ -65,6 +65,8 @@ def test_every_model_dispatches_finalize_over_its_range():
     ("schema = 1\nmodels = 5\n", "'models' must be a table of models"),
     ("schema = 1\ntier = [5]\n", "[[tier]] #1: must be a table"),
     ("schema = 1\nprovenance = 5\n", "'provenance' must be a table"),
+    (MODEL + "tile = 128\n", "field 'tile' is not a model field: give the permutation's tile to the call"),
+    (MODEL + "experts_format = 'int4'\n", "field 'experts_format' must be one of bf16, fp8, mxfp4, got 'int4'"),
     (MODEL + "routed_scaling_factor = inf\n", "'routed_scaling_factor' must be a positive finite number, got inf"),
     (MODEL + "routed_scaling_factor = nan\n", "'routed_scaling_factor' must be a positive finite number, got nan"),
     (MODEL + "routed_scaling_factor = 1000000000000000000000000000000000000000000000000000000000000000000000000000000000"
