@@ -26,15 +26,19 @@ class Dispatch:
 
     `shape` holds the op's rule keys without tokens (num_experts, top_k, hidden); `spec_of(rule)` turns the rule
     of a bucket into its KernelSpec (the op's tag and constants); `make(spec, tokens, device)` builds the launch
-    object of a bucket for one token count. `data` is whatever the op keeps beside (a tile, a workspace size).
+    object of a bucket for one token count, or with per_token=False one object for every token count of the
+    bucket (a launch object whose grid does not follow the tokens: built once per spec). `data` is whatever the op
+    keeps beside.
     """
-    __slots__ = ("op", "device", "arch", "starts", "specs", "errors", "data", "_make", "_by_tokens")
+    __slots__ = ("op", "device", "arch", "starts", "specs", "errors", "data", "_make", "_by_tokens", "_per_token",
+                 "_by_spec")
 
     def __init__(self, op: str, shape: dict[str, int], spec_of: Callable[[tiers.Rule], KernelSpec],
                  make: Callable[[KernelSpec, int, int], Any], device: int, *, arch: str | None = None,
-                 table: tiers.Table | None = None, data: Any = None):
+                 table: tiers.Table | None = None, data: Any = None, per_token: bool = True):
         tbl = table or tiers.load()
         self.op, self.device, self.data, self._make = op, device, data, make
+        self._per_token, self._by_spec = per_token, {}
         self.arch = arch or target_arch(device if device >= 0 else None)
         key = {**shape, "arch": self.arch, **visible_sm_count(self.arch, device)}
         self.starts, self.specs, self.errors = [], [], []
@@ -66,7 +70,14 @@ class Dispatch:
         k = self._by_tokens.get(tokens)
         if k is None and tokens not in self._by_tokens:
             s = self.spec(tokens)
-            k = None if s is None else self._make(s, tokens, self.device)
+            if s is None:
+                k = None
+            elif self._per_token:
+                k = self._make(s, tokens, self.device)
+            else:
+                k = self._by_spec.get(s)
+                if k is None:
+                    k = self._by_spec[s] = self._make(s, tokens, self.device)
             self._by_tokens[tokens] = k
         return k
 

@@ -292,3 +292,26 @@ def test_fresh_buffers_match_a_new_workspace(stub_gpu, T):
             assert torch.equal(a, b), f
     assert r.checked == ws.checked and r2.checked == r.checked
     assert r.permuted_to_token.data_ptr() != r2.permuted_to_token.data_ptr()
+
+
+def test_what_calls_without_workspace_keep_is_bounded(stub_gpu):
+    """Calls without workspace= keep a prototype of their buffers only at decode sizes; the experts' intermediate
+    is one buffer per stream, grown to the most tiles seen, whatever the token counts."""
+    from kerngen.ops.permute import FRESH_PROTO_TOKENS, RoutingWorkspace
+    for T in (1, FRESH_PROTO_TOKENS, FRESH_PROTO_TOKENS + 1):
+        kerngen.route(torch.randn(T, 64), top_k=4, method="softmax_topk", tile=8)
+    kept = {sig[1][0]: hit[1] for sig, hit in routing._fast.items()}
+    assert isinstance(kept[1], RoutingWorkspace) and isinstance(kept[FRESH_PROTO_TOKENS], RoutingWorkspace)
+    assert not isinstance(kept[FRESH_PROTO_TOKENS + 1], RoutingWorkspace)
+    r = kerngen.route(torch.randn(FRESH_PROTO_TOKENS + 1, 64), top_k=4, method="softmax_topk", tile=8)
+    assert r.topk_ids.shape == (FRESH_PROTO_TOKENS + 1, 4) and int(r.num_permuted_rows) == -1
+    g = torch.Generator().manual_seed(0)
+    H, I, E = 256, 64, 16
+    w13 = torch.randn(E, 2 * I, H, generator=g).bfloat16()
+    w2 = torch.randn(E, H, I, generator=g).bfloat16()
+    for T in (1, 3, 16, 2):
+        x = torch.randn(T, H, generator=g).bfloat16()
+        kerngen.experts(x, kerngen.route(torch.randn(T, E), top_k=2, method="softmax_topk", tile=8), w13, w2)
+    d = experts.dispatch(H, I, "silu", -1)
+    assert {id(d.kernel(T)) for T in (1, 3, 16, 2)} == {id(d.kernel(1))}   # one launch object for the bucket
+    assert len(d.kernel(1)._act) == 1

@@ -269,7 +269,7 @@ class Kernels:
         self._pdl = bool(p.get("pdl", False))
         self._ctas = p.get("blocks_per_sm", 4) * sm_count(device)
         self._grids: dict[int, tuple[Launcher, Launcher]] = {}
-        self._act: dict[tuple[int, int], torch.Tensor] = {}
+        self._act: dict[int, torch.Tensor] = {}
 
     def launchers(self, tiles: int) -> tuple[Launcher, Launcher]:
         pair = self._grids.get(tiles)
@@ -284,11 +284,11 @@ class Kernels:
         return pair
 
     def scratch(self, stream: int, tiles: int, device: torch.device) -> torch.Tensor:
-        """The [tiles * tile, I] intermediate, one buffer per stream (reused call after call on it)."""
-        act = self._act.get((stream, tiles))
-        if act is None:
-            act = self._act[(stream, tiles)] = torch.empty((tiles * self.tile, self._I), dtype=torch.bfloat16,
-                                                           device=device)
+        """The intermediate (at least [tiles * tile, I]; the kernels read its first rows), one buffer per stream,
+        reused call after call on it and grown to the most tiles seen."""
+        act = self._act.get(stream)
+        if act is None or act.shape[0] < tiles * self.tile:
+            act = self._act[stream] = torch.empty((tiles * self.tile, self._I), dtype=torch.bfloat16, device=device)
         return act
 
     def __call__(self, x, routing, w13, w2, out, act=None, *, interleaved=False, b13=None, b2=None,
@@ -303,8 +303,8 @@ class Kernels:
         """__call__ with the counts experts() already knows: the launch fields packed in order, no keywords."""
         stream = current_stream(self.device)
         if act is None:
-            act = self._act.get((stream, tiles))
-            if act is None:
+            act = self._act.get(stream)
+            if act is None or act.shape[0] < tiles * self.tile:
                 act = self.scratch(stream, tiles, x.device)
         pair = self._grids.get(tiles) or self.launchers(tiles)
         inw = 0 if input_weights is None else input_weights.float().reshape(T).contiguous().data_ptr()
@@ -330,7 +330,7 @@ def dispatch(H: int, I: int, activation: str, device: int, fmt: str = "bf16") ->
     def build() -> Dispatch:
         a = arch(device)
         return Dispatch(OP, {"hidden": H}, lambda rule: rule_spec(rule, H, I, activation, a, fmt), kernel, device,
-                        arch=a)
+                        arch=a, per_token=False)
 
     return lookup((OP, H, I, activation, device, fmt), build)
 

@@ -30,6 +30,7 @@ from ._common import arch, check_int, check_local, check_tensor, remember, requi
 OP = "permute"
 _WEIGHTS = (torch.float32, torch.bfloat16)
 MIN_TOKENS_PER_BLOCK = 16          # permute tiers: the histogram scratch is sized for this
+FRESH_PROTO_TOKENS = 64           # calls without workspace= up to this many tokens keep a prototype of their buffers
 # struct Params of templates/permute/histogram.cu.j2 and onepass.cu.j2 (hist and ticket unused by onepass)
 PARAMS = Params(("ids", "ptr"), ("counts", "ptr"), ("offsets", "ptr"), ("e2p", "ptr"), ("p2t", "ptr"), ("t2e", "ptr"),
                 ("num_rows", "ptr"), ("hist", "ptr"), ("ticket", "ptr"), ("tokens", "int"), ("tile", "int"),
@@ -235,6 +236,26 @@ class RoutingWorkspace:
         r = Routing(ids, w, self.counts[:num_local], self.offsets[:num_local + 1], self.e2p[:tokens],
                     self.p2t[:rows], self.t2e[:rows // self.tile], self.num_rows[0], tile=self.tile)
         return mark_checked(r, self.device)
+
+
+def prototype(T: int, E: int, K: int, tile, local, device, layout: str):
+    """What gives a call without workspace= of this signature its fresh buffers (`.fresh(T)`): up to
+    FRESH_PROTO_TOKENS tokens, where a call's host cost matters and the memory held stays small, a workspace kept
+    with its initial state; beyond, the arguments of a new workspace for each call."""
+    if T > FRESH_PROTO_TOKENS:
+        return _NewEachCall(T, E, K, tile, local_experts=local, device=device, layout=layout)
+    return RoutingWorkspace(T, E, K, tile, local_experts=local, device=device, layout=layout)
+
+
+class _NewEachCall:
+    """fresh() builds a new RoutingWorkspace of these arguments."""
+    __slots__ = ("args", "kw")
+
+    def __init__(self, *args, **kw):
+        self.args, self.kw = args, kw
+
+    def fresh(self, tokens: int) -> RoutingWorkspace:
+        return RoutingWorkspace(*self.args, **self.kw)
 
 
 class _Fresh:
@@ -483,8 +504,7 @@ def _prepare(topk_ids, num_experts, tile, local_experts, workspace, layout, pad_
     check_tensor(OP, "topk_ids", topk_ids, device=None)
     proto = None
     if workspace is None:   # the prototype of the fresh workspace of each call
-        proto = RoutingWorkspace(max(T, 1), num_experts, K, tile, local_experts=(ls, nl), device=topk_ids.device,
-                                 layout=layout)
+        proto = prototype(max(T, 1), num_experts, K, tile, (ls, nl), topk_ids.device, layout)
     else:
         check_workspace(OP, workspace, T, num_experts, K, tile, nl, topk_ids.device, layout)
     dev = topk_ids.get_device()

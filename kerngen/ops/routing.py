@@ -287,8 +287,7 @@ def _prepare(logits, top_k, method, bias, n_group, topk_group, rsf, renormalize,
     ls, nl = check_local(OP, local_experts, E)
     proto = None
     if workspace is None:
-        proto = RoutingWorkspace(max(T, 1), E, top_k, tile, local_experts=(ls, nl), device=logits.device,
-                                 layout=layout)
+        proto = permute_op.prototype(max(T, 1), E, top_k, tile, (ls, nl), logits.device, layout)
     else:   # before any kernel is built for it
         check_workspace(OP, workspace, T, E, top_k, tile, nl, logits.device, layout)
     wdt = workspace.weights_dtype if workspace is not None else torch.float32

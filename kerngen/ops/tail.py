@@ -156,7 +156,7 @@ def dispatch(hidden: int, top_k: int, dtype: str, weights_dtype: str, out_dtype:
         a = arch(device)
         return Dispatch(
             OP, {"hidden": hidden, "top_k": top_k}, lambda rule: rule_spec(rule, *args, a), kernel, device,
-            arch=a)
+            arch=a, per_token=False)
 
     return lookup((OP, *args, device), build)
 
