@@ -239,6 +239,16 @@ def test_a_wrong_argument_after_a_good_call_is_still_named(stub_gpu):
     with pytest.raises(kerngen.InputError) as e:
         kerngen.route(torch.randn(3, 64), model="kimi-k3")
     assert e.value.arg == "logits"
+    for bad in (dict(tile=8.0), dict(top_k=4.0), dict(renormalize=1)):   # equal to the good values, not of their kind
+        with pytest.raises(kerngen.InputError) as e:
+            kerngen.route(logits, **{**dict(top_k=4, method="softmax_topk", tile=8, workspace=ws), **bad})
+        assert e.value.arg in bad
+    ids = torch.zeros(3, 4, dtype=torch.int32)
+    kerngen.permute(ids, num_experts=64, tile=8)
+    for bad in (dict(tile=8.0), dict(num_experts=64.0), dict(pad_sorted_ids=0)):
+        with pytest.raises(kerngen.InputError) as e:
+            kerngen.permute(ids, **{**dict(num_experts=64, tile=8), **bad})
+        assert e.value.arg in bad
     g, e2p, w = torch.randn(8, 64).bfloat16(), torch.zeros(2, 4, dtype=torch.int32), torch.rand(2, 4)
     kerngen.finalize(g, e2p, w)
     with pytest.raises(kerngen.InputError) as e:

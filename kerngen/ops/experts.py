@@ -427,7 +427,8 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
                                                w13_scale.get_device()),
                None if w2_scale is None else (w2_scale.dtype, w2_scale.shape, w2_scale.is_contiguous(),
                                               w2_scale.get_device()),
-               activation, interleaved, alpha, limit, beta, linear_beta, out is None)
+               activation, interleaved, alpha, limit, beta, linear_beta, out is None,
+               type(interleaved), type(tile))   # True == 1 and 8 == 8.0: the kinds are pinned too
         hit = _fast.get(sig) if sig[4] is not None else None
     except (AttributeError, TypeError):   # not tensors, a foreign routing, unhashable values: checked below
         sig, hit = None, None

@@ -473,7 +473,8 @@ def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_expert
     """
     try:   # the signature pins everything the checks establish
         sig = (topk_ids.dtype, topk_ids.shape, topk_ids.is_contiguous(), topk_ids.get_device(), num_experts, tile,
-               local_experts, layout, pad_sorted_ids, None if workspace is None else workspace.signature)
+               local_experts, layout, pad_sorted_ids, None if workspace is None else workspace.signature,
+               type(num_experts), type(tile), type(pad_sorted_ids))   # 8 == 8.0 == True: the kinds pinned too
         hit = _fast.get(sig)
     except (AttributeError, TypeError):   # a wrong type or an unhashable value: the checks name it
         sig, hit = None, None

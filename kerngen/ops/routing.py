@@ -261,7 +261,8 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
         sig = (logits.dtype, logits.shape, logits.stride(), logits.get_device(),
                None if bias is None else (bias.dtype, bias.shape, bias.stride(), bias.get_device()),
                top_k, method, n_group, topk_group, routed_scaling_factor, renormalize, tile, local_experts, model,
-               layout, None if workspace is None else workspace.signature)
+               layout, None if workspace is None else workspace.signature,
+               type(top_k), type(tile), type(renormalize))   # 8 == 8.0 == True: the kinds are pinned too
         hit = _fast.get(sig)
     except (AttributeError, TypeError):   # a wrong type or an unhashable value: the checks name it
         sig, hit = None, None
