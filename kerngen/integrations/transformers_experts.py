@@ -40,7 +40,7 @@ class BlockState:
         self.activation = fp8 or (kernel_activation(experts) if experts is not None else None)
         self._dispatch = None
         self._workspaces: dict[tuple, kerngen.RoutingWorkspace] = {}
-        self._rows: dict[int, torch.Tensor] = {}
+        self._rows: torch.Tensor | None = None
         self.routing: kerngen.Routing | None = None   # set by the router, taken by the experts
 
     def tile(self, experts: nn.Module | None, x: torch.Tensor) -> int:
@@ -68,12 +68,13 @@ class BlockState:
         return ws
 
     def rows(self, routing: kerngen.Routing, H: int, like: torch.Tensor) -> torch.Tensor:
-        """The expert output rows [rows, H] of this call, a buffer kept per row count (finalize reads it at once)."""
+        """The expert output rows [rows, H] of this call: the first rows of one buffer, grown to the most rows seen
+        (finalize reads them at once)."""
         n = routing.permuted_to_token.shape[0]
-        out = self._rows.get(n)
-        if out is None or out.shape[1] != H or out.device != like.device:
-            out = self._rows[n] = torch.empty((n, H), dtype=like.dtype, device=like.device)
-        return out
+        buf = self._rows
+        if buf is None or buf.shape[0] < n or buf.shape[1] != H or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._rows = torch.empty((n, H), dtype=like.dtype, device=like.device)
+        return buf[:n]
 
 
 def state(module: nn.Module, experts: nn.Module | None = None) -> BlockState:
