@@ -65,6 +65,13 @@ class Dispatch:
             raise self.errors[i]
         return self.specs[i]
 
+    def served(self, tokens: int):
+        """kernel(tokens), or the table's TierError naming the shape where no rule serves these tokens."""
+        k = self.kernel(tokens)
+        if k is None:
+            self.require(tokens)
+        return k
+
     def kernel(self, tokens: int):
         """The launch object for `tokens` tokens (None where no rule serves them), built once."""
         k = self._by_tokens.get(tokens)

@@ -188,17 +188,14 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     tile = st.tile(self, hidden_states)
     r = _permutation(self, st, top_k_index, tile)
     bias = (lambda name: getattr(self, name)) if self.has_bias else (lambda name: None)
-    if st.fp8:   # fp8 weights: kerngen.experts at every size (its fp8 kernels, else its per-expert reference)
-        x = hidden_states.to(torch.bfloat16).contiguous()   # its activations are bf16
-        g = kerngen.experts(x, r, self.gate_up_proj, self.down_proj, activation=st.activation,
-                            w13_scale=self.gate_up_proj_scale_inv, w2_scale=self.down_proj_scale_inv,
-                            out=st.rows(r, x.shape[1], x) if x.is_cuda else None)
-        return _finalize(g, r.expanded_to_permuted, top_k_weights).to(hidden_states.dtype)
-    if tile != TILE:   # kerngen.experts' kernels: gather, both projections and the gate in two launches
-        x = hidden_states.contiguous()
+    # kerngen.experts' kernels (gather, both projections and the gate in two launches) where they serve these
+    # tokens; fp8 weights take kerngen.experts at every size (its fp8 kernels, else its per-expert reference)
+    if st.fp8 or tile != TILE:
+        x = (hidden_states.to(torch.bfloat16) if st.fp8 else hidden_states).contiguous()   # bf16 activations
+        scales = dict(w13_scale=self.gate_up_proj_scale_inv, w2_scale=self.down_proj_scale_inv) if st.fp8 else {}
         g = kerngen.experts(x, r, self.gate_up_proj, self.down_proj, activation=st.activation,
                             b13=bias("gate_up_proj_bias"), b2=bias("down_proj_bias"),
-                            out=st.rows(r, x.shape[1], x))
+                            out=st.rows(r, x.shape[1], x) if x.is_cuda else None, **scales)
         return _finalize(g, r.expanded_to_permuted, top_k_weights).to(hidden_states.dtype)
     up, up_bias, act = (("gate_up_proj", "gate_up_proj_bias", self._apply_gate) if self.has_gate
                         else ("up_proj", "up_proj_bias", self.act_fn))

@@ -113,8 +113,8 @@ REFUSED = {
 LLAMA4_BLOCK = "Llama4TextMoe"
 
 
-def _route(logits: torch.Tensor, kw: dict, bias, weights_dtype: torch.dtype, tile: int = TILE,
-           st: BlockState | None = None) -> kerngen.Routing:
+def _route(logits: torch.Tensor, kw: dict, bias, weights_dtype: torch.dtype, tile: int,
+           st: BlockState) -> kerngen.Routing:
     """Top-k and the permutation (tile rows a tile) by kerngen, into the block's workspace; weights in
     `weights_dtype`."""
     if logits.dtype not in (torch.float32, torch.bfloat16):
@@ -122,7 +122,7 @@ def _route(logits: torch.Tensor, kw: dict, bias, weights_dtype: torch.dtype, til
     if logits.is_cuda:
         T, E = logits.shape
         wdt = weights_dtype if weights_dtype in _KERNEL_WEIGHTS else torch.float32   # the kernel writes these
-        ws = (st or BlockState(None)).workspace(T, E, kw["top_k"], tile, wdt, logits.device)
+        ws = st.workspace(T, E, kw["top_k"], tile, wdt, logits.device)
         r = kerngen.route(logits, bias=bias, tile=tile, workspace=ws, **kw)
         return r if r.topk_weights.dtype == weights_dtype else _with_weights(r, r.topk_weights.to(weights_dtype))
     ids, w = _rt.reference(logits, kw["top_k"], kw["method"], bias, kw.get("n_group", 1), kw.get("topk_group", 1),

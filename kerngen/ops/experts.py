@@ -109,7 +109,8 @@ def infer_tile(routing) -> int:
     nl = routing.expert_offsets.shape[0] - 1
     cap = routing.permuted_to_token.shape[0]
     tile = (cap - T * K) // nl + 1 if nl > 0 else 0
-    if nl < 1 or (cap - T * K) % nl or not 1 <= tile <= permute_op.MAX_TILE or routing.tile_to_expert.shape[0] != cap // tile:
+    if (nl < 1 or (cap - T * K) % nl or not 1 <= tile <= permute_op.MAX_TILE
+            or routing.tile_to_expert.shape[0] != cap // tile):
         raise InputError(OP, "routing", "the Routing of kerngen.route(..., tile=...) or kerngen.permute (its "
                          "buffer sizes give the tile); or pass tile=", f"permuted_to_token of {cap} rows")
     return tile
@@ -303,10 +304,8 @@ class Kernels:
         """__call__ with the counts experts() already knows: the launch fields packed in order, no keywords."""
         stream = current_stream(self.device)
         if act is None:
-            act = self._act.get(stream)
-            if act is None or act.shape[0] < tiles * self.tile:
-                act = self.scratch(stream, tiles, x.device)
-        pair = self._grids.get(tiles) or self.launchers(tiles)
+            act = self.scratch(stream, tiles, x.device)
+        pair = self.launchers(tiles)
         inw = 0 if input_weights is None else input_weights.float().reshape(T).contiguous().data_ptr()
         fields = (x.data_ptr(), w13.data_ptr(), 0 if b13 is None else b13.data_ptr(), inw, w2.data_ptr(),
                   0 if b2 is None else b2.data_ptr(), routing.permuted_to_token.data_ptr(),

@@ -202,9 +202,7 @@ def _prepare(g, e2p, w, hidden) -> tuple:
     H = g.shape[1] if hidden is None else hidden
     dev = g.get_device()
     d = dispatch(H, K, DTYPE_NAMES[g.dtype], DTYPE_NAMES[w.dtype], dev)
-    launcher = d.kernel(T)
-    if launcher is None:
-        d.require(T)   # raises the table's TierError
+    launcher = d.served(T)
     return launcher, T, H, g.stride(0), g.shape[0], dev
 
 

@@ -278,9 +278,7 @@ def _prepare(g, e2p, w, nw, up, shared, residual, eps) -> tuple:
     for name, t in (("gemm2_out", g), ("norm_weight", nw), ("up_proj", up)):
         check_aligned(OP, name, t)
     d = dispatch(L, H, e2p.shape[1], DTYPE_NAMES[w.dtype], dev)
-    k = d.kernel(T)
-    if k is None:
-        d.require(T)   # raises the table's TierError
+    k = d.served(T)
     return k, T, L, H, dev
 
 

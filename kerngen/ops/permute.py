@@ -138,8 +138,7 @@ class RoutingWorkspace:
             self.max_rows = align_rows(T, K, pn, tile, pad_sorted_ids=True) if align else max_rows(T, K, pn, tile)
             sizes.update(counts=pn, offsets=pn + 1, e2p=T * K, p2t=self.max_rows, t2e=self.max_rows // tile,
                          num_rows=1, hist=-(-T // MIN_TOKENS_PER_BLOCK) * pn, ticket=1)
-        # One allocation, one fill: -1 everywhere (num_rows = -1 reads as "no previous call") but the ticket;
-        # ids and weights alone need no fill.
+        # One allocation in its initial state (_initial_buffer); ids and weights alone need no fill.
         # every view starts 16-byte aligned, so ids / e2p feed the 128-bit loads of finalize and moe_tail
         # (separate=True: one allocation a view, for outputs that may not alias each other, as a custom op's)
         self._sizes = sizes
@@ -152,17 +151,23 @@ class RoutingWorkspace:
             if tile is not None:
                 self.ticket.zero_()
         else:
-            self.buffer = torch.empty((sum(self._pads),), dtype=torch.int32, device=dev)
-            if tile is not None:
-                self.buffer.fill_(-1)   # kernels only (no host copy): a workspace may be built inside a capture
-                at = sum(self._pads[:-1])
-                self.buffer[at:at + 1].zero_()   # the ticket: permute_place leaves it 0 after each call
+            self.buffer = (self._initial_buffer() if tile is not None else
+                           torch.empty((sum(self._pads),), dtype=torch.int32, device=dev))
             self._initial = None
             self._views(self.buffer.split(self._pads))
         # what a call checks a workspace against (route / permute compare it in one tuple)
         self.signature = (num_experts, K, tile, dev.index if dev.type == "cuda" else -1, layout, T, nl,
                           weights_dtype)
         self._results: dict[tuple, Routing] = {}
+
+    def _initial_buffer(self) -> torch.Tensor:
+        """A buffer of this layout in its initial state: -1 everywhere (num_rows = -1 reads as "no previous
+        call") but the ticket, 0 (permute_place leaves it 0 after each call). Written by kernels only, no host
+        copy: a workspace may be built inside a CUDA-graph capture."""
+        buf = torch.full((sum(self._pads),), -1, dtype=torch.int32, device=self.device)
+        at = sum(self._pads[:-1])
+        buf[at:at + 1].zero_()
+        return buf
 
     def _views(self, parts) -> None:
         T, K = self.max_tokens, self.top_k
@@ -189,9 +194,7 @@ class RoutingWorkspace:
                 or (self._initial is None and capturing)):
             return self._fresh_workspace()   # (inside a capture the initial state would only be filled on replay)
         if self._initial is None:   # the initial state, kept once per prototype
-            self._initial = torch.full_like(self.buffer, -1)
-            at = sum(self._pads[:-1])
-            self._initial[at:at + 1].zero_()
+            self._initial = self._initial_buffer()
         split = []
         for n, pad in zip(self._sizes.values(), self._pads):
             split += [n, pad - n]
@@ -206,12 +209,7 @@ class RoutingWorkspace:
             return RoutingWorkspace(self.max_tokens, self.num_experts, self.top_k, self.tile,
                                     local_experts=self.local_experts, weights_dtype=self.weights_dtype,
                                     device=self.device, layout=self.layout, separate=True)
-        if self.tile is None:
-            new.buffer = torch.empty_like(self.buffer)
-        else:
-            new.buffer = torch.full_like(self.buffer, -1)
-            at = sum(self._pads[:-1])
-            new.buffer[at:at + 1].zero_()   # the ticket
+        new.buffer = torch.empty_like(self.buffer) if self.tile is None else self._initial_buffer()
         new._views(new.buffer.split(self._pads))
         return new
 
@@ -449,15 +447,8 @@ def dispatch(E: int, K: int, align: bool, device: int) -> Dispatch:
     return lookup((OP, E, K, align, device), build)
 
 
-def _planned(E: int, K: int, T: int, dev: int, align: bool) -> Permute:
-    d = dispatch(E, K, align, dev)
-    p = d.kernel(T)
-    if p is None:
-        d.require(T)   # raises the table's TierError
-    return p
-
-
-_fast: dict[tuple, tuple] = {}   # signature -> (launches, prototype workspace or None, T, K, ls, nl, device, [T, 0])
+_fast: dict[tuple, tuple] = {}   # signature -> (launches, prototype of fresh buffers or None, T, K, ls, nl, device,
+#                                                [T, 0] weights)
 
 
 def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_experts: tuple[int, int] | None = None,
@@ -497,7 +488,8 @@ def _with_ids(res: Routing, topk_ids: torch.Tensor, no_weights: torch.Tensor) ->
 
 
 def _prepare(topk_ids, num_experts, tile, local_experts, workspace, layout, pad_sorted_ids) -> tuple:
-    """Every check of permute's arguments, then its launches and a prototype workspace (the given one)."""
+    """Every check of permute's arguments, then its launches and what gives a call without workspace= its fresh
+    buffers (None with workspace=)."""
     T, K, ls, nl = check_ids(OP, topk_ids, num_experts, "tile", tile, local_experts)
     align = check_layout(OP, layout)
     if not isinstance(pad_sorted_ids, bool):
@@ -511,7 +503,7 @@ def _prepare(topk_ids, num_experts, tile, local_experts, workspace, layout, pad_
     dev = topk_ids.get_device()
     # an empty [T, 0] topk_weights, shared by the calls of this signature (it holds no data)
     no_weights = topk_ids.new_empty((T, 0), dtype=torch.float32)
-    return _planned(num_experts, K, T, dev, align), proto, T, K, ls, nl, dev, no_weights
+    return dispatch(num_experts, K, align, dev).served(T), proto, T, K, ls, nl, dev, no_weights
 
 
 class _AlignTarget:
@@ -552,7 +544,8 @@ def permute_align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int
         ws = _scratch[skey] = RoutingWorkspace(max(T, 1), num_experts, K, block_size, device=topk_ids.device,
                                                layout="align")
     target = _AlignTarget(ws, sorted_token_ids, expert_ids, num_tokens_post_pad)
-    _planned(num_experts, K, T, dev, True)(current_stream(dev), topk_ids.data_ptr(), target, T, block_size, ls, nl)
+    launches = dispatch(num_experts, K, True, dev).served(T)
+    launches(current_stream(dev), topk_ids.data_ptr(), target, T, block_size, ls, nl)
 
 
 # ----------------------------------------------------------------------------------------------- checks

@@ -184,10 +184,8 @@ class Route:
             self.topk = Launcher(resolve(s), "routing_topk", dev, (max(1, -(-T // groups)), 1, 1),
                                  (warps * 32, 1, 1), PARAMS, pdl=True)
             self.ids_only = self.topk
-            self.permute = (permute_op.dispatch(consts["E"], consts["K"], consts.get("ALIGN", False), dev).kernel(T)
+            self.permute = (permute_op.dispatch(consts["E"], consts["K"], consts.get("ALIGN", False), dev).served(T)
                             if permute else None)
-            if permute and self.permute is None:
-                permute_op.dispatch(consts["E"], consts["K"], consts.get("ALIGN", False), dev).require(T)
         else:
             raise InputError(OP, "tier variant", "fused or topk", s.variant)
 
@@ -228,8 +226,8 @@ def dispatch(E: int, K: int, method: str, n_group: int, topk_group: int, renorma
         a = arch(device)
         return Dispatch(
             OP, {"num_experts": E, "top_k": K},
-            rule_spec(tag_constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype,
-                                            align), a),
+            rule_spec(tag_constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype, align),
+                      a),
             lambda s, T, dev: Route(s, T, dev, permute), device, arch=a)
 
     return lookup(key, build)
@@ -240,7 +238,7 @@ def clear() -> None:
     _fast.clear()
 
 
-_fast: dict[tuple, tuple] = {}   # route's input signature -> (Route, prototype workspace or None, T, tile, ls, nl, rsf, dev)
+_fast: dict[tuple, tuple] = {}   # signature -> (Route, prototype of fresh buffers or None, T, tile, ls, nl, rsf, dev)
 
 
 def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None = None,
@@ -296,9 +294,7 @@ def _prepare(logits, top_k, method, bias, n_group, topk_group, rsf, renormalize,
     d = dispatch(E, top_k, method, n_group, topk_group, renormalize, DTYPE_NAMES[logits.dtype],
                  "none" if bias is None else DTYPE_NAMES[bias.dtype], DTYPE_NAMES[wdt], layout == "align",
                  tile is not None, dev)
-    r = d.kernel(T)
-    if r is None:
-        d.require(T)   # raises the table's TierError
+    r = d.served(T)
     return r, proto, T, tile, ls, nl, float(rsf), dev
 
 

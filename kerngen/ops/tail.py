@@ -242,9 +242,7 @@ def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
     dev = g.get_device()
     flags = (shared is not None, residual is not None, residual_out is not None)
     d = dispatch(H, K, _NAMES[g.dtype], _NAMES[w.dtype], _NAMES[odt], flags, dev)
-    fn = d.kernel(T)
-    if fn is None:
-        d.require(T)   # raises the table's TierError
+    fn = d.served(T)
     # the kernel loads row 0 for skipped slots (no branch around loads): give it a row when gemm2_out has none
     g_arg = torch.zeros(1, H, dtype=g.dtype, device=g.device) if not g.shape[0] else (True if g.shape[1] != H else None)
     return fn, T, H, odt, g_arg, dev, H // FP8_BLOCK if odt == FP8 else 0
