@@ -147,6 +147,12 @@ def _launch_fn():
     return _libcuda
 
 
+def needs_smem_optin(static: int, dynamic: int) -> bool:
+    """Whether a launch must raise the function's dynamic shared memory limit first: a CTA may use more than
+    48 KiB only by opting in, and the 48 KiB count static and dynamic shared memory together."""
+    return static + dynamic > 48 * 1024
+
+
 class Launcher:
     """One kernel at one grid/block on one device; `launcher.launch(stream, field=value, ...)` packs the
     fields of its `Params` by name (0 for a field left out) and launches; `launcher(stream, *values)` takes
@@ -170,9 +176,13 @@ class Launcher:
         self._fn_p = ctypes.c_void_p(int(self.fn))
         self._launch = _launch_fn()
         self._states: dict[int, _LaunchState] = {}
-        if smem > 48 * 1024:
+        if smem and needs_smem_optin(self._static_smem(drv), smem):
             _ok(drv.cuFuncSetAttribute(self.fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                        smem), "raising the dynamic shared memory limit")
+
+    def _static_smem(self, drv) -> int:
+        return int(_ok(drv.cuFuncGetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self.fn),
+                       "reading the kernel's static shared memory"))
 
     def _state(self, register: bool = True):
         """Launch state: parameter buffer and launch config, reused on every call (per thread, or per bind)."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 
 import torch
 
@@ -211,6 +212,8 @@ def run(a) -> list[dict]:
                     row.update(time_impl(model, impl, ids, a.new_tokens, a.compile, a.repeats, a.device))
                 except Exception as e:   # reported in the row, never dropped
                     row["note"] = f"{'compile ' if a.compile else ''}failed: {_err(e)}"
+                    if a.traceback:
+                        traceback.print_exc()
                 if "ids" in row:
                     if ref is None:
                         ref = row
@@ -259,6 +262,7 @@ def parse(argv=None):
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 32000; --tiny 512)")
     ap.add_argument("--repeats", type=int, default=1, help="timed generate() calls after the warm-up (best)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--traceback", action="store_true", help="print the whole traceback of a failed row")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                     help="the model's dtype (float32: no equal bf16 router scores, for exact id comparisons)")
     ap.add_argument("--init-std", type=float, default=None, help="weights' std (default 0.02; --tiny 0.1)")
