@@ -61,10 +61,16 @@ def weights(H, I, E, bias, gen):
     return w13, w2, b13, b2
 
 
-def quantize(w: torch.Tensor, fmt: str):
-    """bf16 weights [E, N, K] as kerngen.experts takes them in `fmt`: (weights, scales), or (w, None) for bf16."""
+def quantize(w: torch.Tensor, fmt: str, chunk: int = 8):
+    """bf16 weights [E, N, K] as kerngen.experts takes them in `fmt`: (weights, scales), or (w, None) for bf16.
+    Quantized `chunk` experts at a time (the fp32 temporaries of a whole layer would not fit beside the weights)."""
     if fmt == "bf16":
         return w, None
+    parts = [_quantize(w[e:e + chunk], fmt) for e in range(0, w.shape[0], chunk)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _quantize(w: torch.Tensor, fmt: str):
     E, N, K = w.shape
     if fmt == "fp8":
         b = w.float().view(E, N // 128, 128, K // 128, 128)

@@ -64,16 +64,17 @@ def build_block(m, inter: int, device="cuda", dtype=torch.bfloat16, seed: int = 
         cfg = Llama4TextConfig(hidden_size=H, intermediate_size=inter, num_local_experts=E, num_experts_per_tok=K)
     cfg._experts_implementation = "eager"
     gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.device(device):
+    with torch.device("meta"):   # built in `dtype` directly: kimi-k3's experts in fp32 would not fit
         block = cls(cfg)
+    block = block.to(dtype).to_empty(device=device)
     with torch.no_grad():
         for name, t in [*block.named_parameters(), *block.named_buffers()]:
-            if "bias" in name:
-                t.copy_(torch.randn(t.shape, generator=gen, device=device) * 0.05)
-            else:   # gate_up [E, 2I, H] / down [E, H, I] (gpt-oss and Llama-4 transposed), linears [out, in]
-                fan_in = t.shape[-2] if name.startswith("experts.") and _transposed(block) else t.shape[-1]
-                t.copy_(torch.randn(t.shape, generator=gen, device=device) * fan_in ** -0.5)
-    block = block.to(dtype).eval()
+            # gate_up [E, 2I, H] / down [E, H, I] (gpt-oss and Llama-4 transposed), linears [out, in]
+            fan_in = t.shape[-2] if name.startswith("experts.") and _transposed(block) else t.shape[-1]
+            std = 0.05 if "bias" in name else fan_in ** -0.5
+            for part in (t.unsqueeze(0) if t.dim() < 3 else t):   # an expert at a time: no whole-layer temporary
+                part.copy_(torch.randn(part.shape, generator=gen, device=device) * std)
+    block = block.eval()
     if m.routing in ("sigmoid_bias", "grouped_sigmoid_bias"):
         block.gate.float()   # DeepSeek-V3 keeps its router weight and correction bias in fp32 (_keep_in_fp32_modules)
     return block
