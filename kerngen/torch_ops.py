@@ -1,8 +1,10 @@
 """torch custom ops: kerngen::finalize, kerngen::route, kerngen::route_permute, kerngen::moe_align_block_size,
-kerngen::moe_tail.
+kerngen::moe_tail, kerngen::moe_experts.
 
 They trace under torch.compile(fullgraph=True) (fake implementations give output shapes) and capture in
 CUDA graphs. A CPU implementation (the torch reference) lets pipelines run and be checked on the CPU.
+Every tensor a call uses is its own (no workspace, scratch or prototype kept between calls): torch.compile's CUDA
+graphs own the memory their calls allocate and reuse it once the call's outputs are dead.
 Calling kerngen.finalize / route / moe_tail directly is cheaper on the host (no dispatcher).
 """
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .ops import experts as _ex
 from .ops import finalize as _fin
 from .ops import permute as _pm
 from .ops import routing as _rt
@@ -38,10 +41,12 @@ def _finalize_fake(gemm2_out, expanded_to_permuted, topk_weights, hidden=None):
 @torch.library.custom_op("kerngen::route", mutates_args=(), device_types="cuda")
 def route(logits: Tensor, top_k: int, method: str, bias: Tensor | None = None, n_group: int = 1,
           topk_group: int = 1, routed_scaling_factor: float = 1.0, renormalize: bool = True) -> tuple[Tensor, Tensor]:
+    # a workspace of this call's own, one allocation a view: a custom op's outputs may not alias each other
+    ws = _pm.RoutingWorkspace(max(logits.shape[0], 1), logits.shape[1], top_k, None, device=logits.device,
+                              separate=True)
     r = _rt.route(logits, top_k=top_k, method=method, bias=bias, n_group=n_group, topk_group=topk_group,
-                  routed_scaling_factor=routed_scaling_factor, renormalize=renormalize)
-    # route's outputs are views of one workspace buffer; a custom op's outputs may not alias each other.
-    return r.topk_ids.clone(), r.topk_weights.clone()
+                  routed_scaling_factor=routed_scaling_factor, renormalize=renormalize, workspace=ws)
+    return r.topk_ids, r.topk_weights
 
 
 @route.register_kernel("cpu")
@@ -151,3 +156,60 @@ def _moe_tail_cpu(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, ep
 def _moe_tail_fake(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, eps=1e-6, shared=None,
                    residual=None):
     return gemm2_out.new_empty((expanded_to_permuted.shape[0], norm_weight.shape[0]))
+
+
+# ------------------------------------------------------------------------- the routed experts of a block
+@torch.library.custom_op("kerngen::moe_experts", mutates_args=(), device_types="cuda")
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, activation: str,
+                b13: Tensor | None = None, b2: Tensor | None = None, w13_scale: Tensor | None = None,
+                w2_scale: Tensor | None = None) -> Tensor:
+    """A block's routed experts and their weighted sum, [T, H] bf16: the permutation of topk_ids at the tile of
+    the experts kernels' rule for T tokens (1 where none serves), kerngen.experts, kerngen.finalize (fp32 sums,
+    k ascending). Arguments as kerngen.experts takes them (x bf16, w13 [E, 2I, H], w2 [E, H, I], bf16 / fp8 /
+    MXFP4 weights with their scales). fp8 and MXFP4 token counts no rule serves read which experts were hit on
+    the host (not capturable)."""
+    E, T = w13.shape[0], x.shape[0]
+    ids = _ids(topk_ids, "topk_ids")
+    tile = _tile(x, w13, w2, activation)
+    ws = _pm.RoutingWorkspace(max(T, 1), E, ids.shape[1], tile, device=x.device, separate=True)
+    r = _pm.permute(ids, num_experts=E, tile=tile, workspace=ws)
+    rows = r.permuted_to_token.shape[0]
+    g = x.new_empty((rows, x.shape[1]), dtype=torch.bfloat16)
+    scratch = x.new_empty((rows, w2.shape[2]), dtype=torch.bfloat16)
+    _ex.experts(x, r, w13, w2, activation=activation, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale,
+                out=g, scratch=scratch)
+    return _fin.finalize(g, r.expanded_to_permuted, _weights(topk_weights))
+
+
+def _ids(topk_ids: Tensor, name: str) -> Tensor:
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        from .errors import InputError
+        raise InputError("moe_experts", name, "int32 or int64 expert ids [T, K]", str(topk_ids.dtype))
+    return topk_ids.to(torch.int32).contiguous()
+
+
+def _weights(w: Tensor) -> Tensor:
+    return (w if w.dtype in (torch.float32, torch.bfloat16) else w.float()).contiguous()
+
+
+def _tile(x: Tensor, w13: Tensor, w2: Tensor, activation: str) -> int:
+    """The tile of the experts kernels' rule for these tokens (1 where none serves them)."""
+    if w13.dtype not in _ex.FORMATS or x.device.type != "cuda":
+        return 1
+    s = _ex.dispatch(x.shape[1], w2.shape[2], activation, x.get_device(), _ex.FORMATS[w13.dtype]).spec(x.shape[0])
+    return 1 if s is None else _ex.tile_of(s)
+
+
+@moe_experts.register_kernel("cpu")
+def _moe_experts_cpu(x, topk_ids, topk_weights, w13, w2, activation, b13=None, b2=None, w13_scale=None,
+                     w2_scale=None):
+    ids = _ids(topk_ids, "topk_ids")
+    r = _pm.Routing(ids, topk_weights, **_pm.permute_reference(ids, w13.shape[0], 1), tile=1)
+    g = _ex.experts(x, r, w13, w2, activation=activation, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale)
+    return _fin.reference(g, r.expanded_to_permuted, _weights(topk_weights))
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x, topk_ids, topk_weights, w13, w2, activation, b13=None, b2=None, w13_scale=None,
+                      w2_scale=None):
+    return x.new_empty((topk_ids.shape[0], x.shape[1]), dtype=torch.bfloat16)

@@ -17,6 +17,7 @@ except ModuleNotFoundError as e:
                               "installed: pip install 'kerngen[transformers]'", name=e.name) from None
 
 import kerngen
+import kerngen.torch_ops  # noqa: F401  (registers kerngen::moe_experts and kerngen::route for the compiled path)
 from kerngen.ops import experts as _ex
 from kerngen.ops import finalize as _fin
 from kerngen.ops import permute as _pm
@@ -184,6 +185,8 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         train = _FP8_TRAINING if getattr(self, "gate_up_proj", None) is not None and \
             self.gate_up_proj.dtype == torch.float8_e4m3fn else hf_moe.grouped_mm_experts_forward
         return train(self, hidden_states, top_k_index, top_k_weights)
+    if torch.compiler.is_compiling():
+        return _compiled_forward(self, hidden_states, top_k_index, top_k_weights)
     st = state(self, self)
     tile = st.tile(self, hidden_states)
     r = _permutation(self, st, top_k_index, tile)
@@ -202,6 +205,26 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     g = _expert_rows(hidden_states, r, getattr(self, up), self.down_proj, act, self.is_transposed, bias(up_bias),
                      bias("down_proj_bias"), self.post_expert_norm if self.has_post_expert_norm else None)
     return _finalize(g, r.expanded_to_permuted, top_k_weights).to(hidden_states.dtype)
+
+
+def _compiled_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor) -> torch.Tensor:
+    """experts_forward under torch.compile: what the kernels serve is one custom op (kerngen::moe_experts:
+    permutation, both projections, finalize), traced without a graph break and keeping nothing between calls
+    (the compiled graph's CUDA graphs own the memory); anything else is transformers' "grouped_mm" code."""
+    w13 = getattr(self, "gate_up_proj", None)
+    fp8 = fp8_activation(self)
+    act = fp8 or kernel_activation(self)
+    if act is not None and (fp8 is not None or (hidden_states.dtype == w13.dtype == torch.bfloat16
+                                                and w13.shape[-1] % 8 == 0)):
+        b13, b2 = (self.gate_up_proj_bias, self.down_proj_bias) if self.has_bias else (None, None)
+        s13, s2 = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv) if fp8 is not None else (None, None)
+        x = hidden_states.to(torch.bfloat16).contiguous()
+        y = torch.ops.kerngen.moe_experts(x, top_k_index, top_k_weights, w13, self.down_proj, act, b13, b2, s13, s2)
+        return y.to(hidden_states.dtype)
+    if w13 is not None and w13.dtype == torch.float8_e4m3fn:
+        return _FP8_TRAINING(self, hidden_states, top_k_index, top_k_weights)
+    return hf_moe.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 hf_moe.ExpertsInterface.register(NAME, experts_forward)

@@ -144,6 +144,12 @@ def _router_forward(router: nn.Module, spec: Router, kw: dict, experts: nn.Modul
             return original(router, hidden_states, *args)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = spec.logits(router, x)
+        if torch.compiler.is_compiling():   # the custom op, nothing kept between calls (see _compiled_forward)
+            ids, w = torch.ops.kerngen.route(logits if logits.dtype in _KERNEL_WEIGHTS else logits.float(),
+                                             kw["top_k"], kw["method"], spec.bias(router, args), kw.get("n_group", 1),
+                                             kw.get("topk_group", 1), kw.get("routed_scaling_factor", 1.0),
+                                             kw.get("renormalize", True))
+            return logits, w.to(weights(logits, x)), ids
         st = state(experts, experts)
         r = _route(logits, kw, spec.bias(router, args), weights(logits, x), st.tile(experts, x), st)
         st.routing = r   # the experts take this permutation when they get these very ids
@@ -164,7 +170,7 @@ def _llama4_forward(block: nn.Module):
         return u * ex.act_fn(g)
 
     def forward(hidden_states):
-        if block.training:
+        if block.training or torch.compiler.is_compiling():   # compiled: transformers' block (its grouped GEMMs)
             return original(block, hidden_states)
         x = hidden_states.reshape(-1, block.hidden_dim)
         logits = nn.Linear.forward(block.router, x)

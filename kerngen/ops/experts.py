@@ -396,7 +396,8 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
             interleaved: bool = False, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
             input_weights: torch.Tensor | None = None, tile: int | None = None, alpha: float = 1.702,
             limit: float = 7.0, beta: float = 1.0, linear_beta: float = 0.0, w13_scale: torch.Tensor | None = None,
-            w2_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+            w2_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Expert output rows [rows, H] bf16 in permuted order (row = expanded_to_permuted[t, k]) for finalize.
 
     x [T, H] bf16; routing: a kerngen.Routing with its permutation (route(..., tile=...) or permute; tile is
@@ -413,6 +414,9 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     widened to bf16 with the scale applied in registers (exact for scale bytes 2..252); H, I multiples of 64.
     Token counts no rule serves run the per-expert reference on the GPU for fp8 and MXFP4 weights (it reads
     which experts were hit on the host).
+    scratch: the kernels' intermediate, bf16 contiguous [rows, I] or longer (rows = the routing's permuted
+    rows); by default one buffer kept per stream. Pass one per call where memory the call leaves behind must
+    not persist: inside a CUDA-graph pool that something else manages (torch.compile's CUDA graphs).
     CUDA tensors take the kernels; CPU tensors run `reference`.
     """
     try:   # kerngen-built routings carry their checked layout; the signature pins what check_args establishes
@@ -444,12 +448,18 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
           or out.get_device() != dev):
         check_tensor(OP, "out", out, dtypes=_BF16, ndim=2, device=x.device, contiguous=True)
         raise InputError(OP, "out", f"of shape {(rows, H)}", f"shape {tuple(out.shape)}")
+    if scratch is not None and (scratch.dtype != torch.bfloat16 or scratch.dim() != 2 or scratch.shape[1] != I
+                                or scratch.shape[0] < rows or not scratch.is_contiguous()
+                                or scratch.get_device() != dev):
+        raise InputError(OP, "scratch", f"a contiguous bf16 [>= {rows}, {I}] tensor on {x.device}",
+                         f"{scratch.dtype} {tuple(scratch.shape)} on {scratch.device}"
+                         f"{'' if scratch.is_contiguous() else ', not contiguous'}")
     T = x.shape[0]
     if not T or not rows:   # no tokens: no row holds an expert output
         return out
     if k is not None:
         return k.run(x, routing, w13, w2, out, b13, b2, input_weights, interleaved, a0, a1, w13_scale, w2_scale, T,
-                     tiles, experts_)
+                     tiles, experts_, scratch)
     kw = dict(activation=activation, interleaved=interleaved, b13=b13, b2=b2, input_weights=input_weights,
               tile=tile, alpha=alpha, limit=limit, beta=beta, linear_beta=linear_beta, w13_scale=w13_scale,
               w2_scale=w2_scale)
