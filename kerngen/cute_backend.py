@@ -33,6 +33,9 @@ _mutex = threading.Lock()
 def _import_cutlass(arch: str | None = None):
     if "cutlass" not in sys.modules:
         os.environ.setdefault("CUTE_DSL_ARCH", arch or env.default_arch())
+        # torch first: imported from inside the DSL's import (through tvm-ffi), as in a fresh warmup worker, torch
+        # fails to register its own custom ops (seen with torch 2.11 and cutlass-dsl 4.8)
+        import torch  # noqa: F401
     import cutlass
     import cutlass.cute  # noqa: F401
     return cutlass

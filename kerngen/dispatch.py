@@ -46,7 +46,7 @@ class Dispatch:
             try:
                 s, err = spec_of(tbl.rule(op, {**key, "tokens": lo})), None
             except TierError as e:
-                s, err = None, e
+                s, err = None, _detached(e)
             if self.specs and s == self.specs[-1] and err is None and self.errors[-1] is None:
                 continue   # the same kernel as the bucket before: one bucket
             self.starts.append(lo)
@@ -133,3 +133,13 @@ def registry() -> dict[tuple, Dispatch]:
 
 
 tiers.on_reload(clear)
+
+
+def _detached(e: BaseException) -> BaseException:
+    """`e` (and what it chains) without tracebacks: a kept exception would keep the frames it passed through and
+    through them their callers' locals (a first call's tensors, alive for good)."""
+    seen = e
+    while seen is not None:
+        seen.__traceback__ = None
+        seen = seen.__cause__ or seen.__context__
+    return e

@@ -325,3 +325,31 @@ def test_what_calls_without_workspace_keep_is_bounded(stub_gpu):
     d = experts.dispatch(H, I, "silu", -1)
     assert {id(d.kernel(T)) for T in (1, 3, 16, 2)} == {id(d.kernel(1))}   # one launch object for the bucket
     assert len(d.kernel(1)._act) == 1
+
+
+def _live_tensors() -> dict[int, torch.Tensor]:
+    import gc
+    gc.collect()
+    return {id(o): o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel()}
+
+
+def test_the_custom_ops_keep_no_tensor_of_their_calls(stub_gpu):
+    """torch.compile's CUDA graphs own what their calls allocate and refuse a graph whose allocations outlive it
+    untracked: after kerngen::route and kerngen::moe_experts (their CUDA implementations, first calls included:
+    the dispatch is built then) only their outputs are alive."""
+    from kerngen import torch_ops
+    g = torch.Generator().manual_seed(0)
+    T, H, I, E, K = 3, 256, 64, 128, 8
+    x = torch.randn(T, H, generator=g).bfloat16()
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g).bfloat16(), torch.randn(E, H, I, generator=g).bfloat16()
+    logits = torch.randn(T, E, generator=g)
+    for call in range(2):
+        before = _live_tensors()
+        ids, w = torch_ops.route._init_fn(logits, K, "softmax_topk", None, 1, 1, 1.0, True)
+        y = torch_ops.moe_experts._init_fn(x, ids, w, w13, w2, "silu")
+        assert y.shape == (T, H)
+        new = [t for k, t in _live_tensors().items() if k not in before]
+        outputs = {t.untyped_storage().data_ptr() for t in (ids, w, y)}
+        kept = [(tuple(t.shape), t.dtype) for t in new if t.untyped_storage().data_ptr() not in outputs]
+        assert not kept, call
+        del ids, w, y

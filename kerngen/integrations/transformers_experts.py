@@ -222,9 +222,10 @@ def _compiled_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index:
         x = hidden_states.to(torch.bfloat16).contiguous()
         y = torch.ops.kerngen.moe_experts(x, top_k_index, top_k_weights, w13, self.down_proj, act, b13, b2, s13, s2)
         return y.to(hidden_states.dtype)
+    ids = top_k_index.long()   # transformers' code, written for its routers' int64 ids
     if w13 is not None and w13.dtype == torch.float8_e4m3fn:
-        return _FP8_TRAINING(self, hidden_states, top_k_index, top_k_weights)
-    return hf_moe.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return _FP8_TRAINING(self, hidden_states, ids, top_k_weights)
+    return hf_moe.grouped_mm_experts_forward(self, hidden_states, ids, top_k_weights)
 
 
 hf_moe.ExpertsInterface.register(NAME, experts_forward)

@@ -28,7 +28,8 @@ def test_block_compiled_with_cuda_graphs(case, T):
             with torch.no_grad():
                 out = compiled(x.clone())
             out = (out[0] if isinstance(out, tuple) else out).clone()
-            assert rel_err(out, ref) <= (TOL_FUSED if served else TOL[torch.bfloat16]), (case, T)
+            err = rel_err(out, ref)
+            assert err <= (TOL_FUSED if served else TOL[torch.bfloat16]), (case, T, err)
     kt.disable(model)
 
 
