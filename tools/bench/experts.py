@@ -70,6 +70,12 @@ def quantize(w: torch.Tensor, fmt: str, chunk: int = 8):
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
+def dequantize(w: torch.Tensor, scale: torch.Tensor, chunk: int = 8) -> torch.Tensor:
+    """kerngen's dequantized weights in bf16, `chunk` experts at a time (its fp32 result would not fit)."""
+    return torch.cat([ex.dequantize(w[e:e + chunk], scale[e:e + chunk]).to(torch.bfloat16)
+                      for e in range(0, w.shape[0], chunk)])
+
+
 def _quantize(w: torch.Tensor, fmt: str):
     E, N, K = w.shape
     if fmt == "fp8":
@@ -118,8 +124,7 @@ def case(name, T, bw, args, kernels_of):
         (q13, s13), (q2, s2) = quantize(a, fmt), quantize(b, fmt)
         quant.append((q13, q2, s13, s2))
     if fmt != "bf16":   # the grouped GEMM (and the check) on layer 0's weights as kerngen reads them
-        w13, w2 = (ex.dequantize(quant[0][0], quant[0][2]).to(torch.bfloat16),
-                   ex.dequantize(quant[0][1], quant[0][3]).to(torch.bfloat16))
+        w13, w2 = dequantize(quant[0][0], quant[0][2]), dequantize(quant[0][1], quant[0][3])
     calls = 20
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
     logits = [torch.randn(T, E, device="cuda", generator=gen) for _ in range(calls)]
@@ -231,7 +236,7 @@ def main(argv=None) -> int:
     models, tokens = args.models.split(","), [int(t) for t in args.tokens.split(",")]
 
     def cand_specs(H, I, tile, act):
-        tag, consts = ex.tag_constants(H, I, tile, act)
+        tag, consts = ex.tag_constants(H, I, tile, act, args.format)
         cands = CANDIDATES if args.sweep else [args.rule]
         return [(",".join(f"{k}={x}" for k, x in c.items()),
                  spec_for(Rule(op="experts", variant="mma", ranges={}, params=c), tag, consts, arch)) for c in cands]
@@ -248,7 +253,7 @@ def main(argv=None) -> int:
             for label, s in cand_specs(H, I, tile, act):
                 yield label, ex.Kernels(s, dev)
         else:
-            s = ex.spec(H, I, tile, act, T, arch)
+            s = ex.spec(H, I, tile, act, T, arch, fmt=args.format)
             yield "tiers.toml: " + ",".join(f"{k}={v}" for k, v in s.params), ex.Kernels(s, dev)
 
     bw = copy_bandwidth_tbs()
