@@ -193,12 +193,10 @@ class RoutingWorkspace:
         if (self.buffer is None or self.layout != "kerngen" or self.tile is None or tokens != self.max_tokens
                 or (self._initial is None and capturing)):
             return self._fresh_workspace()   # (inside a capture the initial state would only be filled on replay)
-        if self._initial is None:   # the initial state, kept once per prototype
+        if self._initial is None:   # the initial state and its split (each view, then its padding), once
             self._initial = self._initial_buffer()
-        split = []
-        for n, pad in zip(self._sizes.values(), self._pads):
-            split += [n, pad - n]
-        return _Fresh(self, dict(zip(self._sizes, self._initial.clone().split(split)[::2])))
+            self._split = [m for n, pad in zip(self._sizes.values(), self._pads) for m in (n, pad - n)]
+        return _Fresh(self, dict(zip(self._sizes, torch.split_with_sizes(self._initial.clone(), self._split)[::2])))
 
     def _fresh_workspace(self) -> "RoutingWorkspace":
         """A new workspace like this one in its initial state (no checks)."""

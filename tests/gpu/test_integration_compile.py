@@ -5,7 +5,7 @@ eager one."""
 import pytest
 import torch
 
-from tests.test_integration_transformers import TOL, TOL_FUSED, inputs, kt, moe_blocks, rel_err, run_block, tiny
+from tests.test_integration_transformers import TOL_FUSED, inputs, kt, moe_blocks, rel_err, run_block, tiny
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
 WIDE = dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=128, head_dim=64)   # kernel-sized
@@ -22,14 +22,14 @@ def test_block_compiled_with_cuda_graphs(case, T):
     kt.enable(model)
     torch._dynamo.reset()
     compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
-    served = kt.kernel_activation(block.experts) is not None
     for _ in range(2):   # warm-up, record, then replays; inputs change under the same graph
         for x, ref in zip(xs, refs):
             with torch.no_grad():
                 out = compiled(x.clone())
             out = (out[0] if isinstance(out, tuple) else out).clone()
+            # inductor keeps the compiled block's bf16 intermediates in fp32 (as kerngen's kernels do): TOL_FUSED
             err = rel_err(out, ref)
-            assert err <= (TOL_FUSED if served else TOL[torch.bfloat16]), (case, T, err)
+            assert err <= TOL_FUSED, (case, T, err)
     kt.disable(model)
 
 
