@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .errors import InputError
 from .ops import experts as _ex
 from .ops import finalize as _fin
 from .ops import permute as _pm
@@ -183,7 +184,6 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
 
 def _ids(topk_ids: Tensor, name: str) -> Tensor:
     if topk_ids.dtype not in (torch.int32, torch.int64):
-        from .errors import InputError
         raise InputError("moe_experts", name, "int32 or int64 expert ids [T, K]", str(topk_ids.dtype))
     return topk_ids.to(torch.int32).contiguous()
 
