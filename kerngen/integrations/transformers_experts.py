@@ -73,7 +73,8 @@ class BlockState:
         (finalize reads them at once)."""
         n = routing.permuted_to_token.shape[0]
         buf = self._rows
-        if buf is None or buf.shape[0] < n or buf.shape[1] != H or buf.dtype != like.dtype or buf.device != like.device:
+        if (buf is None or buf.shape[0] < n or buf.shape[1] != H or buf.dtype != like.dtype
+                or buf.get_device() != like.get_device()):
             buf = self._rows = torch.empty((n, H), dtype=like.dtype, device=like.device)
         return buf[:n]
 
@@ -188,8 +189,12 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     if torch.compiler.is_compiling():
         return _compiled_forward(self, hidden_states, top_k_index, top_k_weights)
     st = state(self, self)
-    tile = st.tile(self, hidden_states)
-    r = _permutation(self, st, top_k_index, tile)
+    r = st.routing
+    if r is not None and r.topk_ids is top_k_index:   # the router's permutation, built at these tokens' tile
+        st.routing, tile = None, r.tile
+    else:
+        tile = st.tile(self, hidden_states)
+        r = _permutation(self, st, top_k_index, tile)
     bias = (lambda name: getattr(self, name)) if self.has_bias else (lambda name: None)
     # kerngen.experts' kernels (gather, both projections and the gate in two launches) where they serve these
     # tokens; fp8 weights take kerngen.experts at every size (its fp8 kernels, else its per-expert reference)
