@@ -2,7 +2,11 @@
 torch.compile of the same routing math (ids + weights only), one process, same inputs, CUDA graphs.
 
     bench_routing([("kimi-k3", 1), ("deepseek-v3", 8)]) -> [{"model": ..., "T": ..., "ours_us": ...}, ...]
-    python3 -m tools.bench.routing [--tokens 1,8,64,512,4096] [--models kimi-k3,deepseek-v3]
+    python3 -m tools.bench.routing [--tokens 1,8,64,512,4096] [--models kimi-k3,deepseek-v3] [--align]
+
+--align also times the same call writing moe_align_block_size's layout (layout="align": sorted_token_ids,
+expert_ids, num_tokens_post_padded, every row past the used ones rewritten on each call) and prints its cost over
+the kerngen layout; its outputs are checked against `align_reference` after timing.
 """
 from __future__ import annotations
 
@@ -58,7 +62,7 @@ def torch_routing(m):
 
 
 def bench_routing(cases=None, *, tile: int = 128, calls: int = 50, replays: int = 30,
-                  peers: bool = True) -> list[dict]:
+                  peers: bool = True, align: bool = False) -> list[dict]:
     """Median µs per call (CUDA graph of `calls` calls, median over `replays` replays) for each (model, T)."""
     cases = cases or default_cases()
     tbl = kerngen.models()
@@ -75,6 +79,8 @@ def bench_routing(cases=None, *, tile: int = 128, calls: int = 50, replays: int 
                              calls=calls, replays=replays)
         row = {"op": "routing", "model": name, "E": E, "K": m.top_k, "method": m.routing, "T": T, "tile": tile,
                "ours_us": round(ours, 2)}
+        if align:
+            row.update(align_cost(name, logits, bias, tile, ours, calls, replays))
         if peers:
             eager = torch_routing(m)
             bias_arg = bias if bias is not None else torch.zeros(E, device="cuda")
@@ -86,6 +92,25 @@ def bench_routing(cases=None, *, tile: int = 128, calls: int = 50, replays: int 
             row["speedup_vs_compile"] = round(row["compile_us"] / ours, 2)
         out.append(row)
     return out
+
+
+def align_cost(name, logits, bias, tile: int, ours_us: float, calls: int, replays: int) -> dict:
+    """µs of the same route writing the align layout, its cost over the kerngen layout, and the check of its
+    outputs against align_reference (after timing)."""
+    from kerngen.ops.permute import align_reference
+    m = kerngen.models()[name]
+    T, E = logits.shape
+    ws = kerngen.RoutingWorkspace(T, E, m.top_k, tile, layout="align")
+    step = lambda: kerngen.route(logits, bias=bias, model=name, tile=tile, workspace=ws, layout="align")  # noqa: E731
+    us = graph_time_us(step, calls=calls, replays=replays)
+    r = step()
+    torch.cuda.synchronize()
+    want = align_reference(r.topk_ids, tile, E)
+    ok = all(torch.equal(got.cpu(), exp.cpu()) for got, exp in
+             zip((r.sorted_token_ids, r.expert_ids, r.num_tokens_post_padded.view(-1)), want))
+    if not ok:
+        raise SystemExit(f"{name} T={T}: the align layout differs from align_reference")
+    return {"align_us": round(us, 2), "align_cost_us": round(us - ours_us, 2)}
 
 
 def kernel_breakdown(cases, *, tile: int = 128, iters: int = 50) -> list[dict]:
@@ -118,6 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="per-kernel device time instead")
+    ap.add_argument("--align", action="store_true", help="also the align layout's cost (moe_align_block_size's)")
     a = ap.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
     cases = ([(n, t) for n in a.models.split(",") for t in tokens] if a.models else default_cases(tokens))
@@ -125,7 +151,7 @@ def main(argv=None) -> int:
         for r in kernel_breakdown(cases):
             print(r, flush=True)
         return 0
-    for r in bench_routing(cases, peers=not a.no_peers):
+    for r in bench_routing(cases, peers=not a.no_peers, align=a.align):
         print("  ".join(f"{k}={v}" for k, v in r.items()), flush=True)
     return 0
 
