@@ -7,7 +7,8 @@ import torch
 import kerngen
 from .lib import graph_time_us
 
-TAIL_CASES = [("kimi-k3", 3584, 16), ("deepseek-v3", 7168, 8)]
+TAIL_CASES = [("kimi-k3", 3584, 16), ("deepseek-v3", 7168, 8), ("gpt-oss-120b", 2880, 4), ("mixtral-8x7b", 4096, 2),
+              ("llama-4-maverick", 5120, 1)]
 EPS = 1e-6
 
 
