@@ -353,3 +353,18 @@ def test_the_custom_ops_keep_no_tensor_of_their_calls(stub_gpu):
         kept = [(tuple(t.shape), t.dtype) for t in new if t.untyped_storage().data_ptr() not in outputs]
         assert not kept, call
         del ids, w, y
+
+
+def test_experts_take_the_callers_scratch_and_keep_none(stub_gpu):
+    """scratch= is the kernels' intermediate: given, the per-stream buffer is never made; left out, it is."""
+    g = torch.Generator().manual_seed(0)
+    T, H, I, E, K = 4, 256, 64, 128, 8
+    x = torch.randn(T, H, generator=g).bfloat16()
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g).bfloat16(), torch.randn(E, H, I, generator=g).bfloat16()
+    r = kerngen.route(torch.randn(T, E, generator=g), top_k=K, method="softmax_topk", tile=8)
+    rows = r.permuted_to_token.shape[0]
+    k = experts.dispatch(H, I, "silu", x.get_device()).kernel(T)
+    kerngen.experts(x, r, w13, w2, scratch=torch.empty(rows, I, dtype=torch.bfloat16))
+    assert k._act == {} and stub_gpu.count("experts_gemm1") == 1
+    kerngen.experts(x, r, w13, w2)
+    assert [tuple(a.shape) for a in k._act.values()] == [(rows, I)]

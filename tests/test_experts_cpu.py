@@ -130,6 +130,10 @@ def _args(**over):
     (dict(activation="gpt_oss", limit=-1.0), "limit"),
     (dict(activation="situglu", beta=0.0), "beta"),
     (dict(out=torch.zeros(3, 16, dtype=torch.bfloat16)), "out"),
+    (dict(scratch=torch.zeros(64, 8)), "scratch"),                                # dtype
+    (dict(scratch=torch.zeros(64, 9, dtype=torch.bfloat16)), "scratch"),          # not [., I]
+    (dict(scratch=torch.zeros(1, 8, dtype=torch.bfloat16)), "scratch"),           # fewer rows than the routing's
+    (dict(scratch=torch.zeros(8, 64, dtype=torch.bfloat16).t()), "scratch"),      # not contiguous
 ])
 def test_bad_inputs_name_the_argument(over, arg):
     with pytest.raises(kerngen.InputError) as e:
