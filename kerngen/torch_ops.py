@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .errors import InputError
+from .ops import _common
 from .ops import experts as _ex
 from .ops import finalize as _fin
 from .ops import permute as _pm
@@ -171,12 +172,12 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     the host (not capturable)."""
     E, T = w13.shape[0], x.shape[0]
     ids = _ids(topk_ids, "topk_ids")
-    tile = _tile(x, w13, w2, activation)
+    tile = _tile(x, w13, activation)
     ws = _pm.RoutingWorkspace(max(T, 1), E, ids.shape[1], tile, device=x.device, separate=True)
     r = _pm.permute(ids, num_experts=E, tile=tile, workspace=ws)
     rows = r.permuted_to_token.shape[0]
     g = x.new_empty((rows, x.shape[1]), dtype=torch.bfloat16)
-    scratch = x.new_empty((rows, w2.shape[2]), dtype=torch.bfloat16)
+    scratch = x.new_empty((rows, w13.shape[1] // 2), dtype=torch.bfloat16)   # [rows, I] in every format
     _ex.experts(x, r, w13, w2, activation=activation, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale,
                 out=g, scratch=scratch)
     return _fin.finalize(g, r.expanded_to_permuted, _weights(topk_weights))
@@ -192,11 +193,12 @@ def _weights(w: Tensor) -> Tensor:
     return (w if w.dtype in (torch.float32, torch.bfloat16) else w.float()).contiguous()
 
 
-def _tile(x: Tensor, w13: Tensor, w2: Tensor, activation: str) -> int:
+def _tile(x: Tensor, w13: Tensor, activation: str) -> int:
     """The tile of the experts kernels' rule for these tokens (1 where none serves them)."""
-    if w13.dtype not in _ex.FORMATS or x.device.type != "cuda":
+    if w13.dtype not in _ex.FORMATS or x.device.type not in _common.KERNEL_DEVICES:
         return 1
-    s = _ex.dispatch(x.shape[1], w2.shape[2], activation, x.get_device(), _ex.FORMATS[w13.dtype]).spec(x.shape[0])
+    I = w13.shape[1] // 2   # w13 [E, 2I, ...] in every format (w2's last dims are I/32, 16 for MXFP4)
+    s = _ex.dispatch(x.shape[1], I, activation, x.get_device(), _ex.FORMATS[w13.dtype]).spec(x.shape[0])
     return 1 if s is None else _ex.tile_of(s)
 
 

@@ -333,7 +333,8 @@ def _live_tensors() -> dict[int, torch.Tensor]:
     return {id(o): o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel()}
 
 
-def test_the_custom_ops_keep_no_tensor_of_their_calls(stub_gpu):
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_the_custom_ops_keep_no_tensor_of_their_calls(stub_gpu, fmt):
     """torch.compile's CUDA graphs own what their calls allocate and refuse a graph whose allocations outlive it
     untracked: after kerngen::route and kerngen::moe_experts (their CUDA implementations, first calls included:
     the dispatch is built then) only their outputs are alive."""
@@ -341,12 +342,19 @@ def test_the_custom_ops_keep_no_tensor_of_their_calls(stub_gpu):
     g = torch.Generator().manual_seed(0)
     T, H, I, E, K = 3, 256, 64, 128, 8
     x = torch.randn(T, H, generator=g).bfloat16()
-    w13, w2 = torch.randn(E, 2 * I, H, generator=g).bfloat16(), torch.randn(E, H, I, generator=g).bfloat16()
+    if fmt == "bf16":
+        w13, w2 = torch.randn(E, 2 * I, H, generator=g).bfloat16(), torch.randn(E, H, I, generator=g).bfloat16()
+        scales = (None, None)
+    else:   # gpt-oss's blocks and e8m0 scales: w2's last dims are I/32, 16
+        w13 = torch.randint(0, 256, (E, 2 * I, H // 32, 16), generator=g, dtype=torch.uint8)
+        w2 = torch.randint(0, 256, (E, H, I // 32, 16), generator=g, dtype=torch.uint8)
+        scales = (torch.full((E, 2 * I, H // 32), 127, dtype=torch.uint8),
+                  torch.full((E, H, I // 32), 127, dtype=torch.uint8))
     logits = torch.randn(T, E, generator=g)
     for call in range(2):
         before = _live_tensors()
         ids, w = torch_ops.route._init_fn(logits, K, "softmax_topk", None, 1, 1, 1.0, True)
-        y = torch_ops.moe_experts._init_fn(x, ids, w, w13, w2, "silu")
+        y = torch_ops.moe_experts._init_fn(x, ids, w, w13, w2, "silu", None, None, *scales)
         assert y.shape == (T, H)
         new = [t for k, t in _live_tensors().items() if k not in before]
         outputs = {t.untyped_storage().data_ptr() for t in (ids, w, y)}
