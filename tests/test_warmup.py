@@ -59,3 +59,14 @@ cli.main(["warmup", "--op", "finalize", "--topk", "8", "--hidden", "1024", "--ar
         for w in workers:
             if _alive(w):
                 os.kill(w, signal.SIGKILL)
+
+
+def test_a_process_that_uses_the_gpu_builds_in_spawned_workers(tmp_path, monkeypatch):
+    """After CUDA is initialised warmup may not fork (the children would inherit the driver's state): its
+    workers are spawned, and there both backends build (an NVRTC kernel and a CuTe DSL one)."""
+    monkeypatch.setattr(warmup, "_cuda_initialized", lambda: True)
+    tbl = tiers.load()
+    specs = warmup.model_specs(tbl.model("mixtral-8x7b"), tbl, "sm_90a")
+    picked = [next(s for s in specs if s.backend == "nvrtc"), next(s for s in specs if s.backend == "cute")]
+    results = warmup.run(picked, str(tmp_path), jobs=2, progress=False)
+    assert [(r.status, r.error) for r in results] == [("compiled", "")] * 2
