@@ -138,8 +138,9 @@ tiers.on_reload(clear)
 def _detached(e: BaseException) -> BaseException:
     """`e` (and what it chains) without tracebacks: a kept exception would keep the frames it passed through and
     through them their callers' locals (a first call's tensors, alive for good)."""
-    seen = e
-    while seen is not None:
-        seen.__traceback__ = None
-        seen = seen.__cause__ or seen.__context__
+    seen, at = set(), e
+    while at is not None and id(at) not in seen:   # (a chain set by hand may loop)
+        seen.add(id(at))
+        at.__traceback__ = None
+        at = at.__cause__ or at.__context__
     return e

@@ -117,8 +117,7 @@ def _route(logits: torch.Tensor, kw: dict, bias, weights_dtype: torch.dtype, til
            st: BlockState) -> kerngen.Routing:
     """Top-k and the permutation (tile rows a tile) by kerngen, into the block's workspace; weights in
     `weights_dtype`."""
-    if logits.dtype not in (torch.float32, torch.bfloat16):
-        logits = logits.float()
+    logits = _kernel_logits(logits)
     if logits.is_cuda:
         T, E = logits.shape
         wdt = weights_dtype if weights_dtype in _KERNEL_WEIGHTS else torch.float32   # the kernel writes these
@@ -128,6 +127,11 @@ def _route(logits: torch.Tensor, kw: dict, bias, weights_dtype: torch.dtype, til
     ids, w = _rt.reference(logits, kw["top_k"], kw["method"], bias, kw.get("n_group", 1), kw.get("topk_group", 1),
                            kw.get("routed_scaling_factor", 1.0), kw.get("renormalize", True))
     return kerngen.Routing(ids, w.to(weights_dtype), **_pm.permute_reference(ids, logits.shape[1], tile), tile=tile)
+
+
+def _kernel_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The logits in a dtype the routing kernels read (fp32 or bf16)."""
+    return logits if logits.dtype in (torch.float32, torch.bfloat16) else logits.float()
 
 
 def _with_weights(r: kerngen.Routing, w: torch.Tensor) -> kerngen.Routing:
@@ -145,7 +149,7 @@ def _router_forward(router: nn.Module, spec: Router, kw: dict, experts: nn.Modul
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = spec.logits(router, x)
         if torch.compiler.is_compiling():   # the custom op, nothing kept between calls (see _compiled_forward)
-            ids, w = torch.ops.kerngen.route(logits if logits.dtype in _KERNEL_WEIGHTS else logits.float(),
+            ids, w = torch.ops.kerngen.route(_kernel_logits(logits),
                                              kw["top_k"], kw["method"], spec.bias(router, args), kw.get("n_group", 1),
                                              kw.get("topk_group", 1), kw.get("routed_scaling_factor", 1.0),
                                              kw.get("renormalize", True))
