@@ -198,8 +198,7 @@ def _tile(x: Tensor, w13: Tensor, activation: str) -> int:
     if w13.dtype not in _ex.FORMATS or x.device.type not in _common.KERNEL_DEVICES:
         return 1
     I = w13.shape[1] // 2   # w13 [E, 2I, ...] in every format (w2's last dims are I/32, 16 for MXFP4)
-    s = _ex.dispatch(x.shape[1], I, activation, x.get_device(), _ex.FORMATS[w13.dtype]).spec(x.shape[0])
-    return 1 if s is None else _ex.tile_of(s)
+    return _ex.tile_for(x.shape[1], I, activation, x.shape[0], x.get_device(), _ex.FORMATS[w13.dtype]) or 1
 
 
 @moe_experts.register_kernel("cpu")

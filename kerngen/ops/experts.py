@@ -334,10 +334,10 @@ def dispatch(H: int, I: int, activation: str, device: int, fmt: str = "bf16") ->
     return lookup((OP, H, I, activation, device, fmt), build)
 
 
-def tile_for(H: int, I: int, activation: str, tokens: int, device: int) -> int | None:
-    """The routing tile kerngen.experts' kernels take at this token count (the rule's `tile`), or None where no
-    rule serves these tokens (torch._grouped_mm needs no tile)."""
-    s = dispatch(H, I, activation, device).spec(tokens)
+def tile_for(H: int, I: int, activation: str, tokens: int, device: int, fmt: str = "bf16") -> int | None:
+    """The routing tile kerngen.experts' kernels (for weights in `fmt`) take at this token count (the rule's
+    `tile`), or None where no rule serves these tokens (torch._grouped_mm needs no tile)."""
+    s = dispatch(H, I, activation, device, fmt).spec(tokens)
     return None if s is None else tile_of(s)
 
 
