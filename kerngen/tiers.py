@@ -25,6 +25,7 @@ ROUTER_WEIGHT = ("output", "input")
 EXPERT_ACTIVATIONS = ("silu", "gelu", "gpt_oss", "situglu")   # kerngen.experts' gates
 EXPERT_FORMATS = ("bf16", "fp8", "mxfp4")   # kerngen.experts' weight formats (fp8: e4m3 with 128 x 128 block
 #                                            scales; mxfp4: e2m1 pairs with an e8m0 scale per 32 values)
+EXPERT_LAYOUTS = ("nk", "kn")   # how a model's bf16 expert weights lie: [E, 2I, H] / [E, H, I], or transposed
 RANGE_KEYS = ("num_experts", "top_k", "hidden", "tokens", "world_size", "sm_count")
 MAX_EXPERTS, MAX_TOPK = 2048, 32
 NAME = re.compile(r"[a-z][a-z0-9_]*")                 # an op or variant: a file name, never a path
@@ -139,6 +140,7 @@ class Model:
     activation: str = "silu"        # the experts' gate (kerngen.experts' activation names)
     model_hidden: int = 0           # the model's hidden size when `hidden` is the experts' latent width (0: not latent)
     experts_format: str = "bf16"    # the format its checkpoints ship the expert weights in (warmup adds bf16)
+    experts_layout: str = "nk"      # "kn": its bf16 weights are stored transposed ([E, H, 2I], [E, I, H])
     source: str = ""
 
     @property
@@ -288,12 +290,15 @@ def _parse_model(where: str, name: str, d: dict) -> Model:
         _fail(where, f"field 'activation' must be one of {', '.join(EXPERT_ACTIVATIONS)}, got {d['activation']!r}")
     if d.get("experts_format", "bf16") not in EXPERT_FORMATS:
         _fail(where, f"field 'experts_format' must be one of {', '.join(EXPERT_FORMATS)}, got {d['experts_format']!r}")
+    if d.get("experts_layout", "nk") not in EXPERT_LAYOUTS:
+        _fail(where, f"field 'experts_layout' must be one of {', '.join(EXPERT_LAYOUTS)} (\"kn\": bf16 weights stored "
+              f"[E, H, 2I] and [E, I, H], as transformers' gpt-oss and Llama-4 keep them), got {d['experts_layout']!r}")
     return Model(name=name, num_experts=E, top_k=K, hidden=H, routing=method, tokens=tokens, n_group=G,
                  topk_group=TG, routed_scaling_factor=rsf, renormalize=d.get("renormalize", True),
                  dtype=d.get("dtype", "bfloat16"), weights_dtype=d.get("weights_dtype", "float32"),
                  router_weight=d.get("router_weight", "output"), intermediate=inter, model_hidden=model_hidden,
                  activation=d.get("activation", "silu"), experts_format=d.get("experts_format", "bf16"),
-                 source=where)
+                 experts_layout=d.get("experts_layout", "nk"), source=where)
 
 
 def template_path(op: str, variant: str, backend: str) -> Path:

@@ -164,11 +164,13 @@ def _moe_tail_fake(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, e
 @torch.library.custom_op("kerngen::moe_experts", mutates_args=(), device_types="cuda")
 def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, activation: str,
                 b13: Tensor | None = None, b2: Tensor | None = None, w13_scale: Tensor | None = None,
-                w2_scale: Tensor | None = None) -> Tensor:
+                w2_scale: Tensor | None = None, interleaved: bool = False, alpha: float = 1.702,
+                limit: float = 7.0) -> Tensor:
     """A block's routed experts and their weighted sum, [T, H] bf16: the permutation of topk_ids at the tile of
     the experts kernels' rule for T tokens (1 where none serves), kerngen.experts, kerngen.finalize (fp32 sums,
     k ascending). Arguments as kerngen.experts takes them (x bf16, w13 [E, 2I, H], w2 [E, H, I], bf16 / fp8 /
-    MXFP4 weights with their scales). fp8 and MXFP4 token counts no rule serves read which experts were hit on
+    MXFP4 weights with their scales; bf16 ones may be the transposed views of [E, H, 2I] / [E, I, H]; gpt-oss's
+    gate: interleaved, alpha, limit). fp8 and MXFP4 token counts no rule serves read which experts were hit on
     the host (not capturable)."""
     E, T = w13.shape[0], x.shape[0]
     ids = _ids(topk_ids, "topk_ids")
@@ -179,7 +181,7 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     g = x.new_empty((rows, x.shape[1]), dtype=torch.bfloat16)
     scratch = x.new_empty((rows, w13.shape[1] // 2), dtype=torch.bfloat16)   # [rows, I] in every format
     _ex.experts(x, r, w13, w2, activation=activation, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale,
-                out=g, scratch=scratch)
+                interleaved=interleaved, alpha=alpha, limit=limit, out=g, scratch=scratch)
     return _fin.finalize(g, r.expanded_to_permuted, _weights(topk_weights))
 
 
@@ -203,14 +205,15 @@ def _tile(x: Tensor, w13: Tensor, activation: str) -> int:
 
 @moe_experts.register_kernel("cpu")
 def _moe_experts_cpu(x, topk_ids, topk_weights, w13, w2, activation, b13=None, b2=None, w13_scale=None,
-                     w2_scale=None):
+                     w2_scale=None, interleaved=False, alpha=1.702, limit=7.0):
     ids = _ids(topk_ids, "topk_ids")
     r = _pm.Routing(ids, topk_weights, **_pm.permute_reference(ids, w13.shape[0], 1), tile=1)
-    g = _ex.experts(x, r, w13, w2, activation=activation, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale)
+    g = _ex.experts(x, r, w13, w2, activation=activation, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale,
+                    interleaved=interleaved, alpha=alpha, limit=limit)
     return _fin.reference(g, r.expanded_to_permuted, _weights(topk_weights))
 
 
 @moe_experts.register_fake
 def _moe_experts_fake(x, topk_ids, topk_weights, w13, w2, activation, b13=None, b2=None, w13_scale=None,
-                      w2_scale=None):
+                      w2_scale=None, interleaved=False, alpha=1.702, limit=7.0):
     return x.new_empty((topk_ids.shape[0], x.shape[1]), dtype=torch.bfloat16)

@@ -134,11 +134,54 @@ def _args(**over):
     (dict(scratch=torch.zeros(64, 9, dtype=torch.bfloat16)), "scratch"),          # not [., I]
     (dict(scratch=torch.zeros(1, 8, dtype=torch.bfloat16)), "scratch"),           # fewer rows than the routing's
     (dict(scratch=torch.zeros(8, 64, dtype=torch.bfloat16).t()), "scratch"),      # not contiguous
+    (dict(w13=torch.zeros(4, 16, 32, dtype=torch.bfloat16)[:, :, ::2]), "w13"),   # strided: neither layout
+    (dict(w2=torch.zeros(4, 8, 16, dtype=torch.bfloat16).transpose(1, 2)), "w2"),   # transposed beside a contiguous w13
+    (dict(w13=torch.zeros(4, 16, 16, dtype=torch.bfloat16).transpose(1, 2)), "w2"),  # transposed w13, contiguous w2
 ])
 def test_bad_inputs_name_the_argument(over, arg):
     with pytest.raises(kerngen.InputError) as e:
         kerngen.experts(**_args(**over))
     assert e.value.arg == arg
+
+
+def _transposed(w: torch.Tensor) -> torch.Tensor:
+    """The same values as a transposed view of a contiguous [E, K, N] tensor (transformers' gpt-oss / Llama-4)."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("act,interleaved,bias,input_weight", CASES)
+def test_transposed_weights_give_the_same_rows(act, interleaved, bias, input_weight):
+    """Weights stored [E, H, 2I] / [E, I, H] and passed as their transposes: the same values, the same rows."""
+    T, E, K, H, I = 6, 4, 2, 32, 16
+    ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:K] for t in range(T)]).int()
+    w13, w2, b13, b2 = weights(E, H, I, bias)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    kw = dict(activation=act, interleaved=interleaved, b13=b13, b2=b2,
+              input_weights=torch.rand(T) if input_weight else None)
+    r = routing_of(ids, E, 8)
+    want = kerngen.experts(x, r, w13, w2, **kw)
+    got = kerngen.experts(x, r, _transposed(w13), _transposed(w2), **kw)
+    assert torch.equal(got, want)
+    assert ex.weights_layout(_transposed(w13), _transposed(w2), "bf16") == "kn"
+    assert ex.weights_layout(w13, w2, "bf16") == "nk"
+
+
+def test_quantized_weights_must_be_contiguous():
+    w = torch.zeros(4, 16, 16, dtype=torch.float8_e4m3fn)
+    with pytest.raises(kerngen.InputError, match="checkpoint layout") as e:
+        ex.weights_layout(w.transpose(1, 2), w.transpose(1, 2), "fp8")
+    assert e.value.arg == "w13"
+
+
+def test_transposed_builds_are_their_own_kernels():
+    """A "kn" build has its own tag and the KN constant; an "nk" build's spec is what it always was."""
+    nk, kn = (ex.spec(2880, 2880, 8, "gpt_oss", 1, "sm_90a", layout=lay) for lay in ("nk", "kn"))
+    assert kn.tag == nk.tag + "-kn" and dict(kn.constants)["KN"] == 1 and "KN" not in dict(nk.constants)
+    assert nk != kn
+    m = tiers.load().model("gpt-oss-120b")
+    layouts = {("KN" in dict(s.constants), dict(s.constants)["FORMAT"]) for s in ex.model_specs(m, tiers.load(),
+                                                                                                  "sm_90a")}
+    assert layouts == {(False, "bf16"), (True, "bf16"), (False, "mxfp4")}
 
 
 def test_a_routing_without_permutation_is_refused():

@@ -10,9 +10,10 @@ import kerngen.integrations.transformers as kt  # noqa: E402
 from tests.helpers import one_thread  # noqa: E402
 from tests.test_integration_transformers import TOL, TOL_FUSED, inputs, moe_blocks, rel_err, run_block, tiny  # noqa: E402
 
-# families whose experts kerngen.experts serves (gate and up concatenated, not transposed), and one it does not
-SERVED = ["qwen3_moe", "deepseek_v3-kimi", "deepseek_v3-grouped", "mixtral", "qwen2_moe"]
-NOT_SERVED = ["gpt_oss"]   # transposed experts: transformers' grouped_mm code, kerngen's router
+# families whose experts kerngen.experts serves (gate and up concatenated; gpt-oss's interleaved gate on weights
+# stored transposed, read in place), and one it does not
+SERVED = ["qwen3_moe", "deepseek_v3-kimi", "deepseek_v3-grouped", "mixtral", "qwen2_moe", "gpt_oss"]
+NOT_SERVED = ["nemotron_h"]   # no gate (up, activation, down): transformers' grouped_mm code, kerngen's router
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -33,12 +33,16 @@ class BlockState:
     """What one MoE block keeps between forwards, so a forward only launches: the activation of its experts'
     kernels (None: the grouped-GEMM path), their dispatch, the router's workspaces (grown to the most tokens
     seen) and the permutation the router hands to the experts."""
-    __slots__ = ("activation", "fp8", "_dispatch", "_workspaces", "_rows", "routing")
+    __slots__ = ("activation", "gate", "layout", "fp8", "_dispatch", "_workspaces", "_rows", "routing")
 
     def __init__(self, experts: nn.Module | None):
         fp8 = fp8_activation(experts) if experts is not None else None
         self.fp8 = fp8 is not None   # transformers' FP8Experts: kerngen.experts' fp8 kernels at every token count
-        self.activation = fp8 or (kernel_activation(experts) if experts is not None else None)
+        self.gate = dict(activation=fp8) if fp8 else (kernel_gate(experts) if experts is not None else None)
+        self.activation = None if self.gate is None else self.gate["activation"]
+        self.layout = "nk" if self.gate is None or fp8 else weights_layout(experts)
+        if self.layout is None:   # transposed weights kerngen.experts cannot read in place: the grouped GEMM
+            self.gate = self.activation = None
         self._dispatch = None
         self._workspaces: dict[tuple, kerngen.RoutingWorkspace] = {}
         self._rows: torch.Tensor | None = None
@@ -50,11 +54,11 @@ class BlockState:
             return TILE
         d = self._dispatch
         if d is None:
-            w = experts.gate_up_proj
+            w = expert_weights(experts)[0]   # [E, 2I, H] (a transposed view where the module keeps [E, H, 2I])
             if w.dtype not in _ex.FORMATS or w.shape[-1] % 8:
                 return TILE
             d = self._dispatch = _ex.dispatch(w.shape[-1], w.shape[-2] // 2, self.activation, x.get_device(),
-                                              _ex.FORMATS[w.dtype])
+                                              _ex.FORMATS[w.dtype], self.layout)
         s = d.spec(x.shape[0])
         return TILE if s is None else _ex.tile_of(s)
 
@@ -105,14 +109,56 @@ def fp8_activation(experts: nn.Module) -> str | None:
     return _GATES.get(type(getattr(experts, "act_fn", None)).__name__)
 
 
-def kernel_activation(experts: nn.Module) -> str | None:
-    """kerngen.experts' activation for an experts module its kernels serve, else None: gate and up concatenated
-    as [E, 2I, H] (not transposed), the default gate with SiLU or tanh GeLU, no post-expert norm."""
-    if (not getattr(experts, "has_gate", False) or not getattr(experts, "is_concatenated", True)
-            or getattr(experts, "is_transposed", True) or getattr(experts, "has_post_expert_norm", True)
-            or getattr(type(experts), "_apply_gate", None) is not hf_moe._default_apply_gate):
+_GPT_OSS = "GptOssExperts"   # its _apply_gate: clamped at limit, sigmoid of alpha times the gate, interleaved columns
+
+
+def kernel_gate(experts: nn.Module) -> dict | None:
+    """kerngen.experts' gate arguments (activation, interleaved, alpha, limit) for an experts module its kernels
+    serve, else None: no post-expert norm, and either the default gate (gate and up concatenated; also Llama-4's
+    experts) with SiLU or tanh GeLU, or gpt-oss's (interleaved gate and up, clamped at `limit`, sigmoid of
+    `alpha` times the gate). Transposed weights are read in place (expert_weights)."""
+    if type(experts).__name__ == "Llama4TextExperts":   # Llama4TextMoe's own experts: up * act(gate), gate first
+        act = _GATES.get(type(getattr(experts, "act_fn", None)).__name__)
+        return None if act is None else dict(activation=act, interleaved=False)
+    if not getattr(experts, "has_gate", False) or getattr(experts, "has_post_expert_norm", True):
         return None
-    return _GATES.get(type(getattr(experts, "act_fn", None)).__name__)
+    gate = getattr(type(experts), "_apply_gate", None)
+    if gate is hf_moe._default_apply_gate and getattr(experts, "is_concatenated", True):
+        act = _GATES.get(type(getattr(experts, "act_fn", None)).__name__)
+        return None if act is None else dict(activation=act, interleaved=False)
+    alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+    if (type(experts).__name__ == _GPT_OSS and not getattr(experts, "is_concatenated", True)
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (alpha, limit)) and limit > 0):
+        return dict(activation="gpt_oss", interleaved=True, alpha=float(alpha), limit=float(limit))
+    return None
+
+
+def kernel_activation(experts: nn.Module) -> str | None:
+    """The activation of kernel_gate (None where kerngen.experts' kernels do not serve the module)."""
+    g = kernel_gate(experts)
+    return None if g is None else g["activation"]
+
+
+def expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up_proj and down_proj as kerngen.experts takes them, [E, 2I, H] and [E, H, I]: the module's own
+    tensors, or for transposed modules (gpt-oss, Llama-4: [E, H, 2I], [E, I, H]) their transposed views, which
+    kerngen.experts reads in place."""
+    w13, w2 = experts.gate_up_proj, experts.down_proj
+    if getattr(experts, "is_transposed", False) or type(experts).__name__ == "Llama4TextExperts":
+        return w13.transpose(1, 2), w2.transpose(1, 2)
+    return w13, w2
+
+
+def weights_layout(experts: nn.Module) -> str | None:
+    """kerngen.experts' layout of the module's weights ("nk" or "kn"), None where it cannot read them in place."""
+    w13, w2 = expert_weights(experts)
+    fmt = _ex.FORMATS.get(w13.dtype)
+    if fmt is None:
+        return None
+    try:
+        return _ex.weights_layout(w13, w2, fmt)
+    except kerngen.InputError:
+        return None
 
 
 def _permutation(experts: nn.Module, st: BlockState, top_k_index: torch.Tensor, tile: int) -> kerngen.Routing:
@@ -201,9 +247,9 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     if st.fp8 or tile != TILE:
         x = (hidden_states.to(torch.bfloat16) if st.fp8 else hidden_states).contiguous()   # bf16 activations
         scales = dict(w13_scale=self.gate_up_proj_scale_inv, w2_scale=self.down_proj_scale_inv) if st.fp8 else {}
-        g = kerngen.experts(x, r, self.gate_up_proj, self.down_proj, activation=st.activation,
-                            b13=bias("gate_up_proj_bias"), b2=bias("down_proj_bias"),
-                            out=st.rows(r, x.shape[1], x) if x.is_cuda else None, **scales)
+        w13, w2 = expert_weights(self)
+        g = kerngen.experts(x, r, w13, w2, b13=bias("gate_up_proj_bias"), b2=bias("down_proj_bias"),
+                            out=st.rows(r, x.shape[1], x) if x.is_cuda else None, **st.gate, **scales)
         return _finalize(g, r.expanded_to_permuted, top_k_weights).to(hidden_states.dtype)
     up, up_bias, act = (("gate_up_proj", "gate_up_proj_bias", self._apply_gate) if self.has_gate
                         else ("up_proj", "up_proj_bias", self.act_fn))
@@ -219,13 +265,17 @@ def _compiled_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index:
     (the compiled graph's CUDA graphs own the memory); anything else is transformers' "grouped_mm" code."""
     w13 = getattr(self, "gate_up_proj", None)
     fp8 = fp8_activation(self)
-    act = fp8 or kernel_activation(self)
-    if act is not None and (fp8 is not None or (hidden_states.dtype == w13.dtype == torch.bfloat16
-                                                and w13.shape[-1] % 8 == 0)):
+    gate = dict(activation=fp8) if fp8 is not None else kernel_gate(self)
+    if gate is not None and (fp8 is not None or (hidden_states.dtype == w13.dtype == torch.bfloat16
+                                                 and weights_layout(self) is not None
+                                                 and expert_weights(self)[0].shape[-1] % 8 == 0)):
         b13, b2 = (self.gate_up_proj_bias, self.down_proj_bias) if self.has_bias else (None, None)
         s13, s2 = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv) if fp8 is not None else (None, None)
         x = hidden_states.to(torch.bfloat16).contiguous()
-        y = torch.ops.kerngen.moe_experts(x, top_k_index, top_k_weights, w13, self.down_proj, act, b13, b2, s13, s2)
+        w13, w2 = expert_weights(self)
+        y = torch.ops.kerngen.moe_experts(x, top_k_index, top_k_weights, w13, w2, gate["activation"], b13, b2, s13,
+                                          s2, gate.get("interleaved", False), gate.get("alpha", 1.702),
+                                          gate.get("limit", 7.0))
         return y.to(hidden_states.dtype)
     ids = top_k_index.long()   # transformers' code, written for its routers' int64 ids
     if w13 is not None and w13.dtype == torch.float8_e4m3fn:

@@ -178,9 +178,14 @@ def _llama4_forward(block: nn.Module):
             return original(block, hidden_states)
         x = hidden_states.reshape(-1, block.hidden_dim)
         logits = nn.Linear.forward(block.router, x)
-        r = _route(logits, kw, None, logits.dtype, TILE, state(block))
-        # K = 1: permuted row j holds token permuted_to_token[j], so scaling x by its weight scales every row
-        g = kx._expert_rows(x * r.topk_weights, r, ex.gate_up_proj, ex.down_proj, gate, True)
+        st = state(block, ex)
+        tile = st.tile(ex, x)   # kerngen.experts' tile where its kernels serve these tokens (weights read in place)
+        r = _route(logits, kw, None, logits.dtype, tile, st)
+        if tile != TILE:   # the weight scales each token's row before the GEMM (input_weights), as transformers does
+            g = kerngen.experts(x, r, *kx.expert_weights(ex), activation=st.activation,
+                                input_weights=r.topk_weights[:, 0], out=st.rows(r, x.shape[1], x))
+        else:   # K = 1: permuted row j holds token permuted_to_token[j], so scaling x scales every row
+            g = kx._expert_rows(x * r.topk_weights, r, ex.gate_up_proj, ex.down_proj, gate, True)
         out = block.shared_expert(x)
         out.add_(kx._finalize(g, r.expanded_to_permuted, torch.ones_like(r.topk_weights, dtype=torch.float32)))
         return out, logits

@@ -44,6 +44,10 @@ MX_GROUP = 32  # MXFP4: values per e8m0 scale; a group is 16 bytes of two e2m1 v
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # the quantized builds' struct Params (fp8, mxfp4): the bf16 one, then the scales of w13 and w2
 PARAMS_SCALED = Params(*PARAMS.fields, ("s13", "ptr"), ("s2", "ptr"))
+# How the weights lie in memory: "nk", w13 [E, 2I, H] and w2 [E, H, I] contiguous (vLLM, SGLang, most transformers
+# families); "kn", the transposes of contiguous [E, H, 2I] and [E, I, H] (transformers' gpt-oss and Llama-4, passed as
+# gate_up_proj.transpose(1, 2) and down_proj.transpose(1, 2)), read in place by kernels built for it (bf16 only).
+LAYOUTS = tiers.EXPERT_LAYOUTS
 
 
 def activate(h: torch.Tensor, I: int, activation: str, interleaved: bool, alpha: float = 1.702, limit: float = 7.0,
@@ -116,9 +120,32 @@ def infer_tile(routing) -> int:
     return tile
 
 
+def weights_layout(w13: torch.Tensor, w2: torch.Tensor, fmt: str) -> str:
+    """"nk" for contiguous weights, "kn" for bf16 ones that are both transposes of contiguous tensors (LAYOUTS);
+    anything else is an InputError naming the weight."""
+    def layout(t: torch.Tensor) -> str | None:
+        if t.is_contiguous():
+            return "nk"
+        return "kn" if fmt == "bf16" and t.dim() == 3 and t.transpose(-2, -1).is_contiguous() else None
+
+    got = {}
+    for name, t in (("w13", w13), ("w2", w2)):
+        got[name] = layout(t)
+        if got[name] is None:
+            want = ("contiguous, or the transpose of a contiguous tensor (bf16: gate_up_proj.transpose(1, 2) of "
+                    "[E, H, 2I], down_proj.transpose(1, 2) of [E, I, H])" if fmt == "bf16"
+                    else f"contiguous ({fmt} weights in their checkpoint layout)")
+            raise InputError(OP, name, want, f"strides {t.stride()}")
+    if got["w13"] != got["w2"]:
+        raise InputError(OP, "w2", "in w13's layout: " + ("contiguous" if got["w13"] == "nk" else
+                         "the transpose of a contiguous [E, I, H] (down_proj.transpose(1, 2))"),
+                         f"strides {w2.stride()}")
+    return got["w13"]
+
+
 def check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, w13_scale=None,
-               w2_scale=None) -> tuple[int, int, int, str]:
-    """Every argument, with a message naming it; returns (tile, H, I, format)."""
+               w2_scale=None) -> tuple[int, int, int, str, str]:
+    """Every argument, with a message naming it; returns (tile, H, I, format, layout)."""
     dev = getattr(x, "device", None)
     check_tensor(OP, "x", x, dtypes=_BF16, ndim=2, device=dev, contiguous=True)
     if activation not in ACTIVATIONS:
@@ -136,11 +163,12 @@ def check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weig
         raise InputError(OP, "routing", f"the routing of x's {T} tokens ([T, K] expanded_to_permuted)",
                          f"expanded_to_permuted of shape {tuple(routing.expanded_to_permuted.shape)}")
     nl = routing.expert_offsets.shape[0] - 1
-    check_tensor(OP, "w13", w13, dtypes=tuple(FORMATS), device=dev, contiguous=True)
+    check_tensor(OP, "w13", w13, dtypes=tuple(FORMATS), device=dev)
     fmt = FORMATS[w13.dtype]
     mx = fmt == "mxfp4"
     check_tensor(OP, "w13", w13, ndim=4 if mx else 3, device=dev)
-    check_tensor(OP, "w2", w2, dtypes=(w13.dtype,), ndim=4 if mx else 3, device=dev, contiguous=True)
+    check_tensor(OP, "w2", w2, dtypes=(w13.dtype,), ndim=4 if mx else 3, device=dev)
+    layout = weights_layout(w13, w2, fmt)
     s13, s2 = tuple(w13.shape), tuple(w2.shape)
     if mx:   # the checkpoint's blocks [E, N, K/32, 16]: checked as the [E, N, K] values they hold
         for name, t in (("w13", w13), ("w2", w2)):
@@ -181,7 +209,7 @@ def check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weig
         raise InputError(OP, "tile", f"the routing's tile, an integer in [1, {permute_op.MAX_TILE}]", repr(tile))
     if routing.tile_to_expert.shape[0] * tile > routing.permuted_to_token.shape[0]:
         raise InputError(OP, "tile", "the tile the routing was built with", f"{tile}")
-    return tile, H, I, fmt
+    return tile, H, I, fmt, layout
 
 
 def _check_scales(fmt, nl, H, I, w13_scale, w2_scale, dev) -> None:
@@ -223,30 +251,33 @@ def _check_act_params(activation, alpha, limit, beta, linear_beta):
             raise InputError(OP, name, "a finite number (limit, beta > 0; linear_beta >= 0)", repr(v))
 
 
-def tag_constants(H: int, I: int, tile: int, activation: str, fmt: str = "bf16") -> tuple[str, dict]:
+def tag_constants(H: int, I: int, tile: int, activation: str, fmt: str = "bf16",
+                  layout: str = "nk") -> tuple[str, dict]:
     """The cache tag and the template constants of one experts build (fmt: the weights' format, bf16, fp8 or
-    mxfp4)."""
-    return (f"H{H}-I{I}-t{tile}-{activation}-{fmt}",
-            {"H": H, "I": I, "TILE": tile, "ACT": activation, "FORMAT": fmt})
+    mxfp4; layout: LAYOUTS, the "kn" builds marked KN, the "nk" ones as they always were)."""
+    kn = {"KN": 1} if layout == "kn" else {}
+    return (f"H{H}-I{I}-t{tile}-{activation}-{fmt}" + ("-kn" if kn else ""),
+            {"H": H, "I": I, "TILE": tile, "ACT": activation, "FORMAT": fmt, **kn})
 
 
-def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt: str = "bf16") -> plan_mod.KernelSpec:
+def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt: str = "bf16",
+              layout: str = "nk") -> plan_mod.KernelSpec:
     """The kernel of an experts rule at this shape: the rule's `tile` param is the TILE constant (the routing
     tile its kernels take), its other params the launch shape."""
     params = dict(rule.params)
     tile = params.pop("tile")
-    return plan_mod.spec_for(dataclasses.replace(rule, params=params), *tag_constants(H, I, tile, activation, fmt),
-                             arch_)
+    return plan_mod.spec_for(dataclasses.replace(rule, params=params),
+                             *tag_constants(H, I, tile, activation, fmt, layout), arch_)
 
 
 def spec(H: int, I: int, tile: int | None, activation: str, tokens: int, arch_: str,
-         tbl: tiers.Table | None = None, fmt: str = "bf16") -> plan_mod.KernelSpec:
+         tbl: tiers.Table | None = None, fmt: str = "bf16", layout: str = "nk") -> plan_mod.KernelSpec:
     """The kernel the tier table gives this shape at `tokens` (tools and tests; calls go through dispatch), built
     for routing tile `tile` (None: the rule's own)."""
     rule = (tbl or table()).rule(OP, {"hidden": H, "tokens": max(tokens, 1), "arch": arch_})
     if tile is not None:
         rule = dataclasses.replace(rule, params={**rule.params, "tile": tile})
-    return rule_spec(rule, H, I, activation, arch_, fmt)
+    return rule_spec(rule, H, I, activation, arch_, fmt, layout)
 
 
 def tile_of(s: plan_mod.KernelSpec) -> int:
@@ -323,15 +354,15 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Kernels:
     return Kernels(s, device)
 
 
-def dispatch(H: int, I: int, activation: str, device: int, fmt: str = "bf16") -> Dispatch:
-    """The experts kernels of this shape and weight format on `device`, per token bucket (None where no rule serves:
-    torch._grouped_mm for bf16, the per-expert reference for fp8)."""
+def dispatch(H: int, I: int, activation: str, device: int, fmt: str = "bf16", layout: str = "nk") -> Dispatch:
+    """The experts kernels of this shape, weight format and layout on `device`, per token bucket (None where no rule
+    serves: torch._grouped_mm for bf16, the per-expert reference for fp8)."""
     def build() -> Dispatch:
         a = arch(device)
-        return Dispatch(OP, {"hidden": H}, lambda rule: rule_spec(rule, H, I, activation, a, fmt), kernel, device,
-                        arch=a, per_token=False)
+        return Dispatch(OP, {"hidden": H}, lambda rule: rule_spec(rule, H, I, activation, a, fmt, layout), kernel,
+                        device, arch=a, per_token=False)
 
-    return lookup((OP, H, I, activation, device, fmt), build)
+    return lookup((OP, H, I, activation, device, fmt, layout), build)
 
 
 def tile_for(H: int, I: int, activation: str, tokens: int, device: int, fmt: str = "bf16") -> int | None:
@@ -343,18 +374,20 @@ def tile_for(H: int, I: int, activation: str, tokens: int, device: int, fmt: str
 
 def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_mod.KernelSpec]:
     """Every experts kernel `model` can dispatch to over its token range (models with an intermediate size), for
-    bf16 weights and for the format its checkpoints ship in (`experts_format`)."""
+    bf16 weights (also read transposed where `experts_layout` is "kn") and for the format its checkpoints ship in
+    (`experts_format`)."""
     if not model.intermediate:
         return []
     shape = {"hidden": model.hidden, "arch": arch_}
     out: list[plan_mod.KernelSpec] = []
-    for fmt in dict.fromkeys(("bf16", model.experts_format)):   # bf16, and the format the model ships in
+    builds = dict.fromkeys((("bf16", "nk"), ("bf16", model.experts_layout), (model.experts_format, "nk")))
+    for fmt, layout in builds:   # bf16 (both layouts where the model's are transposed), and the format it ships in
         for lo, _ in tiers.token_pieces(tbl.rules, OP, model.tokens):
             try:
                 rule = tbl.rule(OP, {**shape, "tokens": lo})
             except TierError:
                 continue   # these tokens run torch._grouped_mm
-            s = rule_spec(rule, model.hidden, model.intermediate, model.activation, arch_, fmt)
+            s = rule_spec(rule, model.hidden, model.intermediate, model.activation, arch_, fmt, layout)
             if s not in out:
                 out.append(s)
     return out
@@ -403,6 +436,9 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     x [T, H] bf16; routing: a kerngen.Routing with its permutation (route(..., tile=...) or permute; tile is
     read from its buffer sizes unless given); w13 [E, 2I, H] bf16 (gate_up_proj: gate rows then up rows, or
     interleaved=True for gpt-oss's row pairs); w2 [E, H, I] (down_proj); E = the routing's local experts.
+    Both contiguous, or (bf16) both the transposes of contiguous tensors, read in place: transformers' gpt-oss and
+    Llama-4 store gate_up_proj [E, H, 2I] and down_proj [E, I, H], passed as gate_up_proj.transpose(1, 2) and
+    down_proj.transpose(1, 2) (LAYOUTS).
     b13 [E, 2I], b2 [E, H] optional bf16 biases; input_weights [T] (Llama-4: x rows scaled before the GEMM).
     activation: silu (SwiGLU), gelu (tanh approximation, times up), gpt_oss (alpha, limit), situglu (beta,
     linear_beta). No host synchronisation: CUDA-graph capturable.
@@ -421,7 +457,7 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     """
     try:   # kerngen-built routings carry their checked layout; the signature pins what check_args establishes
         sig = (x.dtype, x.shape, x.is_contiguous(), x.get_device(), routing.checked, tile, w13.dtype, w13.shape,
-               w13.is_contiguous(), w13.get_device(), w2.dtype, w2.shape, w2.is_contiguous(), w2.get_device(),
+               w13.stride(), w13.get_device(), w2.dtype, w2.shape, w2.stride(), w2.get_device(),
                None if b13 is None else (b13.dtype, b13.shape, b13.is_contiguous(), b13.get_device()),
                None if b2 is None else (b2.dtype, b2.shape, b2.is_contiguous(), b2.get_device()),
                None if input_weights is None else (input_weights.dtype, input_weights.shape,
@@ -480,14 +516,14 @@ _fast: dict[tuple, tuple] = {}   # input signature -> (kernels or None, tile, H,
 def _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, alpha, limit, beta,
              linear_beta, w13_scale=None, w2_scale=None) -> tuple:
     """Full checks, then the kernels serving this call (None: the grouped GEMM or the reference)."""
-    tile, H, I, fmt = check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile,
-                                 w13_scale, w2_scale)
+    tile, H, I, fmt, layout = check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights,
+                                         tile, w13_scale, w2_scale)
     _check_act_params(activation, alpha, limit, beta, linear_beta)
     a0, a1 = (alpha, limit) if activation == "gpt_oss" else (beta, linear_beta)
     dev = x.get_device()
     k = None
     if x.device.type in _common.KERNEL_DEVICES and tile <= MAX_TILE and routing.tile_to_expert.shape[0]:
-        d = dispatch(H, I, activation, dev, fmt)
+        d = dispatch(H, I, activation, dev, fmt, layout)
         k = d.kernel(x.shape[0])
         if k is not None and k.tile != tile:   # a routing built with another tile: the same rule at that tile
             k = _at_tile(d, k.spec, tile)
@@ -502,7 +538,8 @@ def _at_tile(d: Dispatch, s: plan_mod.KernelSpec, tile: int) -> Kernels:
     if key not in alt:
         c = dict(s.constants)
         alt[key] = Kernels(plan_mod.spec_for(tiers.Rule(OP, s.variant, {}, {**dict(s.params), "backend": s.backend}),
-                                             *tag_constants(c["H"], c["I"], tile, c["ACT"], c["FORMAT"]), s.arch),
+                                             *tag_constants(c["H"], c["I"], tile, c["ACT"], c["FORMAT"],
+                                                            "kn" if c.get("KN") else "nk"), s.arch),
                                  d.device)
     return alt[key]
 

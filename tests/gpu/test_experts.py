@@ -123,3 +123,63 @@ def test_every_launch_shape_against_the_reference(params, T, tile, H, I, act):
                        linear_beta=2.0 if act == "situglu" else 0.0)
     rows = r.permuted_to_token >= 0
     torch.testing.assert_close(out[rows].float(), ref[rows].float(), rtol=2e-2, atol=2e-2)
+
+
+def transposed(w: torch.Tensor) -> torch.Tensor:
+    """The same values as the transposed view of a contiguous [E, K, N] tensor (transformers' gpt-oss / Llama-4)."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("params", PARAM_CASES[1::2], ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+@pytest.mark.parametrize("T,tile", [(1, 8), (16, 16), (40, 16), (3, 1), (12, 4)])
+@pytest.mark.parametrize("H,I,act", [(1024, 256, "silu"), (2880, 2880, "gpt_oss"), (1000, 200, "situglu"),
+                                     (64, 16, "gelu"), (520, 136, "silu")])
+def test_transposed_weights_give_the_bits_of_contiguous_ones(params, T, tile, H, I, act):
+    """The "kn" build reads [E, H, 2I] / [E, I, H] in place and feeds the tensor cores the same products in the same
+    K order as the "nk" build: bitwise equal rows, and both at the reference. H = 520: a last GEMM2 item of 8
+    columns; K = 1000 / 200: not a multiple of 64; gpt_oss: interleaved gate and up."""
+    E, K = 24, 4
+    x, logits, w13, w2, b13, b2 = make(T, K, E, H, I, bias=act == "gpt_oss", seed=T + 1)
+    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=tile)
+    a0, a1 = (1.702, 7.0) if act == "gpt_oss" else (1.0, 2.0)
+    rows = r.permuted_to_token >= 0
+    outs = []
+    for layout, (a, b) in (("nk", (w13, w2)), ("kn", (transposed(w13), transposed(w2)))):
+        tag, consts = ex.tag_constants(H, I, tile, act, "bf16", layout)
+        k = ex.Kernels(spec_for(Rule(op="experts", variant="mma", ranges={}, params=params), tag, consts,
+                                target_arch()), torch.cuda.current_device())
+        out = torch.full((r.permuted_to_token.shape[0], H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        act_buf = torch.full((r.tile_to_expert.shape[0] * tile, I), float("nan"), dtype=torch.bfloat16, device="cuda")
+        k(x, r, a, b, out, act_buf, interleaved=act == "gpt_oss", b13=b13, b2=b2, a0=a0, a1=a1)
+        outs.append(out[rows])
+    ref = ex.reference(x, r, w13, w2, activation=act, interleaved=act == "gpt_oss", b13=b13, b2=b2,
+                       linear_beta=2.0 if act == "situglu" else 0.0)
+    torch.testing.assert_close(outs[1].float(), ref[rows].float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16))
+
+
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_transposed_weights_through_the_api(T):
+    """kerngen.experts with transposed views: gpt-oss (interleaved, biases, its gate) and Llama-4 (one expert, the
+    router weight on the input), inside a CUDA graph too."""
+    x, logits, w13, w2, b13, b2 = make(T, 4, 16, 2880, 2880, bias=True, seed=T)
+    w13t, w2t = transposed(w13), transposed(w2)
+    r = kerngen.route(logits, top_k=4, method="topk_softmax", tile=ex.tile_for(2880, 2880, "gpt_oss", T, 0) or 8)
+    kw = dict(activation="gpt_oss", interleaved=True, b13=b13, b2=b2)
+    got = check(x, r, w13t, w2t, **kw)
+    assert torch.equal(got[r.permuted_to_token >= 0], kerngen.experts(x, r, w13, w2, **kw)[r.permuted_to_token >= 0])
+    x, logits, w13, w2, _, _ = make(T, 1, 16, 512, 256, seed=T)
+    r = kerngen.route(logits, top_k=1, method="top1_sigmoid", tile=8)
+    check(x, r, transposed(w13), transposed(w2), input_weights=r.topk_weights[:, 0].contiguous())
+    out = torch.zeros(r.permuted_to_token.shape[0], 512, dtype=torch.bfloat16, device="cuda")
+    args = (x, r, transposed(w13), transposed(w2))
+    kerngen.experts(*args, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kerngen.experts(*args, out=out)
+    x.copy_(torch.randn_like(x.float()).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    rows = r.permuted_to_token >= 0
+    torch.testing.assert_close(out[rows].float(), ex.reference(x, r, w13, w2)[rows].float(), rtol=2e-2, atol=2e-2)
