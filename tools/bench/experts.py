@@ -2,21 +2,24 @@
 """kerngen.experts against torch._grouped_mm: the two expert projections of a decode step, CUDA graphs.
 
     python3 -m tools.bench.experts [--models qwen3-30b-a3b,...] [--tokens 1,8,64] [--format bf16|fp8|mxfp4]
-                                   [--layers 4] [--peer DIR] [--sweep] [--json FILE]
+                                   [--layout nk|kn] [--layers 4] [--peer DIR] [--sweep] [--json FILE]
 
 Both run on the same inputs in the same process: one graph captures `calls` steps, each with its own routing
 (random logits), so consecutive steps read different experts, as the layers of a model do. Each step follows a
 producer kernel (an elementwise write of 4 MB, as an attention output projection leaves, that does not
-trigger early) unless --chained; its time is taken off. The floor is the step's active expert weight bytes at the measured copy bandwidth. Every result is
-checked against kerngen's torch reference before it is timed. --sweep times every candidate launch shape at
+trigger early) unless --chained; its time is taken off. The floor is the step's active expert weight bytes at the
+streaming-read bandwidth (a kernel that only reads, lib.read_bandwidth_tbs). Every result is checked against
+kerngen's torch reference before it is timed. --sweep times every candidate launch shape at
 each case and prints the best (for the tier table); --rule times one launch shape at every T (past the rules too).
 
 --format fp8 / mxfp4 quantizes the weights (fp8: e4m3 with a scale per 128 x 128 block; mxfp4: e2m1 with an e8m0
 scale per 32 values) and runs kerngen.experts' builds for them; the floor is then the quantized weight bytes plus
-the scale bytes of the active experts, torch._grouped_mm runs on the dequantized bf16 weights, and with --peer DIR
-(a folder holding triton_fused_moe.py) the Triton fp8 block-scaled GEMMs vLLM runs (best of a small config sweep)
-time beside them for fp8. --layers L cycles the weights of L layers (fewer where they would not fit) so no step
-finds its experts in L2.
+the scale bytes of the active experts, torch._grouped_mm runs on the dequantized bf16 weights. With --peer DIR
+(a folder holding triton_fused_moe.py) the Triton GEMMs vLLM runs time beside them: its bf16 fused_moe_kernel (the
+best of its decode config sweep for each GEMM, the activation kernel between them) or, for fp8, its block-scaled
+GEMMs (best of a small config sweep). --layout kn feeds kerngen.experts the weights as transposed views of
+[E, H, 2I] / [E, I, H] (transformers' gpt-oss and Llama-4 layout; bf16). --layers L cycles the weights of L layers
+(fewer where they would not fit) so no step finds its experts in L2.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 import kerngen
-from .lib import copy_bandwidth_tbs, graph_time_us
+from .lib import graph_time_us, read_bandwidth_tbs
 from kerngen import jit
 from kerngen.ops import experts as ex
 from kerngen.plan import spec_for, target_arch
@@ -43,7 +46,9 @@ SHAPES = {
     "gpt-oss-120b": (2880, 2880, 128, 4, "gpt_oss", True),
     "deepseek-v3": (7168, 2048, 256, 8, "silu", False),
     "kimi-k3": (3584, 2048, 896, 16, "situglu", False),
+    "llama-4-maverick": (5120, 8192, 128, 1, "silu", False),   # 32 GB a layer: run it by name
 }
+DEFAULT = ("qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "kimi-k3")
 CANDIDATES = [dict(warps=w, unroll=u, blocks_per_sm=b, pdl=d) for w, u, b, d in
               itertools.product((4, 8), (2, 4), (4, 8), (False, True))]
 
@@ -125,6 +130,8 @@ def case(name, T, bw, args, kernels_of):
         quant.append((q13, q2, s13, s2))
     if fmt != "bf16":   # the grouped GEMM (and the check) on layer 0's weights as kerngen reads them
         w13, w2 = dequantize(quant[0][0], quant[0][2]), dequantize(quant[0][1], quant[0][3])
+    if args.layout == "kn":   # the same values stored [E, H, 2I] / [E, I, H], handed over as transposed views
+        quant = [(transposed(q[0]), transposed(q[1]), *q[2:]) for q in quant]
     calls = 20
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
     logits = [torch.randn(T, E, device="cuda", generator=gen) for _ in range(calls)]
@@ -175,11 +182,74 @@ def case(name, T, bw, args, kernels_of):
               **qkw[n % layers])
         us = timed(step, producer, args.chained)
         rows.append(dict(model=name, T=T, tile=tile, kernel=label, us=us, grouped_us=grouped_us, floor_us=floor,
-                         active=active, format=fmt, layers=layers, peer_us=peer_fp8(args, x, rt, r1, quant, K, I,
-                                                                                    act, producer, calls)))
+                         active=active, format=fmt, layers=layers, layout=args.layout,
+                         peer_us=peer_fp8(args, x, rt, r1, quant, K, I, act, producer, calls)
+                         if fmt == "fp8" else peer_bf16(args, x, r1, quant, K, act, producer, calls, b13, b2,
+                                                        ref[rt[0].expanded_to_permuted.flatten().long()])))
     del w13, w2, quant
     torch.cuda.empty_cache()
     return rows
+
+
+def transposed(w: torch.Tensor) -> torch.Tensor:
+    """The same values stored [E, K, N], as its transposed view [E, N, K] (transformers' gpt-oss / Llama-4)."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _peer(args):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("triton_fused_moe", os.path.join(args.peer, "triton_fused_moe.py"))
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    return peer
+
+
+def peer_bf16(args, x, r1, quant, K, act, producer, calls, b13, b2, ref_tk):
+    """vLLM's Triton bf16 fused-MoE GEMMs (fused_moe_kernel over its moe_align_block_size layout, block_m 16): the
+    best decode config of each GEMM (its own sweep, each timed alone), then both GEMMs timed as one step (the
+    activation between them not counted). Checked after timing, with the activation and biases, against the
+    reference rows. None without --peer or for another format."""
+    if not args.peer or args.format != "bf16":
+        return None
+    peer = _peer(args)
+    T, H = x.shape
+    w13s = [q[0].contiguous() if args.layout == "kn" else q[0] for q in quant]   # the peer reads [E, N, K]
+    w2s = [q[1].contiguous() if args.layout == "kn" else q[1] for q in quant]
+    E, I = w13s[0].shape[0], w2s[0].shape[2]
+    aligned = [peer.align(r.topk_ids, E, 16) for r in r1]
+    c1 = torch.empty(T * K, 2 * I, dtype=torch.bfloat16, device="cuda")
+    a1 = torch.empty(T * K, I, dtype=torch.bfloat16, device="cuda")
+    c2 = torch.empty(T * K, H, dtype=torch.bfloat16, device="cuda")
+
+    def best(run):
+        res = []
+        for cfg in peer.CONFIGS:
+            it = iter(range(10 ** 9))
+            try:
+                res.append((graph_time_us(lambda: run(next(it), cfg), calls=10, replays=10), cfg))
+            except Exception:   # a config the compiler refuses
+                continue
+        return min(res)[1]
+    ids = [r.topk_ids.long() for r in r1]
+    cfg1 = best(lambda n, cfg: peer.gemm(x, w13s[n % len(w13s)], c1, aligned[n % calls], K, cfg))
+    cfg2 = best(lambda n, cfg: peer.gemm(a1, w2s[n % len(w2s)], c2, aligned[n % calls], 1, cfg))
+    it = iter(range(10 ** 9))
+
+    def step():   # the two GEMMs only: its activation kernel (and biases) not counted, to the peer's advantage
+        n = next(it)
+        i = n % calls
+        peer.gemm(x, w13s[n % len(w13s)], c1, aligned[i], K, cfg1)
+        peer.gemm(a1, w2s[n % len(w2s)], c2, aligned[i], 1, cfg2)
+    us = timed(step, producer, args.chained)
+    peer.gemm(x, w13s[0], c1, aligned[0], K, cfg1)   # layer 0, routing 0: the rows the reference has
+    h = c1.float() if b13 is None else c1.float() + b13[ids[0].flatten()].float()
+    a1.copy_(act(h).to(torch.bfloat16))
+    peer.gemm(a1, w2s[0], c2, aligned[0], 1, cfg2)
+    y = (c2 if b2 is None else c2 + b2[ids[0].flatten()]).float()
+    err = (y - ref_tk.float()).abs().max().item()
+    if not err <= 2e-2 * max(ref_tk.float().abs().max().item(), 1.0):
+        raise SystemExit(f"the Triton peer: max error {err} against the reference")
+    return us
 
 
 def peer_fp8(args, x, rt, r1, quant, K, I, act, producer, calls):
@@ -188,10 +258,7 @@ def peer_fp8(args, x, rt, r1, quant, K, I, act, producer, calls):
     another format."""
     if not args.peer or args.format != "fp8":
         return None
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("triton_fused_moe", os.path.join(args.peer, "triton_fused_moe.py"))
-    peer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peer)
+    peer = _peer(args)
     T, H = x.shape
     aligned = [peer.align(r.topk_ids, quant[0][0].shape[0], 16) for r in r1]
     c1 = torch.empty(T * K, 2 * I, dtype=torch.bfloat16, device="cuda")
@@ -218,7 +285,7 @@ def peer_fp8(args, x, rt, r1, quant, K, I, act, producer, calls):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(SHAPES))
+    ap.add_argument("--models", default=",".join(DEFAULT))
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--sweep", action="store_true", help="time every candidate, not only the tier table's rule")
     ap.add_argument("--rule", default=None, help="time these params at every T, e.g. warps=4,unroll=2,blocks_per_sm=8")
@@ -226,7 +293,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--format", default="bf16", choices=("bf16", "fp8", "mxfp4"), help="the expert weights' format")
     ap.add_argument("--layers", type=int, default=4, help="layers of weights cycled (fewer where they do not fit)")
-    ap.add_argument("--peer", default=None, help="folder of triton_fused_moe.py: time the Triton fp8 peer too")
+    ap.add_argument("--peer", default=None, help="folder of triton_fused_moe.py: time the Triton peer too")
+    ap.add_argument("--layout", default="nk", choices=("nk", "kn"),
+                    help="kn: the weights as transposed views of [E, H, 2I] / [E, I, H] (bf16)")
     args = ap.parse_args(argv)
     if args.rule:
         args.rule = {k: (v == "true" if v in ("true", "false") else int(v))
@@ -236,7 +305,7 @@ def main(argv=None) -> int:
     models, tokens = args.models.split(","), [int(t) for t in args.tokens.split(",")]
 
     def cand_specs(H, I, tile, act):
-        tag, consts = ex.tag_constants(H, I, tile, act, args.format)
+        tag, consts = ex.tag_constants(H, I, tile, act, args.format, args.layout)
         cands = CANDIDATES if args.sweep else [args.rule]
         return [(",".join(f"{k}={x}" for k, x in c.items()),
                  spec_for(Rule(op="experts", variant="mma", ranges={}, params=c), tag, consts, arch)) for c in cands]
@@ -253,11 +322,14 @@ def main(argv=None) -> int:
             for label, s in cand_specs(H, I, tile, act):
                 yield label, ex.Kernels(s, dev)
         else:
-            s = ex.spec(H, I, tile, act, T, arch, fmt=args.format)
+            s = ex.spec(H, I, tile, act, T, arch, fmt=args.format, layout=args.layout)
             yield "tiers.toml: " + ",".join(f"{k}={v}" for k, v in s.params), ex.Kernels(s, dev)
 
-    bw = copy_bandwidth_tbs()
-    print(f"copy bandwidth {bw:.2f} TB/s; {'chained' if args.chained else 'after a producer kernel'}")
+    if args.layout == "kn" and args.format != "bf16":
+        raise SystemExit("--layout kn: bf16 weights only (quantized checkpoints are stored [E, N, K])")
+    bw = read_bandwidth_tbs()
+    print(f"streaming-read bandwidth {bw:.2f} TB/s; {'chained' if args.chained else 'after a producer kernel'}; "
+          f"layout {args.layout}")
     allrows = []
     for m in models:
         for T in tokens:
@@ -268,8 +340,9 @@ def main(argv=None) -> int:
             print(f"{m:16s} T={T:3d} tile={b['tile']:2d} active={b['active']:6.1f} floor {b['floor_us']:7.1f} µs | "
                   f"kerngen {b['us']:7.1f} ({100 * b['floor_us'] / b['us']:4.0f}%) [{b['kernel']}] | grouped_mm "
                   f"{b['grouped_us']:7.1f} ({100 * b['floor_us'] / b['grouped_us']:4.0f}%) | "
-                  f"{b['grouped_us'] / b['us']:.2f}x | {b['format']} x{b['layers']} layers"
-                  + (f" | triton fp8 {b['peer_us']:7.1f} ({b['peer_us'] / b['us']:.2f}x)" if b["peer_us"] else ""),
+                  f"{b['grouped_us'] / b['us']:.2f}x | {b['format']} {b['layout']} x{b['layers']} layers"
+                  + (f" | triton {b['peer_us']:7.1f} ({100 * b['floor_us'] / b['peer_us']:4.0f}%, "
+                     f"{b['peer_us'] / b['us']:.2f}x)" if b["peer_us"] else ""),
                   flush=True)
             for r in rows[1:4] if args.sweep else ():
                 print(f"{'':24s} {r['us']:7.1f} [{r['kernel']}]")

@@ -1,4 +1,4 @@
-"""Timing helpers shared by tools/bench: CUDA-graph timing, the floor (empty kernel, copy bandwidth)."""
+"""Timing helpers shared by tools/bench: CUDA-graph timing, the floors (empty kernel, copy and read bandwidth)."""
 from __future__ import annotations
 
 import torch
@@ -41,6 +41,38 @@ def copy_bandwidth_tbs(nbytes: int = 4 << 30) -> float:
              graph_time_us(lambda: copy(dst.data_ptr(), src.data_ptr(), nbytes // 2, current_stream(dev)), calls=5,
                            replays=10),
              graph_time_us(lambda: dst.copy_(src), calls=5, replays=10))
+    return nbytes / (us * 1e-6) / 1e12
+
+
+_READ_SRC = r"""
+extern "C" __global__ void __launch_bounds__(512) stream_read(const uint4* __restrict__ p, long long n,
+                                                                unsigned* __restrict__ sink) {
+    unsigned acc = 0;
+    for (long long i = blockIdx.x * 512ll + threadIdx.x; i < n; i += (long long)gridDim.x * 512) {
+        const uint4 v = __ldcs(p + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;   // never taken in practice; keeps the loads
+}
+"""
+
+
+def read_bandwidth_tbs(nbytes: int = 4 << 30) -> float:
+    """Streaming-read bandwidth, TB/s: a kernel that only reads `nbytes` (16-byte streaming loads, a grid of 4 CTAs
+    of 512 threads an SM) in a CUDA graph, best of its replays: the floor of a kernel that reads its weights once."""
+    from kerngen.compile import nvrtc_compile
+    from kerngen.launch import Launcher, Module, current_stream
+    from kerngen.plan import target_arch
+    dev = torch.cuda.current_device()
+    cubin, _ = nvrtc_compile(_READ_SRC, "stream_read", target_arch(dev), "stream_read", None)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    src = torch.randn(nbytes // 4, device="cuda")
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    launcher = Launcher(Module(cubin, "stream_read"), "stream_read", dev, (4 * sms, 1, 1), (512, 1, 1), "QqQ")
+    run = lambda: launcher(current_stream(dev), src.data_ptr(), nbytes // 16, sink.data_ptr())  # noqa: E731
+    for _ in range(20):
+        run()
+    us = graph_time_us(run, calls=5, replays=10)
     return nbytes / (us * 1e-6) / 1e12
 
 
