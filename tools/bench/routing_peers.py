@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Routing against SGLang's kernels: kerngen.route's top-k against SGLang's Triton `moe_fused_gate`, and
+kerngen.route with the permutation (one launch) against `moe_fused_gate` + SGLang's `moe_align_block_size`
+(its small-numel Triton kernel where SGLang's dispatcher picks it: T*K <= 64 and E + 1 > 64). Same process,
+same logits and bias, CUDA graphs; each case after a producer kernel (a 4 MB write that does not trigger early,
+its own time taken off) and chained (back to back).
+
+    python3 -m tools.bench.routing_peers --sglang DIR [--models kimi-k3,deepseek-v3,kimi-k2,glm-4.5]
+                                         [--tokens 1,8,64,512,4096] [--block 16]
+
+DIR holds SGLang's `sglang/kernels` package (the peers' tarball unpacked) and its `msgspec` dependency on
+PYTHONPATH. Models: the sigmoid-with-bias routers the peer computes (DeepSeek-V3's grouped one included). After
+timing, the peer's ids are checked to be kerngen's as sets per token and its weights within 1e-5 of kerngen's
+(the two order ties differently only on exactly equal scores, which random logits do not give).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import kerngen
+from .lib import graph_time_us
+
+MODELS = ("kimi-k3", "deepseek-v3", "kimi-k2", "glm-4.5")
+
+
+def timed(fn, producer) -> tuple[float, float]:
+    """(after the producer, chained) µs per call."""
+    both = graph_time_us(lambda: (producer(), fn()))
+    return both - graph_time_us(producer), graph_time_us(fn)
+
+
+def sglang_align(ids: torch.Tensor, E: int, block: int):
+    """SGLang's align step as its dispatcher runs it (the "+1" bucket convention), buffers made once."""
+    from sglang.kernels.ops.moe.moe_align import moe_align_block_size
+    from sglang.kernels.ops.moe.moe_align_small_numel import SMALL_NUMEL_LIMIT, moe_align_small_numel
+    T, K = ids.shape
+    numel = T * K
+    pad = numel * block if numel < E + 1 else numel + (E + 1) * (block - 1)
+    pad = -(-pad // 4) * 4
+    dev = ids.device
+    sorted_ids = torch.empty(pad, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(-(-pad // block), dtype=torch.int32, device=dev)
+    post = torch.empty(1, dtype=torch.int32, device=dev)
+    cumsum = torch.empty(E + 2, dtype=torch.int32, device=dev)
+    if numel <= SMALL_NUMEL_LIMIT and E + 1 > SMALL_NUMEL_LIMIT:
+        return lambda i: moe_align_small_numel(i, E + 1, block, sorted_ids, expert_ids, post)
+    return lambda i: moe_align_block_size(i, E + 1, block, sorted_ids, expert_ids, post, cumsum)
+
+
+def case(name: str, T: int, block: int, producer) -> dict:
+    from sglang.kernels.ops.moe.moe_fused_gate import moe_fused_gate
+    m = kerngen.models()[name]
+    E, K = m.num_experts, m.top_k
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    logits = torch.randn(T, E, device="cuda", generator=gen)
+    bias = torch.randn(E, device="cuda", generator=gen) * 0.05
+    ws_topk = kerngen.RoutingWorkspace(T, E, K, None)
+    ws_perm = kerngen.RoutingWorkspace(T, E, K, block)
+
+    def gate():
+        return moe_fused_gate(logits, bias, K, scoring_func="sigmoid", renormalize=m.renormalize,
+                              routed_scaling_factor=m.routed_scaling_factor,
+                              apply_routed_scaling_factor_on_output=True, num_expert_group=m.n_group,
+                              topk_group=m.topk_group)
+    w_peer, ids_peer = gate()
+    align = sglang_align(ids_peer.to(torch.int32), E, block)
+
+    def gate_align():
+        w, i = gate()
+        align(i)
+
+    row = {"model": name, "E": E, "K": K, "T": T, "block": block}
+    for label, fn in (("topk", lambda: kerngen.route(logits, bias=bias, model=name, workspace=ws_topk)),
+                      ("perm", lambda: kerngen.route(logits, bias=bias, model=name, tile=block, workspace=ws_perm)),
+                      ("gate", gate), ("gate_align", gate_align)):
+        row[label + "_us"], row[label + "_chained_us"] = (round(v, 2) for v in timed(fn, producer))
+    r = kerngen.route(logits, bias=bias, model=name, workspace=ws_topk)
+    w_peer, ids_peer = gate()
+    torch.cuda.synchronize()
+    ours_ids, order = r.topk_ids.long().sort(-1)
+    peer_ids, porder = ids_peer.long().sort(-1)
+    if not torch.equal(ours_ids, peer_ids):
+        raise SystemExit(f"{name} T={T}: SGLang's ids differ from kerngen's")
+    err = (r.topk_weights.float().gather(-1, order) - w_peer.float().gather(-1, porder)).abs().max().item()
+    if err > 1e-5:
+        raise SystemExit(f"{name} T={T}: SGLang's weights differ from kerngen's by {err}")
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sglang", default=None, help="a folder to put first on sys.path (SGLang's kernels)")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default="1,8,64,512,4096")
+    ap.add_argument("--block", type=int, default=16, help="the permutation's tile / SGLang's block size")
+    a = ap.parse_args(argv)
+    if a.sglang:
+        sys.path.insert(0, a.sglang)
+    producer_buf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
+    producer = lambda: producer_buf.mul_(1.0)  # noqa: E731
+    print("µs per call (after a producer / chained); topk: ids + weights; perm: with the permutation")
+    for name in a.models.split(","):
+        for T in map(int, a.tokens.split(",")):
+            r = case(name, T, a.block, producer)
+            print(f"{name:12s} T={T:5d} | topk {r['topk_us']:6.2f} / {r['topk_chained_us']:6.2f}  gate "
+                  f"{r['gate_us']:6.2f} / {r['gate_chained_us']:6.2f}  ({r['gate_us'] / r['topk_us']:.2f}x / "
+                  f"{r['gate_chained_us'] / r['topk_chained_us']:.2f}x) | perm {r['perm_us']:6.2f} / "
+                  f"{r['perm_chained_us']:6.2f}  gate+align {r['gate_align_us']:6.2f} / "
+                  f"{r['gate_align_chained_us']:6.2f}  ({r['gate_align_us'] / r['perm_us']:.2f}x / "
+                  f"{r['gate_align_chained_us'] / r['perm_chained_us']:.2f}x)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
