@@ -304,3 +304,52 @@ def test_fused_experts_are_closer_to_exact_than_eager(case):
     for ours, eager, between in errs:
         assert ours <= TOL[torch.bfloat16] and between <= TOL_FUSED, errs
     assert sum(o for o, _, _ in errs) < sum(e for _, e, _ in errs), errs
+
+
+def test_gpt_oss_and_llama4_experts_on_kerngen_arguments():
+    """The gate arguments and transposed weight views the integration hands kerngen.experts give transformers' own
+    experts modules (run in fp64) for gpt-oss (interleaved gate/up, biases, its clamped gate) and Llama-4 (gate
+    then up, its experts fed rows grouped by expert), within the bf16 tolerance of the fused path."""
+    import copy
+
+    import kerngen
+    from kerngen.ops import experts as ex
+    from kerngen.ops import permute as pm
+    for case in ("gpt_oss", "llama4_text"):
+        model = tiny(case).to(torch.bfloat16)
+        block = moe_blocks(model)[0]
+        e = block.experts
+        gate = kx.kernel_gate(e)
+        w13, w2 = kx.expert_weights(e)
+        assert kx.weights_layout(e) == "kn" and ex.weights_layout(w13, w2, "bf16") == "kn"
+        assert w13.data_ptr() == e.gate_up_proj.data_ptr()           # views: nothing copied
+        E, H = w13.shape[0], w13.shape[-1]
+        with torch.no_grad():
+            e.gate_up_proj.normal_(0, H ** -0.5)
+            e.down_proj.normal_(0, w2.shape[-1] ** -0.5)
+            if getattr(e, "has_bias", False):
+                e.gate_up_proj_bias.normal_(0, 0.1)
+                e.down_proj_bias.normal_(0, 0.1)
+        e64 = copy.deepcopy(e).double()
+        g = torch.Generator().manual_seed(0)
+        if case == "gpt_oss":
+            assert gate == dict(activation="gpt_oss", interleaved=True, alpha=e.alpha, limit=e.limit)
+            T = 11
+            x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)]).int()
+            with torch.no_grad():   # the module's own per-expert loop, unweighted: one expert row per (t, k)
+                exact = torch.stack([e64(x.double(), ids[:, k:k + 1].long(), torch.ones(T, 1, dtype=torch.float64))
+                                     for k in range(2)], 1)
+            r = kerngen.Routing(ids, torch.ones(T, 2), **pm.permute_reference(ids, E, 8))
+            rows = kerngen.experts(x, r, w13, w2, b13=e.gate_up_proj_bias.data, b2=e.down_proj_bias.data, **gate)
+        else:
+            assert gate == dict(activation="silu", interleaved=False)
+            n = 3   # Llama4TextExperts.forward takes n rows of each expert in turn
+            x = torch.randn(E * n, H, generator=g).to(torch.bfloat16)
+            ids = (torch.arange(E * n) // n).int()[:, None]
+            with torch.no_grad():
+                exact = e64(x.double())[:, None]
+            r = kerngen.Routing(ids, torch.ones(E * n, 1), **pm.permute_reference(ids, E, 8))
+            rows = kerngen.experts(x, r, w13, w2, **gate)
+        ours = rows[r.expanded_to_permuted.long()]
+        assert rel_err(ours.double(), exact) <= TOL_FUSED, case
