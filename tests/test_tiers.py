@@ -160,8 +160,11 @@ def test_rules_for_splits_token_range():
     shape = {"hidden": m.hidden, "top_k": m.top_k, "arch": "sm_90a"}
     variants = [r.variant for r in t.rules_for("finalize", shape, m.tokens)]
     assert variants[0] == "small_batch" and "large_batch" in variants and variants[-1] == "cute"
-    sm90 = [r for r in t.rules if r.op == "finalize" and (not r.arch or "sm_90a" in r.arch)]
-    assert len(variants) == len(sm90)   # every finalize rule of the H200 serves kimi-k3
+    sm90 = [r for r in t.rules if r.op == "finalize" and (not r.arch or "sm_90a" in r.arch)
+            and r.ranges.get("top_k", (1, 64))[1] >= m.top_k]
+    assert len(variants) == len(sm90)   # every finalize rule of the H200 for its top_k serves kimi-k3
+    small_k = t.rules_for("finalize", {"hidden": 2880, "top_k": 4, "arch": "sm_90a"}, (1, 8192))
+    assert [r.variant for r in small_k] == ["small_batch", "small_batch", "cute", "cute"]
     only_small = t.rules_for("finalize", {"hidden": m.hidden, "top_k": m.top_k}, (1, 4))
     assert [r.variant for r in only_small] == ["small_batch"] and only_small[0].ranges["tokens"][0] == 1
 
