@@ -288,7 +288,8 @@ class Kernels:
     """The mma variant of one spec on one device: two launches on a persistent grid of blocks_per_sm CTAs per
     SM (at most one per work item) looping over the used tiles' items. The grid follows the routing's tile
     count, so the launchers are kept per tile count; the intermediate scratch per stream."""
-    __slots__ = ("spec", "tile", "device", "scaled", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I", "_grids", "_act")
+    __slots__ = ("spec", "tile", "device", "scaled", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I", "_grids", "_act",
+                 "_cols")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
         if s.variant not in VARIANTS:
@@ -297,6 +298,7 @@ class Kernels:
         self.spec, self.tile, self.device = s, c["TILE"], device
         self.scaled = c.get("FORMAT", "bf16") != "bf16"   # a quantized build: its scales are launch fields
         self._warps, self._H, self._I = p["warps"], c["H"], c["I"]
+        self._cols = (16, 32) if c.get("KN") else (8, 16)   # columns of an item: GEMM1 (intermediate), GEMM2
         self._mod = resolve(s)
         self._pdl = bool(p.get("pdl", False))
         self._ctas = p.get("blocks_per_sm", 4) * sm_count(device)
@@ -307,8 +309,8 @@ class Kernels:
         pair = self._grids.get(tiles)
         if pair is None:
             block = (32 * self._warps, 1, 1)
-            grid1 = (min(self._ctas, tiles * -(-self._I // 8)), 1, 1)
-            grid2 = (min(self._ctas, tiles * -(-self._H // 16)), 1, 1)
+            grid1 = (min(self._ctas, tiles * -(-self._I // self._cols[0])), 1, 1)
+            grid2 = (min(self._ctas, tiles * -(-self._H // self._cols[1])), 1, 1)
             params = PARAMS_SCALED if self.scaled else PARAMS
             pair = self._grids[tiles] = (
                 Launcher(self._mod, "experts_gemm1", self.device, grid1, block, params, pdl=self._pdl),

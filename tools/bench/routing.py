@@ -67,6 +67,10 @@ def bench_routing(cases=None, *, tile: int = 128, calls: int = 50, replays: int 
     cases = cases or default_cases()
     tbl = kerngen.models()
     compiled = {}
+    # every model's torch_routing closure shares one code object: each (model, T) is a recompile of it
+    for knob in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 4 * len(cases) + 8))
     out = []
     for name, T in cases:
         m = tbl[name]
