@@ -100,7 +100,8 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
     ("tail", "tail"): {"backend": CUTE, "threads": _n(32, 1024, required=True), "cluster": _n(1, 16),
                        "max_loads": _n(1, 64), "branch_free": FLAG, "pdl": FLAG},
     ("experts", "mma"): {"backend": NVRTC, "tile": _n(1, 16, required=True), "warps": _n(1, 16, required=True),
-                         "unroll": _n(1, 8, required=True), "blocks_per_sm": _n(1, 32), "pdl": FLAG},
+                         "unroll": _n(1, 8, required=True), "blocks_per_sm": _n(1, 32), "pdl": FLAG,
+                         "transposed": FLAG},   # false: weights stored transposed run torch._grouped_mm here
     ("latent_tail", "fused"): {"backend": NVRTC, "max_tokens": _n(1, 16, required=True),
                                "warps": _n(1, 32, required=True), "unroll": _n(1, 8, required=True),
                                "cluster": _n(1, 8), "blocks_per_sm": _n(1, 32), "pdl": FLAG},

@@ -196,11 +196,13 @@ def _weights(w: Tensor) -> Tensor:
 
 
 def _tile(x: Tensor, w13: Tensor, activation: str) -> int:
-    """The tile of the experts kernels' rule for these tokens (1 where none serves them)."""
+    """The tile of the experts kernels' rule for these tokens and weights (1 where none serves them)."""
     if w13.dtype not in _ex.FORMATS or x.device.type not in _common.KERNEL_DEVICES:
         return 1
     I = w13.shape[1] // 2   # w13 [E, 2I, ...] in every format (w2's last dims are I/32, 16 for MXFP4)
-    return _ex.tile_for(x.shape[1], I, activation, x.shape[0], x.get_device(), _ex.FORMATS[w13.dtype]) or 1
+    fmt = _ex.FORMATS[w13.dtype]
+    layout = "kn" if fmt == "bf16" and not w13.is_contiguous() else "nk"   # experts() checks it in full
+    return _ex.tile_for(x.shape[1], I, activation, x.shape[0], x.get_device(), fmt, layout) or 1
 
 
 @moe_experts.register_kernel("cpu")

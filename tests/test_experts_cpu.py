@@ -239,3 +239,15 @@ def test_python_packing_matches_the_params_struct():
     if not any(r.op == "experts" for r in t.rules):
         pytest.skip("no experts rule in tiers.toml")
     check_layout("experts stream", render.render(ex.spec(2048, 768, 8, "silu", 1, "sm_90a", t)), ex.PARAMS)
+
+
+def test_rules_marked_contiguous_only_leave_transposed_weights_to_grouped_mm():
+    """The tile-16 rule has transposed = false: "kn" builds stop at 16 tokens, "nk" ones go on to 256."""
+    t = tiers.load()
+    assert any(r.op == "experts" and r.params.get("transposed") is False for r in t.rules)
+    for T, served in ((1, True), (16, True), (17, False), (256, False)):
+        assert (ex.tile_for(2880, 2880, "gpt_oss", T, -1, "bf16", "kn") is not None) == served, T
+        assert ex.tile_for(2880, 2880, "gpt_oss", T, -1, "bf16", "nk") is not None, T
+    with pytest.raises(kerngen.TierError, match="transposed = false"):
+        ex.spec(2880, 2880, None, "gpt_oss", 64, "sm_90a", layout="kn")
+    assert "transposed" not in dict(ex.spec(2880, 2880, None, "gpt_oss", 64, "sm_90a").params)

@@ -263,9 +263,13 @@ def tag_constants(H: int, I: int, tile: int, activation: str, fmt: str = "bf16",
 def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt: str = "bf16",
               layout: str = "nk") -> plan_mod.KernelSpec:
     """The kernel of an experts rule at this shape: the rule's `tile` param is the TILE constant (the routing
-    tile its kernels take), its other params the launch shape."""
+    tile its kernels take), its other params the launch shape. A rule with `transposed = false` serves
+    contiguous weights only: for "kn" ones it is a TierError (torch._grouped_mm runs those tokens)."""
     params = dict(rule.params)
     tile = params.pop("tile")
+    if not params.pop("transposed", True) and layout == "kn":
+        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} serves contiguous "
+                        "weights only (transposed = false): transposed ones run torch._grouped_mm there")
     return plan_mod.spec_for(dataclasses.replace(rule, params=params),
                              *tag_constants(H, I, tile, activation, fmt, layout), arch_)
 
@@ -367,10 +371,11 @@ def dispatch(H: int, I: int, activation: str, device: int, fmt: str = "bf16", la
     return lookup((OP, H, I, activation, device, fmt, layout), build)
 
 
-def tile_for(H: int, I: int, activation: str, tokens: int, device: int, fmt: str = "bf16") -> int | None:
-    """The routing tile kerngen.experts' kernels (for weights in `fmt`) take at this token count (the rule's
-    `tile`), or None where no rule serves these tokens (torch._grouped_mm needs no tile)."""
-    s = dispatch(H, I, activation, device, fmt).spec(tokens)
+def tile_for(H: int, I: int, activation: str, tokens: int, device: int, fmt: str = "bf16",
+             layout: str = "nk") -> int | None:
+    """The routing tile kerngen.experts' kernels (for weights in `fmt` and `layout`) take at this token count (the
+    rule's `tile`), or None where no rule serves these tokens (torch._grouped_mm needs no tile)."""
+    s = dispatch(H, I, activation, device, fmt, layout).spec(tokens)
     return None if s is None else tile_of(s)
 
 
@@ -387,9 +392,9 @@ def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_m
         for lo, _ in tiers.token_pieces(tbl.rules, OP, model.tokens):
             try:
                 rule = tbl.rule(OP, {**shape, "tokens": lo})
+                s = rule_spec(rule, model.hidden, model.intermediate, model.activation, arch_, fmt, layout)
             except TierError:
                 continue   # these tokens run torch._grouped_mm
-            s = rule_spec(rule, model.hidden, model.intermediate, model.activation, arch_, fmt, layout)
             if s not in out:
                 out.append(s)
     return out
