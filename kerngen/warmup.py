@@ -103,10 +103,26 @@ def run(specs: list[KernelSpec], root: str, jobs: int, progress: bool = True) ->
             for f in as_completed(futures):
                 results.append(Result(futures[f], *f.result()))
                 bar and bar.update()
+        results = [_in_process(r, root) if r.status == "failed" else r for r in results]
     if bar:
         bar.close()
     order = {s: i for i, s in enumerate(specs)}
     return sorted(results, key=lambda r: order[r.spec])
+
+
+def _in_process(failed: Result, root: str) -> Result:
+    """A kernel a pool worker failed to build, built again in this process: a worker is a fresh interpreter (spawned
+    after CUDA init) whose imports can fail where this process's succeeded (seen: torch 2.11 failing to register its
+    own custom ops while a spawned worker imports it for the CuTe DSL). A build that fails here too keeps its error."""
+    import logging
+    r = Result(failed.spec, *_build_one(failed.spec, root))
+    if r.status == "failed":
+        return r
+    first = failed.error.splitlines()[0] if failed.error else "no error text"
+    logging.getLogger("kerngen").warning("kerngen warmup: %s built in this process after its worker failed (%s)",
+                                         failed.spec.tag, first)
+    r.note = f"built in this process after its worker failed: {first}"
+    return r
 
 
 def _cuda_initialized() -> bool:

@@ -70,3 +70,31 @@ def test_a_process_that_uses_the_gpu_builds_in_spawned_workers(tmp_path, monkeyp
     picked = [next(s for s in specs if s.backend == "nvrtc"), next(s for s in specs if s.backend == "cute")]
     results = warmup.run(picked, str(tmp_path), jobs=2, progress=False)
     assert [(r.status, r.error) for r in results] == [("compiled", "")] * 2
+
+
+def _fails_in_workers(spec, root, _parent=os.getpid()):
+    """_build_one that fails in every process but the test's (a worker whose imports broke)."""
+    if os.getpid() != _parent:
+        return "", "failed", 0.0, "RuntimeError: expected ident but found ')' here", False, ""
+    return _REAL_BUILD(spec, root)
+
+
+_REAL_BUILD = warmup._build_one
+
+
+def test_a_kernel_whose_worker_failed_is_built_in_process(tmp_path, monkeypatch, caplog):
+    """Forked workers inherit the patched _build_one and fail; warmup builds those kernels itself, says so in each
+    result's note and a warning, and a kernel that fails in this process too keeps its failure."""
+    monkeypatch.setattr(warmup, "_cuda_initialized", lambda: False)   # fork: the workers see the patch
+    monkeypatch.setattr(warmup, "_build_one", _fails_in_workers)
+    tbl = tiers.load()
+    specs = [s for s in warmup.model_specs(tbl.model("mixtral-8x7b"), tbl, "sm_90a") if s.backend == "nvrtc"][:2]
+    with caplog.at_level("WARNING", logger="kerngen"):
+        results = warmup.run(specs, str(tmp_path), jobs=2, progress=False)
+    assert [r.status for r in results] == ["compiled", "compiled"] and all(r.stored for r in results)
+    assert all(r.note.startswith("built in this process after its worker failed: RuntimeError") for r in results)
+    assert sum("after its worker failed" in m for m in caplog.messages) == 2
+    bad = warmup.Result(specs[0], "", "failed", 0.0, "worker: ImportError")
+    monkeypatch.setattr(warmup, "_build_one", lambda spec, root: ("", "failed", 0.0, "CompileError: x", False, ""))
+    again = warmup._in_process(bad, str(tmp_path))
+    assert again.status == "failed" and again.error == "CompileError: x" and again.note == ""
