@@ -174,7 +174,7 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     the host (not capturable)."""
     E, T = w13.shape[0], x.shape[0]
     ids = _ids(topk_ids, "topk_ids")
-    tile = _tile(x, w13, activation)
+    tile = _tile(x, w13, w2, activation)
     ws = _pm.RoutingWorkspace(max(T, 1), E, ids.shape[1], tile, device=x.device, separate=True)
     r = _pm.permute(ids, num_experts=E, tile=tile, workspace=ws)
     rows = r.permuted_to_token.shape[0]
@@ -195,14 +195,14 @@ def _weights(w: Tensor) -> Tensor:
     return (w if w.dtype in (torch.float32, torch.bfloat16) else w.float()).contiguous()
 
 
-def _tile(x: Tensor, w13: Tensor, activation: str) -> int:
+def _tile(x: Tensor, w13: Tensor, w2: Tensor, activation: str) -> int:
     """The tile of the experts kernels' rule for these tokens and weights (1 where none serves them)."""
     if w13.dtype not in _ex.FORMATS or x.device.type not in _common.KERNEL_DEVICES:
         return 1
     I = w13.shape[1] // 2   # w13 [E, 2I, ...] in every format (w2's last dims are I/32, 16 for MXFP4)
     fmt = _ex.FORMATS[w13.dtype]
-    layout = "kn" if fmt == "bf16" and not w13.is_contiguous() else "nk"   # experts() checks it in full
-    return _ex.tile_for(x.shape[1], I, activation, x.shape[0], x.get_device(), fmt, layout) or 1
+    return _ex.tile_for(x.shape[1], I, activation, x.shape[0], x.get_device(), fmt,
+                        _ex.weights_layout(w13, w2, fmt)) or 1
 
 
 @moe_experts.register_kernel("cpu")

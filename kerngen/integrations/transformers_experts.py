@@ -109,6 +109,7 @@ def fp8_activation(experts: nn.Module) -> str | None:
     return _GATES.get(type(getattr(experts, "act_fn", None)).__name__)
 
 
+_LLAMA4_EXPERTS = "Llama4TextExperts"   # Llama4TextMoe's experts: transposed, gate then up, not the interface's
 _GPT_OSS = "GptOssExperts"   # its _apply_gate: clamped at limit, sigmoid of alpha times the gate, interleaved columns
 
 
@@ -117,7 +118,7 @@ def kernel_gate(experts: nn.Module) -> dict | None:
     serve, else None: no post-expert norm, and either the default gate (gate and up concatenated; also Llama-4's
     experts) with SiLU or tanh GeLU, or gpt-oss's (interleaved gate and up, clamped at `limit`, sigmoid of
     `alpha` times the gate). Transposed weights are read in place (expert_weights)."""
-    if type(experts).__name__ == "Llama4TextExperts":   # Llama4TextMoe's own experts: up * act(gate), gate first
+    if type(experts).__name__ == _LLAMA4_EXPERTS:   # up * act(gate), gate first
         act = _GATES.get(type(getattr(experts, "act_fn", None)).__name__)
         return None if act is None else dict(activation=act, interleaved=False)
     if not getattr(experts, "has_gate", False) or getattr(experts, "has_post_expert_norm", True):
@@ -144,7 +145,7 @@ def expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     tensors, or for transposed modules (gpt-oss, Llama-4: [E, H, 2I], [E, I, H]) their transposed views, which
     kerngen.experts reads in place."""
     w13, w2 = experts.gate_up_proj, experts.down_proj
-    if getattr(experts, "is_transposed", False) or type(experts).__name__ == "Llama4TextExperts":
+    if getattr(experts, "is_transposed", False) or type(experts).__name__ == _LLAMA4_EXPERTS:
         return w13.transpose(1, 2), w2.transpose(1, 2)
     return w13, w2
 
@@ -267,16 +268,16 @@ def _compiled_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index:
     fp8 = fp8_activation(self)
     gate = dict(activation=fp8) if fp8 is not None else kernel_gate(self)
     if gate is not None and (fp8 is not None or (hidden_states.dtype == w13.dtype == torch.bfloat16
-                                                 and weights_layout(self) is not None
-                                                 and expert_weights(self)[0].shape[-1] % 8 == 0)):
-        b13, b2 = (self.gate_up_proj_bias, self.down_proj_bias) if self.has_bias else (None, None)
-        s13, s2 = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv) if fp8 is not None else (None, None)
-        x = hidden_states.to(torch.bfloat16).contiguous()
-        w13, w2 = expert_weights(self)
-        y = torch.ops.kerngen.moe_experts(x, top_k_index, top_k_weights, w13, w2, gate["activation"], b13, b2, s13,
-                                          s2, gate.get("interleaved", False), gate.get("alpha", 1.702),
-                                          gate.get("limit", 7.0))
-        return y.to(hidden_states.dtype)
+                                                 and weights_layout(self) is not None)):
+        w13, w2 = expert_weights(self)   # [E, 2I, H] and [E, H, I] (views where the module keeps them transposed)
+        if fp8 is not None or w13.shape[-1] % 8 == 0:
+            b13, b2 = (self.gate_up_proj_bias, self.down_proj_bias) if self.has_bias else (None, None)
+            s13, s2 = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv) if fp8 is not None else (None, None)
+            x = hidden_states.to(torch.bfloat16).contiguous()
+            rest = dict(gate)   # gpt-oss: interleaved, alpha, limit
+            y = torch.ops.kerngen.moe_experts(x, top_k_index, top_k_weights, w13, w2, rest.pop("activation"), b13,
+                                              b2, s13, s2, **rest)
+            return y.to(hidden_states.dtype)
     ids = top_k_index.long()   # transformers' code, written for its routers' int64 ids
     if w13 is not None and w13.dtype == torch.float8_e4m3fn:
         return _FP8_TRAINING(self, hidden_states, ids, top_k_weights)
