@@ -8,6 +8,7 @@ from kerngen.ops import experts as ex
 from kerngen.plan import spec_for, target_arch
 from kerngen.errors import TierError
 from kerngen.tiers import Rule
+from tests.test_experts_cpu import _transposed as transposed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
 
@@ -123,11 +124,6 @@ def test_every_launch_shape_against_the_reference(params, T, tile, H, I, act):
                        linear_beta=2.0 if act == "situglu" else 0.0)
     rows = r.permuted_to_token >= 0
     torch.testing.assert_close(out[rows].float(), ref[rows].float(), rtol=2e-2, atol=2e-2)
-
-
-def transposed(w: torch.Tensor) -> torch.Tensor:
-    """The same values as the transposed view of a contiguous [E, K, N] tensor (transformers' gpt-oss / Llama-4)."""
-    return w.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 @pytest.mark.parametrize("params", PARAM_CASES[1::2], ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
