@@ -101,7 +101,8 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                        "max_loads": _n(1, 64), "branch_free": FLAG, "pdl": FLAG},
     ("experts", "mma"): {"backend": NVRTC, "tile": _n(1, 16, required=True), "warps": _n(1, 16, required=True),
                          "unroll": _n(1, 8, required=True), "blocks_per_sm": _n(1, 32), "pdl": FLAG,
-                         "transposed": FLAG},   # false: weights stored transposed run torch._grouped_mm here
+                         "transposed": FLAG,   # false: weights stored transposed run torch._grouped_mm here
+                         "min_blocks": _n(1, 32)},   # __launch_bounds__' CTAs an SM: a register bound
     ("latent_tail", "fused"): {"backend": NVRTC, "max_tokens": _n(1, 16, required=True),
                                "warps": _n(1, 32, required=True), "unroll": _n(1, 8, required=True),
                                "cluster": _n(1, 8), "blocks_per_sm": _n(1, 32), "pdl": FLAG},
@@ -157,11 +158,15 @@ class Rule:
     params: dict[str, Any] = field(default_factory=dict)
     source: str = ""
     arch: tuple[str, ...] = ()   # the targets it serves (sm_90a, sm_100a, ...); empty: any
+    formats: tuple[str, ...] = ()   # experts rules: the weight formats it serves (EXPERT_FORMATS); empty: any
 
     def matches(self, shape: dict) -> bool:
-        """Every range given holds for the shape's value (a range the shape has no value for holds), and the
-        shape's target ("arch", else KERNGEN_ARCH's default) is one the rule serves."""
+        """Every range given holds for the shape's value (a range the shape has no value for holds), the
+        shape's target ("arch", else KERNGEN_ARCH's default) is one the rule serves, and so is its weight format
+        ("format", else bf16)."""
         if self.arch and shape.get("arch", env.default_arch()) not in self.arch:
+            return False
+        if self.formats and shape.get("format", "bf16") not in self.formats:
             return False
         return all(lo <= shape[k] <= hi for k, (lo, hi) in self.ranges.items() if k in shape)
 
@@ -371,8 +376,8 @@ def check_rule(where: str, op: str, variant, params: dict) -> None:
 
 def _parse_rule(where: str, d: dict) -> Rule:
     for k in d:
-        if k not in ("op", "variant", "params", "arch", *RANGE_KEYS):
-            _fail(where, f"unknown field '{k}' (known: op, variant, params, arch, {', '.join(RANGE_KEYS)})")
+        if k not in ("op", "variant", "params", "arch", "formats", *RANGE_KEYS):
+            _fail(where, f"unknown field '{k}' (known: op, variant, params, arch, formats, {', '.join(RANGE_KEYS)})")
     if d.get("op") not in OPS:
         _fail(where, f"field 'op' must be one of {', '.join(OPS)}, got {d.get('op')!r}")
     if not isinstance(d.get("variant"), str) or not d["variant"]:
@@ -383,7 +388,18 @@ def _parse_rule(where: str, d: dict) -> Rule:
     ranges = {k: _range(where, d, k) for k in RANGE_KEYS if k in d}
     check_rule(where, d["op"], d["variant"], params)
     return Rule(op=d["op"], variant=d["variant"], ranges=ranges, params=dict(params), source=where,
-                arch=_arches(where, d.get("arch")))
+                arch=_arches(where, d.get("arch")), formats=_formats(where, d["op"], d.get("formats")))
+
+
+def _formats(where: str, op: str, v) -> tuple[str, ...]:
+    """An experts rule's `formats`: a non-empty list of the weight formats it serves (left out: every format)."""
+    if v is None:
+        return ()
+    if op != "experts":
+        _fail(where, f"field 'formats' (weight formats) applies to op = \"experts\" rules only, not {op}")
+    if not isinstance(v, list) or not v or not all(isinstance(f, str) and f in EXPERT_FORMATS for f in v):
+        _fail(where, f"field 'formats' must be a non-empty list of {', '.join(map(repr, EXPERT_FORMATS))}, got {v!r}")
+    return tuple(v)
 
 
 def _arches(where: str, v) -> tuple[str, ...]:

@@ -110,3 +110,84 @@ def test_transformers_fp8_experts_on_cuda(T):
     block.experts = new
     kt.enable(model)
     assert rel_err(run_block(block, x), want) <= 2 * TOL_FUSED
+
+
+def _route(x, E, K, seed):
+    logits = torch.randn(x.shape[0], E, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+    return kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
+
+
+def _codes(shape, allowed, seed):
+    """uint8 tensor of `shape` whose bytes are drawn from `allowed` (a list of byte values)."""
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randint(0, len(allowed), shape, generator=g)
+    return torch.tensor(allowed, dtype=torch.uint8)[pick]
+
+
+@pytest.mark.parametrize("codes", ["all", "subnormal"])
+def test_fp8_every_code(codes):
+    """Every e4m3 code (NaN excepted) or only the subnormal ones (exponent 0): the kernels' bit placement is exact
+    for each, subnormals included (a flush to zero would leave these rows 0)."""
+    E, K, H, I = 8, 2, 1024, 256
+    allowed = ([b for b in range(256) if b & 0x7F != 0x7F] if codes == "all"
+               else [b | s for b in range(8) for s in (0, 0x80)])
+    w13 = _codes((E, 2 * I, H), allowed, 1).view(torch.float8_e4m3fn).cuda()
+    w2 = _codes((E, H, I), allowed, 2).view(torch.float8_e4m3fn).cuda()
+    g = torch.Generator().manual_seed(3)
+    big = 1.0 if codes == "subnormal" else 1 / 448
+    s13 = (torch.rand(E, 2 * I // 128, H // 128, generator=g) * 0.02 * big + 1e-3 * big).cuda()
+    s2 = (torch.rand(E, H // 128, I // 128, generator=g) * 0.02 * big + 1e-3 * big).cuda()
+    if codes == "subnormal":   # the subnormals are at most 2^-6 * 7/8: scale them up to O(1) sums
+        s13, s2 = s13 * 64, s2 * 64
+    x = (torch.randn(5, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))).to(torch.bfloat16)
+    r = _route(x, E, K, 5)
+    s = dict(w13_scale=s13, w2_scale=s2)
+    got, ref = kerngen.experts(x, r, w13, w2, **s), ex.reference(x, r, w13, w2, **s)
+    rows = r.permuted_to_token >= 0
+    assert ref[rows].float().abs().max() > 0
+    check_rows(got, ref, r)
+
+
+@pytest.mark.parametrize("top", [24, 127, 129, 160, 230])
+def test_mxfp4_scale_bytes_across_the_range(top):
+    """Scale bytes in [top - 24, top] (each row's four groups of a step differ by up to 2^24), every e2m1 code: x is
+    scaled by 2^(127 - top) so the sums stay O(1); the kernels' per-group factor and per-row fp32 factor are exact
+    for bytes above 128 as below."""
+    E, K, H, I = 8, 2, 1024, 256
+    w13, s13, _, _ = mx_weights(E, H, I, seed=top, scale_range=(top - 24, top + 1))
+    _, _, w2, s2 = mx_weights(E, H, I, seed=top + 1)
+    w13, s13, w2, s2 = (t.cuda() for t in (w13, s13, w2, s2))
+    x = (torch.randn(5, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(top)) * 0.3
+         * 2.0 ** (127 - top)).to(torch.bfloat16)
+    r = _route(x, E, K, top)
+    s = dict(w13_scale=s13, w2_scale=s2)
+    check_rows(kerngen.experts(x, r, w13, w2, **s), ex.reference(x, r, w13, w2, **s), r)
+
+
+def test_mxfp4_subnormal_codes():
+    """Only the codes 0 and +-0.5 (0.5 becomes a bf16 subnormal when placed): a flush to zero would leave rows 0."""
+    E, K, H, I = 8, 2, 1024, 256
+    allowed = [lo | hi << 4 for lo in (0, 1, 8, 9) for hi in (0, 1, 8, 9)]
+    w13 = _codes((E, 2 * I, H // 32, 16), allowed, 1).cuda()
+    w2 = _codes((E, H, I // 32, 16), allowed, 2).cuda()
+    s13 = torch.full((E, 2 * I, H // 32), 124, dtype=torch.uint8, device="cuda")
+    s2 = torch.full((E, H, I // 32), 124, dtype=torch.uint8, device="cuda")
+    x = torch.randn(5, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).to(torch.bfloat16)
+    r = _route(x, E, K, 7)
+    s = dict(w13_scale=s13, w2_scale=s2)
+    got, ref = kerngen.experts(x, r, w13, w2, **s), ex.reference(x, r, w13, w2, **s)
+    assert ref[r.permuted_to_token >= 0].float().abs().max() > 0
+    check_rows(got, ref, r)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_gpt_oss_and_kimi_shapes(fmt, T):
+    """The shipped models' widths (H not a multiple of the 128-wide step: gpt-oss's 2880) on their own rules."""
+    for H, I, act in ((2880, 2880, "gpt_oss"), (3584, 2048, "situglu"), (7168, 2048, "silu")):
+        if fmt == "fp8" and H % 128:
+            continue
+        x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=T + H)
+        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=ex.tile_for(H, I, act, T, 0, fmt))
+        kw = dict(activation=act, interleaved=act == "gpt_oss", linear_beta=2.0 if act == "situglu" else 0.0)
+        check(x, r, w, s, **kw)
