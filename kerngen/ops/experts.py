@@ -278,7 +278,7 @@ def spec(H: int, I: int, tile: int | None, activation: str, tokens: int, arch_: 
          tbl: tiers.Table | None = None, fmt: str = "bf16", layout: str = "nk") -> plan_mod.KernelSpec:
     """The kernel the tier table gives this shape at `tokens` (tools and tests; calls go through dispatch), built
     for routing tile `tile` (None: the rule's own)."""
-    rule = (tbl or table()).rule(OP, {"hidden": H, "tokens": max(tokens, 1), "arch": arch_})
+    rule = (tbl or table()).rule(OP, {"hidden": H, "tokens": max(tokens, 1), "arch": arch_, "format": fmt})
     if tile is not None:
         rule = dataclasses.replace(rule, params={**rule.params, "tile": tile})
     return rule_spec(rule, H, I, activation, arch_, fmt, layout)
@@ -365,8 +365,8 @@ def dispatch(H: int, I: int, activation: str, device: int, fmt: str = "bf16", la
     serves: torch._grouped_mm for bf16, the per-expert reference for fp8)."""
     def build() -> Dispatch:
         a = arch(device)
-        return Dispatch(OP, {"hidden": H}, lambda rule: rule_spec(rule, H, I, activation, a, fmt, layout), kernel,
-                        device, arch=a, per_token=False)
+        return Dispatch(OP, {"hidden": H, "format": fmt}, lambda rule: rule_spec(rule, H, I, activation, a, fmt, layout),
+                        kernel, device, arch=a, per_token=False)
 
     return lookup((OP, H, I, activation, device, fmt, layout), build)
 
@@ -391,7 +391,7 @@ def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_m
     for fmt, layout in builds:   # bf16 (both layouts where the model's are transposed), and the format it ships in
         for lo, _ in tiers.token_pieces(tbl.rules, OP, model.tokens):
             try:
-                rule = tbl.rule(OP, {**shape, "tokens": lo})
+                rule = tbl.rule(OP, {**shape, "tokens": lo, "format": fmt})
                 s = rule_spec(rule, model.hidden, model.intermediate, model.activation, arch_, fmt, layout)
             except TierError:
                 continue   # these tokens run torch._grouped_mm
@@ -402,15 +402,16 @@ def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_m
 
 def explain_spec(tbl: tiers.Table, arch_: str, *, hidden: int, tokens: int, intermediate: int = 0,
                  activation: str = "silu", model: str | None = None, **_shape) -> plan_mod.KernelSpec:
-    """The experts kernel `kerngen explain --op experts` names (intermediate and activation from `model`, else
-    given); other shape keywords (experts, top_k) do not apply."""
+    """The experts kernel `kerngen explain --op experts` names (intermediate, activation and weight format from
+    `model`, else given, bf16); other shape keywords (experts, top_k) do not apply."""
     m = tbl.model(model) if model else None
     I, act = (m.intermediate, m.activation) if m else (intermediate, activation)
     if not I:
         raise InputError(OP, "intermediate", "the experts' intermediate size (a model with `intermediate`, or "
                          "--intermediate)", repr(I))
-    return rule_spec(tbl.rule(OP, {"hidden": hidden, "tokens": max(tokens, 1), "arch": arch_}), hidden, I, act,
-                     arch_)
+    fmt = m.experts_format if m else "bf16"   # a model's: the format its checkpoints ship in
+    return rule_spec(tbl.rule(OP, {"hidden": hidden, "tokens": max(tokens, 1), "arch": arch_, "format": fmt}), hidden,
+                     I, act, arch_, fmt)
 
 
 def clear() -> None:
