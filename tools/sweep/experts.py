@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""kerngen.experts' quantized builds (fp8, MXFP4) over launch shapes, for their tier rules (GPU).
+
+    python3 -m tools.sweep.experts FORMAT MODELS TOKENS [sweep]
+    python3 -m tools.sweep.experts fp8 deepseek-v3,kimi-k2 1,8,64 sweep
+    python3 -m tools.sweep.experts mxfp4 gpt-oss-120b,kimi-k3 1,8,64 sweep
+
+Random quantized weights (every code but NaN; scale bytes 116..123 for MXFP4) of up to 4 layers cycled, a routing per
+call, CUDA graphs, each step after a 4 MB producer kernel (its time taken off); the floor is the active experts'
+quantized weight and scale bytes at the streaming-read bandwidth. Prints the tier rule's time, its variant without
+prefetch, and with `sweep` the six fastest of warps x unroll x blocks_per_sm, each launched at most as many CTAs an
+SM as the driver's occupancy query allows (a shape asking for more is skipped). Correctness is the GPU tests' job
+(tests/gpu/test_experts_quantized.py): the weights here are random bytes.
+"""
+import itertools
+import sys
+
+import torch
+import kerngen
+from kerngen import tiers
+from kerngen.launch import _drv
+from kerngen.ops import experts as ex
+from kerngen.plan import spec_for, target_arch
+from tools.bench.lib import graph_time_us, read_bandwidth_tbs
+
+SHAPES = {"deepseek-v3": (7168, 2048, 256, 8, "silu", False), "kimi-k2": (7168, 2048, 384, 8, "silu", False),
+          "gpt-oss-120b": (2880, 2880, 128, 4, "gpt_oss", True), "kimi-k3": (3584, 2048, 896, 16, "situglu", False)}
+
+def rand_weights(E, N, K, fmt):
+    if fmt == "fp8":
+        w = torch.randint(0, 256, (E, N, K), dtype=torch.uint8, device="cuda")
+        w[(w & 0x7F) == 0x7F] = 0
+        return w.view(torch.float8_e4m3fn), torch.rand(E, N // 128, K // 128, device="cuda") * 1e-3 + 1e-4
+    return (torch.randint(0, 256, (E, N, K // 32, 16), dtype=torch.uint8, device="cuda"),
+            torch.randint(116, 124, (E, N, K // 32), dtype=torch.uint8, device="cuda"))
+
+def occupancy(k):
+    drv = _drv()
+    out = []
+    for L in k.launchers(1):
+        err, n = drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(L.fn, L.block[0], 0)
+        out.append(n)
+    return min(out)
+
+def main():
+    fmt, models, tokens = sys.argv[1], sys.argv[2].split(","), [int(t) for t in sys.argv[3].split(",")]
+    sweep = len(sys.argv) > 4 and sys.argv[4] == "sweep"
+    bw = read_bandwidth_tbs()
+    dev, arch = 0, target_arch(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    per_weight = {"fp8": 1.0 + 4 / 128 ** 2, "mxfp4": 0.5 + 1 / 32}[fmt]
+    print(f"read bw {bw:.2f} TB/s", flush=True)
+    for m in models:
+        H, I, E, K, act, gpt = SHAPES[m]
+        layers = max(1, min(4, int(60e9 // (3 * E * H * I * per_weight))))
+        W = [(rand_weights(E, 2 * I, H, fmt), rand_weights(E, H, I, fmt)) for _ in range(layers)]
+        for T in tokens:
+            calls = 20
+            gen = torch.Generator(device="cuda").manual_seed(T)
+            x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16) * 0.1
+            tile = ex.tile_for(H, I, act, T, dev, fmt)
+            rt = [kerngen.route(torch.randn(T, E, device="cuda", generator=gen), top_k=K, method="softmax_topk",
+                                tile=tile) for _ in range(calls)]
+            active = sum(int(torch.unique(r.topk_ids).numel()) for r in rt) / calls
+            floor = active * 3 * H * I * per_weight / (bw * 1e12) * 1e6
+            outs = [torch.empty(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda") for r in rt]
+            acts = [torch.empty(r.tile_to_expert.shape[0] * tile, I, dtype=torch.bfloat16, device="cuda") for r in rt]
+            pbuf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
+            rule = ex.spec(H, I, tile, act, T, arch, fmt=fmt)
+            cands = [("rule", rule)]
+            rp = {**dict(rule.params), "prefetch": False}
+            cands.append(("rule-nopf", spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=rp),
+                                                *ex.tag_constants(H, I, tile, act, fmt), arch)))
+            if sweep:
+                ws = (4, 8)
+                us_ = (1, 2)
+                for w, u, b in itertools.product(ws, us_, (2, 3, 4, 5, 6, 8)):
+                    p = dict(warps=w, unroll=u, blocks_per_sm=b, pdl=True)
+                    cands.append((f"w{w} u{u} b{b}", spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),
+                                                              *ex.tag_constants(H, I, tile, act, fmt), arch)))
+            res, seen = [], set()
+            for label, s in cands:
+                k = ex.Kernels(s, dev)
+                occ = occupancy(k)
+                bps = dict(s.params).get("blocks_per_sm", 4)
+                if label != "rule" and bps > occ:
+                    continue
+                key = (tuple(sorted((a, b) for a, b in s.params if a != "blocks_per_sm")), min(bps, occ))
+                if key in seen and label != "rule":
+                    continue
+                seen.add(key)
+                it = iter(range(10 ** 9))
+                def step():
+                    n = next(it); i = n % calls; (w13, s13), (w2, s2) = W[n % layers]
+                    k(x, rt[i], w13, w2, outs[i], acts[i], interleaved=gpt, w13_scale=s13, w2_scale=s2,
+                      a0=1.702 if gpt else 1.0, a1=7.0 if gpt else 0.0)
+                prod = lambda: pbuf.mul_(1.0)
+                us = graph_time_us(lambda: (prod(), step()), calls=20) - graph_time_us(prod, calls=20)
+                res.append((us, label, occ, dict(s.params)))
+            res.sort()
+            rr = next(r for r in res if r[1] == "rule")
+            print(f"{fmt} {m:13s} T={T:3d} tile {tile:2d} floor {floor:7.1f} | rule {rr[0]:7.1f} ({100*floor/rr[0]:3.0f}%) occ {rr[2]} {rr[3]}", flush=True)
+            for us, label, occ, p in res[:6] if sweep else ():
+                print(f"      {us:7.1f} ({100*floor/us:3.0f}%) {label:12s} occ {occ} {p}", flush=True)
+        del W
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
