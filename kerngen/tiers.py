@@ -103,7 +103,8 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                          "unroll": _n(1, 8, required=True), "blocks_per_sm": _n(1, 32), "pdl": FLAG,
                          "transposed": FLAG,   # false: weights stored transposed run torch._grouped_mm here
                          "min_blocks": _n(1, 32),   # __launch_bounds__' CTAs an SM: a register bound
-                         "prefetch": FLAG},   # quantized builds: the next steps' weight loads issued first (default)
+                         "prefetch": FLAG,   # quantized builds: the next steps' weight loads issued first (default)
+                         "prefetch_x": FLAG},   # quantized builds with prefetch: the next steps' activations too
     ("latent_tail", "fused"): {"backend": NVRTC, "max_tokens": _n(1, 16, required=True),
                                "warps": _n(1, 32, required=True), "unroll": _n(1, 8, required=True),
                                "cluster": _n(1, 8), "blocks_per_sm": _n(1, 32), "pdl": FLAG},

@@ -8,9 +8,9 @@
 Random quantized weights (every code but NaN; scale bytes 116..123 for MXFP4) of up to 4 layers cycled, a routing per
 call, CUDA graphs, each step after a 4 MB producer kernel (its time taken off); the floor is the active experts'
 quantized weight and scale bytes at the streaming-read bandwidth. Prints the tier rule's time, its variant without
-prefetch, and with `sweep` the six fastest of warps x unroll x blocks_per_sm, each launched at most as many CTAs an
-SM as the driver's occupancy query allows (a shape asking for more is skipped). Correctness is the GPU tests' job
-(tests/gpu/test_experts_quantized.py): the weights here are random bytes.
+prefetch, and with `sweep` the six fastest of 4 warps x unroll x blocks_per_sm x prefetch_x, each launched at
+most as many CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). Correctness
+is the GPU tests' job (tests/gpu/test_experts_quantized.py): the weights here are random bytes.
 """
 import itertools
 import sys
@@ -72,12 +72,11 @@ def main():
             cands.append(("rule-nopf", spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=rp),
                                                 *ex.tag_constants(H, I, tile, act, fmt), arch)))
             if sweep:
-                ws = (4, 8)
-                us_ = (1, 2)
-                for w, u, b in itertools.product(ws, us_, (2, 3, 4, 5, 6, 8)):
-                    p = dict(warps=w, unroll=u, blocks_per_sm=b, pdl=True)
-                    cands.append((f"w{w} u{u} b{b}", spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),
-                                                              *ex.tag_constants(H, I, tile, act, fmt), arch)))
+                for w, u, b, px in itertools.product((4,), (1, 2), (4, 5, 6, 8), (False, True)):
+                    p = dict(warps=w, unroll=u, blocks_per_sm=b, pdl=True, prefetch_x=px)
+                    cands.append((f"w{w} u{u} b{b}" + " x" * px,
+                                  spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),
+                                           *ex.tag_constants(H, I, tile, act, fmt), arch)))
             res, seen = [], set()
             for label, s in cands:
                 k = ex.Kernels(s, dev)
