@@ -110,6 +110,10 @@ def cmd_warmup(args) -> int:
               + (f"  [{differ[r.spec]}]" if differ[r.spec] else "")
               + (f"  ({r.seconds:.2f}s{'' if r.stored else ', not stored'})" if r.status == "compiled" else "")
               + (f"\n    {r.error}" if r.error else ""))
+        for line in r.usage:
+            print(f"    {line}")
+    for why in dict.fromkeys(r.usage_error for r in results if r.usage_error):
+        print(f"kerngen warmup: registers and CTAs an SM not shown: {why}")
     return _report(results, names, arches or sorted({s.arch for s in specs}), secs, store.root)
 
 
@@ -208,10 +212,26 @@ def _explain_one(args, tbl: tiers.Table, arch: str, store: cache_mod.DiskCache, 
              "tokens": shape["tokens"], "arch": arch}
     rule = tbl.rule(op, {k: v for k, v in known.items() if v})   # a range without a value holds
     key = jit.key_of(spec)
-    cached = store.get(key, (tiers.BACKENDS[spec.backend].artifact,)) is not None
+    files = store.get(key, (tiers.BACKENDS[spec.backend].artifact,))
     print(f"op        {op}\ntier      {rule.source}\nvariant   {spec.variant} ({spec.backend})\n"
           f"params    {dict(spec.params)}\nconstants {dict(spec.constants)}\narch      {arch}\nkey       {key}\n"
-          f"cached    {'yes' if cached else 'no'} ({store.root / key})")
+          f"cached    {'yes' if files is not None else 'no'} ({store.root / key})")
+    _explain_usage(spec, files)
+
+
+def _explain_usage(spec, files) -> None:
+    """One line per kernel function of a cached build (registers, shared memory, spills, CTAs an SM), read from
+    the artifact; else how to build it."""
+    if files is None:
+        print(f"kernels   registers and CTAs an SM show once built: {warmup.warmup_command(spec)}")
+        return
+    try:
+        rows = warmup.usage(spec, files)
+    except KerngenError as e:
+        print(f"kernels   registers and CTAs an SM not shown: {e}")
+        return
+    for u in rows:
+        print(f"kernel    {u.line()}")
 
 
 def cmd_tune(args) -> int:

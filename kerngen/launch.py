@@ -153,6 +153,28 @@ def needs_smem_optin(static: int, dynamic: int) -> bool:
     return static + dynamic > 48 * 1024
 
 
+def allow_smem(fn, dynamic: int) -> None:
+    """Raise the function's dynamic shared memory limit to `dynamic` bytes where a launch with them needs it."""
+    if not dynamic:
+        return
+    drv = _drv()
+    attr = drv.CUfunction_attribute
+    static = int(_ok(drv.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn),
+                     "reading the kernel's static shared memory"))
+    if needs_smem_optin(static, dynamic):
+        _ok(drv.cuFuncSetAttribute(fn, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic),
+            "raising the dynamic shared memory limit")
+
+
+def resident(fn, threads: int, dynamic: int = 0) -> int:
+    """CTAs of `threads` threads with `dynamic` bytes of dynamic shared memory that one SM of the function's device
+    holds at once: the driver's occupancy calculator (registers, shared memory, warp and CTA slots; kerngen.occupancy
+    is the same arithmetic without a GPU). The shared memory limit is raised first where `dynamic` needs it."""
+    allow_smem(fn, dynamic)
+    return int(_ok(_drv().cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, dynamic),
+                   "asking the driver how many CTAs an SM holds"))
+
+
 class Launcher:
     """One kernel at one grid/block on one device; `launcher.launch(stream, field=value, ...)` packs the
     fields of its `Params` by name (0 for a field left out) and launches; `launcher(stream, *values)` takes
@@ -165,7 +187,6 @@ class Launcher:
 
     def __init__(self, module: Module, name: str, device: int, grid, block, params: Params | str, smem: int = 0,
                  pdl: bool = False):
-        drv = _drv()
         self.fn = module.function(name, device)
         self.params = params if isinstance(params, Params) else None
         self.pack = struct.Struct("<" + (params.format if self.params else params))
@@ -176,13 +197,7 @@ class Launcher:
         self._fn_p = ctypes.c_void_p(int(self.fn))
         self._launch = _launch_fn()
         self._states: dict[int, _LaunchState] = {}
-        if smem and needs_smem_optin(self._static_smem(drv), smem):
-            _ok(drv.cuFuncSetAttribute(self.fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                       smem), "raising the dynamic shared memory limit")
-
-    def _static_smem(self, drv) -> int:
-        return int(_ok(drv.cuFuncGetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self.fn),
-                       "reading the kernel's static shared memory"))
+        allow_smem(self.fn, smem)
 
     def _state(self, register: bool = True):
         """Launch state: parameter buffer and launch config, reused on every call (per thread, or per bind)."""

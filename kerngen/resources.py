@@ -94,7 +94,10 @@ def usage(files: dict[str, bytes]) -> list[tuple[str, dict[str, int]]]:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(image)
             f.flush()
-            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+            run = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
+        if run.returncode:
+            raise KerngenError(f"{tool} -res-usage failed: {run.stderr.strip() or run.stdout.strip()}")
+        out = run.stdout
         for name, line in re.findall(r"Function (\S+):\s*\n\s*(.+)", out):
             rows.append((name, {k: int(v) for k, v in re.findall(r"(\w+(?:\[\d+\])?):(\d+)", line)}))
     if not rows:

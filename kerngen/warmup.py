@@ -11,7 +11,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from . import cache as cache_mod
-from . import jit
+from . import jit, occupancy
+from .errors import KerngenError
 from .plan import KernelSpec
 from .tiers import Model, Table
 
@@ -42,6 +43,14 @@ def warmup_command(spec: KernelSpec) -> str:
     return jit.spec_command(spec)
 
 
+def usage(spec: KernelSpec, files: dict[str, bytes]) -> list[occupancy.Usage]:
+    """Each kernel function of a built spec: registers, shared memory, spills, and for the ops with persistent grids
+    (their module's `persistent`) the CTAs an SM holds beside the blocks_per_sm its rule asks for. Needs cuobjdump
+    (a KerngenError that says where to get it)."""
+    launches = getattr(op_module(spec.op), "persistent", None)
+    return occupancy.of_artifact(files, spec.arch, launches(spec) if launches else {})
+
+
 @dataclass
 class Result:
     spec: KernelSpec
@@ -51,15 +60,22 @@ class Result:
     error: str = ""
     stored: bool = False   # the kernel is in the cache after this run
     note: str = ""         # why a compiled kernel was not stored
+    usage: tuple[str, ...] = ()   # one line per kernel function (occupancy.Usage.line)
+    usage_error: str = ""         # why there are none (no cuobjdump)
 
 
-def _build_one(spec: KernelSpec, root: str) -> tuple[str, str, float, str, bool, str]:
+def _build_one(spec: KernelSpec, root: str) -> tuple:
+    """Result's fields after the spec, the kernel built (or found) in the cache at `root`."""
     store = cache_mod.DiskCache(root, quiet=True)   # the report says what was not stored, once
     try:
         b = jit.build(spec, store=store, strict=False)
-        return b.key, b.status, b.seconds, "", b.stored, "" if b.stored else store.write_error or "not stored"
     except Exception as e:  # reported per kernel; the run goes on with the others
         return "", "failed", 0.0, f"{type(e).__name__}: {e}", False, ""
+    try:
+        lines, why = tuple(u.line() for u in usage(spec, b.files)), ""
+    except KerngenError as e:
+        lines, why = (), str(e)
+    return b.key, b.status, b.seconds, "", b.stored, "" if b.stored else store.write_error or "not stored", lines, why
 
 
 PR_SET_PDEATHSIG = 1

@@ -14,7 +14,7 @@ TIERS = [
     ("tiers",),
     ("plan",),
     ("render",),
-    ("compile", "cute_backend", "resources"),
+    ("compile", "cute_backend", "resources", "occupancy"),
     ("trust",),                                  # who may have written a cache: the policy cache applies
     ("cache",),
     ("jit",),

@@ -7,6 +7,8 @@ import torch
 
 from .. import jit, tiers
 from ..errors import DeviceError, InputError
+from ..launch import resident
+from ..occupancy import Launch
 from ..plan import KernelSpec, target_arch
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -138,3 +140,17 @@ def sm_count(device: int) -> int:
 
 
 _sm_counts: dict[int, int] = {}
+
+
+def persistent_ctas(op: str, module, name: str, device: int, launch: Launch) -> int:
+    """The CTAs of a persistent grid of kernel `name` on `device`: the rule's CTAs an SM (launch.per_sm), but no more
+    than one SM holds at once (the driver's count: a grid of more runs as two waves), times the SMs. Device -1 (CPU
+    tensors with stub launchers, tools): per_sm times tiers.SMS."""
+    if device < 0:
+        return launch.per_sm * tiers.SMS
+    fits = resident(module.function(name, device), launch.threads, launch.dynamic_smem)
+    if fits < 1:
+        raise InputError(op, "tier params", f"a launch shape whose CTA of {name} fits an SM",
+                         f"{launch.threads} threads and {launch.dynamic_smem} B of dynamic shared memory a CTA, of "
+                         "which the driver says no SM holds one")
+    return min(launch.per_sm, fits) * sm_count(device)

@@ -23,6 +23,7 @@ from .. import plan as plan_mod
 from .. import tiers
 from ..errors import InputError, TierError
 from ..launch import Launcher, Params, current_stream
+from ..occupancy import Launch
 from ..dispatch import Dispatch, lookup, on_clear
 from . import _common
 from . import permute as permute_op
@@ -290,8 +291,9 @@ def tile_of(s: plan_mod.KernelSpec) -> int:
 
 class Kernels:
     """The mma variant of one spec on one device: two launches on a persistent grid of blocks_per_sm CTAs per
-    SM (at most one per work item) looping over the used tiles' items. The grid follows the routing's tile
-    count, so the launchers are kept per tile count; the intermediate scratch per stream."""
+    SM (no more than an SM holds of each kernel, and at most one per work item) looping over the used tiles' items.
+    The grid follows the routing's tile count, so the launchers are kept per tile count; the intermediate scratch
+    per stream."""
     __slots__ = ("spec", "tile", "device", "scaled", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I", "_grids", "_act",
                  "_cols")
 
@@ -305,16 +307,24 @@ class Kernels:
         self._cols = (16, 32) if c.get("KN") else (8, 16)   # columns of an item: GEMM1 (intermediate), GEMM2
         self._mod = resolve(s)
         self._pdl = bool(p.get("pdl", False))
-        self._ctas = p.get("blocks_per_sm", 4) * sm_count(device)
+        self._ctas = {name: _common.persistent_ctas(OP, self._mod, name, device, launch)
+                      for name, launch in self.persistent(s).items()}
         self._grids: dict[int, tuple[Launcher, Launcher]] = {}
         self._act: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
+        """Each kernel's CTA (32 * warps threads, no dynamic shared memory) and the CTAs an SM its rule asks for."""
+        p = dict(s.params)
+        launch = Launch(32 * p["warps"], 0, p.get("blocks_per_sm", 4))
+        return {"experts_gemm1": launch, "experts_gemm2": launch}
 
     def launchers(self, tiles: int) -> tuple[Launcher, Launcher]:
         pair = self._grids.get(tiles)
         if pair is None:
             block = (32 * self._warps, 1, 1)
-            grid1 = (min(self._ctas, tiles * -(-self._I // self._cols[0])), 1, 1)
-            grid2 = (min(self._ctas, tiles * -(-self._H // self._cols[1])), 1, 1)
+            grid1 = (min(self._ctas["experts_gemm1"], tiles * -(-self._I // self._cols[0])), 1, 1)
+            grid2 = (min(self._ctas["experts_gemm2"], tiles * -(-self._H // self._cols[1])), 1, 1)
             params = PARAMS_SCALED if self.scaled else PARAMS
             pair = self._grids[tiles] = (
                 Launcher(self._mod, "experts_gemm1", self.device, grid1, block, params, pdl=self._pdl),
@@ -353,6 +363,9 @@ class Kernels:
         pair[0](stream, *fields)
         pair[1](stream, *fields)
         return out
+
+
+persistent = Kernels.persistent   # the ops' seam (kerngen.ops): what explain, warmup and the tests size from
 
 
 def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Kernels:

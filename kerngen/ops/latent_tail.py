@@ -30,9 +30,10 @@ from .. import tiers
 from ..dispatch import Dispatch, lookup, on_clear
 from ..errors import InputError
 from ..launch import Launcher, Params, current_stream
+from ..occupancy import Launch
 from . import _common
 from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_rows, check_tensor, remember,
-                      resolve, sm_count, table)
+                      resolve, table)
 from .finalize import finalize
 
 OP = "latent_tail"
@@ -137,11 +138,17 @@ def explain_spec(tbl: tiers.Table, arch_: str, *, hidden: int, top_k: int, token
 
 # ---------------------------------------------------------------------------------------------- launch objects
 
-def launch_shape(s: plan_mod.KernelSpec, device: int) -> tuple[tuple, tuple, int]:
-    """(grid, block, dynamic shared memory) of a fused spec on `device`, its params checked against the
-    template's limits (the same as its static_asserts, as named errors)."""
+FUNCTION = "latent_tail_fused"
+
+
+def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
+    """The fused kernel's CTA (threads, dynamic shared memory) and the CTAs an SM its rule asks for, its params
+    checked against the template's limits (the same as its static_asserts, as named errors); none for the unfused
+    variant (host code)."""
+    if s.variant != "fused":
+        return {}
     c, p = dict(s.constants), dict(s.params)
-    L, H, K = c["L"], c["H"], c["K"]
+    L, K = c["L"], c["K"]
     mt, warps, cl = p["max_tokens"], p["warps"], p.get("cluster", 1)
     nt = 32 * warps
     vs = -(-(L // 8) // cl)
@@ -155,10 +162,18 @@ def launch_shape(s: plan_mod.KernelSpec, device: int) -> tuple[tuple, tuple, int
     if static > 48 * 1024 or static + dyn > SMEM_PER_CTA:
         raise InputError(OP, "tier params", f"shared memory within the CTA's {SMEM_PER_CTA} bytes (static <= 48 KiB)",
                          f"{static} static + {dyn} dynamic bytes from {s.params} at L = {L}, K = {K}")
-    items = -(-H // 16)
-    ctas = p.get("blocks_per_sm", 1) * (sm_count(device) if device >= 0 else tiers.SMS)
+    return {FUNCTION: Launch(nt, dyn, p.get("blocks_per_sm", 1))}
+
+
+def launch_shape(s: plan_mod.KernelSpec, device: int) -> tuple[tuple, tuple, int]:
+    """(grid, block, dynamic shared memory) of a fused spec on `device`: a persistent grid of the rule's
+    blocks_per_sm CTAs an SM (no more than an SM holds), at most one a work item (16 columns of the projection),
+    in whole clusters."""
+    launch, cl = persistent(s)[FUNCTION], dict(s.params).get("cluster", 1)
+    items = -(-dict(s.constants)["H"] // 16)
+    ctas = _common.persistent_ctas(OP, resolve(s) if device >= 0 else None, FUNCTION, device, launch)
     grid = max(cl, min(items, ctas) // cl * cl)
-    return (grid, 1, 1), (nt, 1, 1), dyn
+    return (grid, 1, 1), (launch.threads, 1, 1), launch.dynamic_smem
 
 
 class Unfused:
@@ -193,7 +208,7 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | Unfus
         raise InputError(OP, "tier params", f"max_tokens >= {tokens} for the {tokens} tokens the rule serves",
                          str(s.params))
     grid, block, smem = launch_shape(s, device)
-    return Launcher(resolve(s), "latent_tail_fused", device, grid, block, PARAMS, smem=smem,
+    return Launcher(resolve(s), FUNCTION, device, grid, block, PARAMS, smem=smem,
                     pdl=bool(dict(s.params).get("pdl", False)))
 
 
