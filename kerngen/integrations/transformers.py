@@ -19,12 +19,19 @@ Per MoE block:
   method are refused with the reason (REFUSED), before anything is patched.
 - Llama-4 (its experts do not dispatch through ExpertsInterface): the block's forward; the router weight scales
   the expert's input and expert outputs are summed unweighted, as Llama4TextMoe does.
+- gpt-oss on its MXFP4 checkpoint (transformers' Mxfp4GptOssMLP / Mxfp4GptOssExperts, whose forward calls OpenAI's
+  triton_kernels and dispatches through no interface): the block's forward, its router and then the "kerngen"
+  experts implementation, which runs `kerngen.experts`' MXFP4 path on the checkpoint's blocks and e8m0 scales
+  (read back once from the triton_kernels tensors transformers loads them into) with gpt-oss's gate.
+- fp8 experts (transformers' FP8Experts) dispatch through FP8ExpertsInterface, where the "kerngen" implementation
+  is registered too: kerngen.experts' fp8 kernels.
 CPU tensors run kerngen's torch references (`routing.reference`, `permute_reference`, `finalize.reference`).
 
 Results differ from transformers only where kerngen is deliberately stricter (equal scores: the lower expert
 index wins; NaN logits count as -inf; a row whose experts are all masked gets weight 0) and by rounding (fp32
 accumulation; a different order of the same sums). Inference only: kerngen's kernels have no backward, so in
-training mode routers run transformers' code and experts its "grouped_mm" implementation.
+training mode routers run transformers' code and experts its "grouped_mm" implementation (MXFP4 blocks: their own
+forward).
 
 This module holds enable / disable; the experts side (the implementation, each block's BlockState) is
 transformers_experts.py, the routers (ROUTERS, REFUSED, the patched forwards) transformers_routers.py.
@@ -42,13 +49,18 @@ except ModuleNotFoundError as e:
 
 from kerngen.errors import KerngenError
 from kerngen.ops import permute as _pm
-from .transformers_experts import NAME, TILE, BlockState, experts_forward, fp8_activation, kernel_activation, state
-from .transformers_routers import LLAMA4_BLOCK, REFUSED, ROUTERS, Router, _llama4_forward, _Refuse, _router_forward
+from . import transformers_experts as _kx
+from .transformers_experts import (MXFP4_EXPERTS, NAME, TILE, BlockState, experts_forward, fp8_activation,
+                                   kernel_activation, mxfp4_arguments, state)
+from .transformers_routers import (LLAMA4_BLOCK, REFUSED, ROUTERS, Router, _llama4_forward, _mxfp4_forward, _Refuse,
+                                   _router_forward)
 
 # the entry module's names: enable / disable here, the experts side in transformers_experts, the routers in
 # transformers_routers
 __all__ = ["enable", "disable", "UnsupportedModelError", "NAME", "TILE", "BlockState", "state", "experts_forward",
-           "fp8_activation", "kernel_activation", "LLAMA4_BLOCK", "ROUTERS", "REFUSED", "Router", "_pm"]
+           "fp8_activation", "kernel_activation", "mxfp4_arguments", "MXFP4_EXPERTS", "LLAMA4_BLOCK", "ROUTERS",
+           "REFUSED", "Router", "_pm"]
+_BLOCK_FORWARDS = {"llama4": _llama4_forward, "mxfp4": _mxfp4_forward}   # enable's block forwards, by plan kind
 
 
 class UnsupportedModelError(KerngenError):
@@ -71,7 +83,8 @@ def _family(model: nn.Module, m: nn.Module) -> str:
 
 
 def _plan(model: nn.Module, routers: bool) -> list[tuple[str, nn.Module, str, object]]:
-    """(name, module, kind, payload) of every patch enable makes; raises before anything is patched."""
+    """(name, module, kind, payload) of every patch enable makes; raises before anything is patched (MXFP4 experts'
+    kerngen arguments are made here, so a checkpoint kerngen cannot read is refused first)."""
     plan = []
     for name, block in model.named_modules():
         ex = getattr(block, "experts", None)
@@ -82,9 +95,16 @@ def _plan(model: nn.Module, routers: bool) -> list[tuple[str, nn.Module, str, ob
                                             "(sigmoid_bias) ties where transformers' top-k of the logits does not")
             plan.append((name, block, "llama4", None))
             continue
-        if not isinstance(ex, nn.Module) or not _dispatches(ex):
+        if type(ex).__name__ == MXFP4_EXPERTS:
+            if getattr(ex, "_is_hooked", False):
+                raise UnsupportedModelError(_family(model, ex), MXFP4_EXPERTS, "its experts are sharded (expert or "
+                                            "tensor parallel forward installed); kerngen serves whole MXFP4 experts")
+            mxfp4_arguments(ex)
+            plan.append((name, block, "mxfp4", None))
+        elif not isinstance(ex, nn.Module) or not _dispatches(ex):
             continue
-        plan.append((_join(name, "experts"), ex, "experts", None))
+        else:
+            plan.append((_join(name, "experts"), ex, "experts", None))
         if not routers:
             continue
         rname, router = next(((n, c) for n, c in block.named_children() if n in ("gate", "router")), (None, None))
@@ -104,7 +124,7 @@ def _plan(model: nn.Module, routers: bool) -> list[tuple[str, nn.Module, str, ob
     if not plan:
         raise UnsupportedModelError(_family(model, model), type(model).__name__,
                                     "no MoE block (experts dispatching through transformers' ExpertsInterface, "
-                                    "or Llama4TextMoe) was found")
+                                    f"Llama4TextMoe, or {MXFP4_EXPERTS}) was found")
     return plan
 
 
@@ -122,8 +142,10 @@ def enable(model: nn.Module, *, routers: bool = True) -> list[str]:
     Experts get the "kerngen" experts implementation (set on their config); with routers=True (default) each
     router's top-k is kerngen's routing too, and a family whose router maps onto no kerngen method raises
     UnsupportedModelError naming it and the reason (nothing is patched then). routers=False keeps
-    transformers' routers (any family whose experts dispatch through ExpertsInterface). Calling it again
-    changes nothing and returns the same names.
+    transformers' routers (any family whose experts dispatch through ExpertsInterface). gpt-oss's MXFP4 blocks
+    (Mxfp4GptOssMLP) get a forward of their own, named by the block; their experts' checkpoint is checked (an
+    InputError naming the module's attribute) and read back here. Calling it again changes nothing and returns the
+    same names.
     """
     plan = _plan(model, routers)
     previous = {}   # experts of one model share a config: read every previous value before setting any
@@ -136,7 +158,9 @@ def enable(model: nn.Module, *, routers: bool = True) -> list[str]:
                 m._kerngen_previous = previous[id(m.config)]
             m.config._experts_implementation_internal = NAME   # this config only, as set_experts_implementation does
         elif not _patched(m):
-            m.forward = _llama4_forward(m) if kind == "llama4" else _router_forward(m, *payload)
+            if "forward" in m.__dict__:   # one set on the instance before (by transformers or the user): kept
+                m._kerngen_forward = m.__dict__["forward"]
+            m.forward = _router_forward(m, *payload) if kind == "router" else _BLOCK_FORWARDS[kind](m)
     return [name for name, *_ in plan]
 
 
@@ -146,9 +170,12 @@ def disable(model: nn.Module) -> list[str]:
     for name, m in model.named_modules():
         if _patched(m):
             del m.forward
+            if "_kerngen_forward" in m.__dict__:
+                m.forward = m.__dict__.pop("_kerngen_forward")
             restored.append(name)
         if "_kerngen_previous" in m.__dict__:
             m.config._experts_implementation_internal = m.__dict__.pop("_kerngen_previous")
             restored.append(name)
         m.__dict__.pop("_kerngen_state", None)
+        m.__dict__.pop(_kx._MXFP4_KEPT, None)
     return restored

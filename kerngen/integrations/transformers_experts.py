@@ -1,6 +1,7 @@
 """The experts side of kerngen.integrations.transformers: the "kerngen" experts implementation (registered in
-transformers' ExpertsInterface and FP8ExpertsInterface when imported), and the state each MoE block keeps between
-forwards (BlockState: its experts' dispatch, the router's workspaces, the permutation handed to the experts)."""
+transformers' ExpertsInterface and FP8ExpertsInterface when imported; gpt-oss's MXFP4 experts, which dispatch through
+neither, reach it through their block's patched forward), and the state each MoE block keeps between forwards
+(BlockState: its experts' dispatch, the router's workspaces, the permutation handed to the experts)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -18,6 +19,7 @@ except ModuleNotFoundError as e:
 
 import kerngen
 import kerngen.torch_ops  # noqa: F401  (registers kerngen::moe_experts and kerngen::route for the compiled path)
+from kerngen.errors import InputError
 from kerngen.ops import experts as _ex
 from kerngen.ops import finalize as _fin
 from kerngen.ops import permute as _pm
@@ -31,18 +33,22 @@ _KERNEL_WEIGHTS = (torch.float32, torch.bfloat16)
 
 class BlockState:
     """What one MoE block keeps between forwards, so a forward only launches: the activation of its experts'
-    kernels (None: the grouped-GEMM path), their dispatch, the router's workspaces (grown to the most tokens
-    seen) and the permutation the router hands to the experts."""
-    __slots__ = ("activation", "gate", "layout", "fp8", "_dispatch", "_workspaces", "_rows", "routing")
+    kernels (None: the grouped-GEMM path), kerngen.experts' arguments for quantized experts, their dispatch, the
+    router's workspaces (grown to the most tokens seen) and the permutation the router hands to the experts."""
+    __slots__ = ("activation", "gate", "layout", "quantized", "_dispatch", "_workspaces", "_rows", "routing")
 
     def __init__(self, experts: nn.Module | None):
-        fp8 = fp8_activation(experts) if experts is not None else None
-        self.fp8 = fp8 is not None   # transformers' FP8Experts: kerngen.experts' fp8 kernels at every token count
-        self.gate = dict(activation=fp8) if fp8 else (kernel_gate(experts) if experts is not None else None)
+        # FP8Experts, Mxfp4GptOssExperts: kerngen.experts at every token count (its kernels, else its reference)
+        self.quantized = quantized_arguments(experts) if experts is not None else None
+        if self.quantized is not None:
+            self.gate = {k: v for k, v in self.quantized.items() if k in _GATE_ARGS}
+            self.layout = "nk"   # quantized weights: their checkpoint layout
+        else:
+            self.gate = kernel_gate(experts) if experts is not None else None
+            self.layout = "nk" if self.gate is None else weights_layout(experts)
+            if self.layout is None:   # transposed weights kerngen.experts cannot read in place: the grouped GEMM
+                self.gate = None
         self.activation = None if self.gate is None else self.gate["activation"]
-        self.layout = "nk" if self.gate is None or fp8 else weights_layout(experts)
-        if self.layout is None:   # transposed weights kerngen.experts cannot read in place: the grouped GEMM
-            self.gate = self.activation = None
         self._dispatch = None
         self._workspaces: dict[tuple, kerngen.RoutingWorkspace] = {}
         self._rows: torch.Tensor | None = None
@@ -54,10 +60,12 @@ class BlockState:
             return TILE
         d = self._dispatch
         if d is None:
-            w = expert_weights(experts)[0]   # [E, 2I, H] (a transposed view where the module keeps [E, H, 2I])
-            if w.dtype not in _ex.FORMATS or w.shape[-1] % 8:
+            # [E, 2I, H] (a transposed view where the module keeps [E, H, 2I]), MXFP4 blocks [E, 2I, H/32, 16]
+            w = expert_weights(experts)[0] if self.quantized is None else self.quantized["w13"]
+            H = w.shape[2] * _ex.MX_GROUP if w.dtype == torch.uint8 else w.shape[2]
+            if w.dtype not in _ex.FORMATS or H % 8:
                 return TILE
-            d = self._dispatch = _ex.dispatch(w.shape[-1], w.shape[-2] // 2, self.activation, x.get_device(),
+            d = self._dispatch = _ex.dispatch(H, w.shape[1] // 2, self.activation, x.get_device(),
                                               _ex.FORMATS[w.dtype], self.layout)
         s = d.spec(x.shape[0])
         return TILE if s is None else _ex.tile_of(s)
@@ -107,6 +115,94 @@ def fp8_activation(experts: nn.Module) -> str | None:
             or any(getattr(experts, a, None) is not None for a in ("gate_softcap", "swiglu_alpha", "limit"))):
         return None
     return _GATES.get(type(getattr(experts, "act_fn", None)).__name__)
+
+
+# transformers' gpt-oss experts on the MXFP4 checkpoint (integrations/mxfp4.py); their block, Mxfp4GptOssMLP, calls
+# OpenAI's triton_kernels and dispatches through no interface: enable patches the block (transformers_routers)
+MXFP4_EXPERTS = "Mxfp4GptOssExperts"
+_MXFP4_KEPT = "_kerngen_mxfp4"   # the module's kerngen.experts arguments, kept on it (mxfp4_arguments)
+_GATE_ARGS = ("activation", "interleaved", "alpha", "limit")
+
+
+def mxfp4_arguments(experts: nn.Module) -> dict | None:
+    """kerngen.experts' arguments for transformers' Mxfp4GptOssExperts, None for any other module: w13 / w2 and
+    their scales the checkpoint's blocks and e8m0 scales (mxfp4_checkpoint), b13 / b2 its biases in bf16 (the
+    checkpoints' are bf16, which transformers widens to fp32 exactly), gpt-oss's gate (interleaved, the module's
+    alpha and limit). Made on the first call and kept on the module (enable makes them, outside any compiled region
+    or CUDA-graph capture; disable drops them), so weights changed afterwards are not seen. An InputError names the
+    module's attribute that is missing or of the wrong shape or dtype."""
+    if type(experts).__name__ != MXFP4_EXPERTS:
+        return None
+    args = experts.__dict__.get(_MXFP4_KEPT)
+    if args is None:
+        E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+        w13, s13 = mxfp4_checkpoint(experts, "gate_up_proj", 2 * I, H)
+        w2, s2 = mxfp4_checkpoint(experts, "down_proj", H, I)
+        b13, b2 = (_bias(experts, name, (E, n)) for name, n in (("gate_up_proj_bias", 2 * I), ("down_proj_bias", H)))
+        args = dict(w13=w13, w2=w2, w13_scale=s13, w2_scale=s2, b13=b13, b2=b2, activation="gpt_oss",
+                    interleaved=True, alpha=float(experts.alpha), limit=float(experts.limit))
+        if not torch.compiler.is_compiling():
+            experts.__dict__[_MXFP4_KEPT] = args
+    return args
+
+
+def mxfp4_checkpoint(experts: nn.Module, proj: str, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks [E, N, K/32, 16], scales [E, N, K/32]), uint8, of one projection of an Mxfp4GptOssExperts as the
+    checkpoint holds them: its `{proj}_blocks` and `{proj}_scales` (the checkpoint's names) where it has them, else
+    read back from the triton_kernels tensors transformers loads them into (`{proj}`,
+    `{proj}_precision_config.weight_scale`) as transformers' Mxfp4ReverseDeserialize reads them for saving: a copy,
+    the module keeping its own (the experts' quantized bytes are then twice in memory)."""
+    blocks, scales = getattr(experts, f"{proj}_blocks", None), getattr(experts, f"{proj}_scales", None)
+    source = ""
+    if blocks is None and scales is None:
+        w = getattr(experts, proj, None)
+        s = getattr(getattr(experts, f"{proj}_precision_config", None), "weight_scale", None)
+        if _triton_tensor(w) and _triton_tensor(s):
+            scales = _unswizzled(s).transpose(-1, -2).contiguous()
+            blocks = _unswizzled(w).transpose(-1, -2).reshape(*scales.shape, -1).contiguous()
+            source = f" (read back from {proj} and {proj}_precision_config)"
+    E = experts.num_experts
+    for name, t, shape, what in ((f"{proj}_blocks", blocks, (E, N, K // _ex.MX_GROUP, _ex.MX_GROUP // 2),
+                                  "the checkpoint's MXFP4 blocks, two e2m1 values a byte"),
+                                 (f"{proj}_scales", scales, (E, N, K // _ex.MX_GROUP), "the checkpoint's e8m0 scales")):
+        if (not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or tuple(t.shape) != shape
+                or not t.is_contiguous()):
+            got = (f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}"
+                   if isinstance(t, torch.Tensor) else f"{type(t).__name__} (and no triton_kernels tensors "
+                   f"{proj} / {proj}_precision_config.weight_scale, as transformers loads the checkpoint)")
+            raise InputError(MXFP4_EXPERTS, name, f"contiguous uint8 {shape}: {what}", got + source)
+    return blocks, scales
+
+
+def _triton_tensor(t) -> bool:
+    """A triton_kernels Tensor (its data and layout in `storage`), as transformers holds loaded MXFP4 weights."""
+    return not isinstance(t, torch.Tensor) and hasattr(getattr(t, "storage", None), "layout")
+
+
+def _unswizzled(t) -> torch.Tensor:
+    return t.storage.layout.unswizzle_data(t.storage.data)
+
+
+def _bias(experts: nn.Module, name: str, shape: tuple) -> torch.Tensor:
+    b = getattr(experts, name, None)
+    if not isinstance(b, torch.Tensor) or tuple(b.shape) != shape or not b.is_floating_point():
+        raise InputError(MXFP4_EXPERTS, name, f"a floating-point {shape} tensor",
+                         f"{b.dtype} {tuple(b.shape)}" if isinstance(b, torch.Tensor) else type(b).__name__)
+    return b.detach().to(torch.bfloat16).contiguous()
+
+
+def quantized_arguments(experts: nn.Module) -> dict | None:
+    """kerngen.experts' arguments (weights, scales, biases, gate) for the quantized experts it serves at every
+    token count: transformers' FP8Experts (fp8_activation) and gpt-oss's Mxfp4GptOssExperts (mxfp4_arguments);
+    None for any other module."""
+    mx = mxfp4_arguments(experts)
+    if mx is not None:
+        return mx
+    act = fp8_activation(experts)
+    if act is None:
+        return None
+    return dict(w13=experts.gate_up_proj, w2=experts.down_proj, w13_scale=experts.gate_up_proj_scale_inv,
+                w2_scale=experts.down_proj_scale_inv, activation=act)
 
 
 _LLAMA4_EXPERTS = "Llama4TextExperts"   # Llama4TextMoe's experts: transposed, gate then up, not the interface's
@@ -229,7 +325,7 @@ def _finalize(g: torch.Tensor, e2p: torch.Tensor, w: torch.Tensor) -> torch.Tens
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The "kerngen" experts implementation (transformers' signature; `self` is the family's experts module)."""
-    if self.training:
+    if self.training and type(self).__name__ != MXFP4_EXPERTS:   # MXFP4 experts: inference only in transformers too
         train = _FP8_TRAINING if getattr(self, "gate_up_proj", None) is not None and \
             self.gate_up_proj.dtype == torch.float8_e4m3fn else hf_moe.grouped_mm_experts_forward
         return train(self, hidden_states, top_k_index, top_k_weights)
@@ -242,16 +338,19 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     else:
         tile = st.tile(self, hidden_states)
         r = _permutation(self, st, top_k_index, tile)
-    bias = (lambda name: getattr(self, name)) if self.has_bias else (lambda name: None)
     # kerngen.experts' kernels (gather, both projections and the gate in two launches) where they serve these
-    # tokens; fp8 weights take kerngen.experts at every size (its fp8 kernels, else its per-expert reference)
-    if st.fp8 or tile != TILE:
-        x = (hidden_states.to(torch.bfloat16) if st.fp8 else hidden_states).contiguous()   # bf16 activations
-        scales = dict(w13_scale=self.gate_up_proj_scale_inv, w2_scale=self.down_proj_scale_inv) if st.fp8 else {}
-        w13, w2 = expert_weights(self)
-        g = kerngen.experts(x, r, w13, w2, b13=bias("gate_up_proj_bias"), b2=bias("down_proj_bias"),
-                            out=st.rows(r, x.shape[1], x) if x.is_cuda else None, **st.gate, **scales)
+    # tokens; quantized weights (fp8, MXFP4) take kerngen.experts at every size (its kernels, else its per-expert
+    # reference) with bf16 activations
+    if st.quantized is not None or tile != TILE:
+        if st.quantized is not None:
+            x, kw = hidden_states.to(torch.bfloat16).contiguous(), st.quantized
+        else:
+            x, (w13, w2) = hidden_states.contiguous(), expert_weights(self)
+            b13, b2 = (self.gate_up_proj_bias, self.down_proj_bias) if self.has_bias else (None, None)
+            kw = dict(w13=w13, w2=w2, b13=b13, b2=b2, **st.gate)
+        g = kerngen.experts(x, r, out=st.rows(r, x.shape[1], x) if x.is_cuda else None, **kw)
         return _finalize(g, r.expanded_to_permuted, top_k_weights).to(hidden_states.dtype)
+    bias = (lambda name: getattr(self, name)) if self.has_bias else (lambda name: None)
     up, up_bias, act = (("gate_up_proj", "gate_up_proj_bias", self._apply_gate) if self.has_gate
                         else ("up_proj", "up_proj_bias", self.act_fn))
     g = _expert_rows(hidden_states, r, getattr(self, up), self.down_proj, act, self.is_transposed, bias(up_bias),
@@ -264,20 +363,21 @@ def _compiled_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index:
     """experts_forward under torch.compile: what the kernels serve is one custom op (kerngen::moe_experts:
     permutation, both projections, finalize), traced without a graph break and keeping nothing between calls
     (the compiled graph's CUDA graphs own the memory); anything else is transformers' "grouped_mm" code."""
+    q = quantized_arguments(self)   # fp8 and MXFP4 experts: the op at every token count
     w13 = getattr(self, "gate_up_proj", None)
-    fp8 = fp8_activation(self)
-    gate = dict(activation=fp8) if fp8 is not None else kernel_gate(self)
-    if gate is not None and (fp8 is not None or (hidden_states.dtype == w13.dtype == torch.bfloat16
-                                                 and weights_layout(self) is not None)):
-        w13, w2 = expert_weights(self)   # [E, 2I, H] and [E, H, I] (views where the module keeps them transposed)
-        if fp8 is not None or w13.shape[-1] % 8 == 0:
-            b13, b2 = (self.gate_up_proj_bias, self.down_proj_bias) if self.has_bias else (None, None)
-            s13, s2 = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv) if fp8 is not None else (None, None)
-            x = hidden_states.to(torch.bfloat16).contiguous()
-            rest = dict(gate)   # gpt-oss: interleaved, alpha, limit
-            y = torch.ops.kerngen.moe_experts(x, top_k_index, top_k_weights, w13, w2, rest.pop("activation"), b13,
-                                              b2, s13, s2, **rest)
-            return y.to(hidden_states.dtype)
+    if q is None and hidden_states.dtype == getattr(w13, "dtype", None) == torch.bfloat16:
+        gate = kernel_gate(self)
+        if gate is not None and weights_layout(self) is not None:
+            w13, w2 = expert_weights(self)   # [E, 2I, H] and [E, H, I] (views where the module keeps them transposed)
+            if w13.shape[-1] % 8 == 0:
+                b13, b2 = (self.gate_up_proj_bias, self.down_proj_bias) if self.has_bias else (None, None)
+                q = dict(w13=w13, w2=w2, b13=b13, b2=b2, **gate)
+    if q is not None:
+        x = hidden_states.to(torch.bfloat16).contiguous()
+        rest = {k: q[k] for k in ("interleaved", "alpha", "limit") if k in q}   # gpt-oss's gate
+        y = torch.ops.kerngen.moe_experts(x, top_k_index, top_k_weights, q["w13"], q["w2"], q["activation"],
+                                          q.get("b13"), q.get("b2"), q.get("w13_scale"), q.get("w2_scale"), **rest)
+        return y.to(hidden_states.dtype)
     ids = top_k_index.long()   # transformers' code, written for its routers' int64 ids
     if w13 is not None and w13.dtype == torch.float8_e4m3fn:
         return _FP8_TRAINING(self, hidden_states, ids, top_k_weights)

@@ -1,6 +1,6 @@
 """The router side of kerngen.integrations.transformers: how each transformers router class computes its logits and
 which kerngen routing method reproduces its top-k (ROUTERS), the classes no method reproduces (REFUSED), the
-patched router forward, and Llama-4's block forward."""
+patched router forward, and the block forwards of Llama-4 and of gpt-oss on its MXFP4 checkpoint."""
 from __future__ import annotations
 
 import dataclasses
@@ -194,3 +194,22 @@ def _llama4_forward(block: nn.Module):
     return forward
 
 
+def _mxfp4_forward(block: nn.Module):
+    """Mxfp4GptOssMLP.forward (gpt-oss's block on its MXFP4 checkpoint) on kerngen: the block's router (kerngen's
+    where enable patched it: top-k of the logits, softmax over those K, weights in the logits' dtype, as
+    triton_kernels' routing and the router module give them), then its experts with those ids and weights on
+    kerngen.experts' MXFP4 path (experts_forward) instead of triton_kernels' matmul_ogs; returns (output [B, S, H]
+    in the hidden states' dtype, router logits) as the block does."""
+    original = block.forward   # the block's own (its class's, or one set on the instance)
+
+    def forward(hidden_states):
+        if block.training:
+            return original(hidden_states)
+        H = block.router.hidden_dim
+        x = hidden_states.reshape(-1, H)
+        logits, weights, ids = block.router(x)
+        out = kx.experts_forward(block.experts, x, ids, weights)
+        return out.reshape(hidden_states.shape[0], -1, H), logits
+
+    forward._kerngen = True
+    return forward
