@@ -2,28 +2,35 @@
 """kerngen.experts against torch._grouped_mm: the two expert projections of a decode step, CUDA graphs.
 
     python3 -m tools.bench.experts [--models qwen3-30b-a3b,...] [--tokens 1,8,64] [--format bf16|fp8|mxfp4]
-                                   [--layout nk|kn] [--layers 4] [--peer DIR] [--sweep] [--json FILE]
+                                   [--layout nk|kn] [--layers 4] [--peer DIR] [--sweep | --rule k=v,...] [--json FILE]
+    python3 -m tools.bench.experts --format fp8 --models deepseek-v3,kimi-k2 --tokens 1,8,64 --peer .peer
+    python3 -m tools.bench.experts --format mxfp4 --models gpt-oss-120b,kimi-k3 --tokens 1,8,64 [--sweep]
 
 Both run on the same inputs in the same process: one graph captures `calls` steps, each with its own routing
 (random logits), so consecutive steps read different experts, as the layers of a model do. Each step follows a
 producer kernel (an elementwise write of 4 MB, as an attention output projection leaves, that does not
 trigger early) unless --chained; its time is taken off. The floor is the step's active expert weight bytes at the
 streaming-read bandwidth (a kernel that only reads, lib.read_bandwidth_tbs). Every result is checked against
-kerngen's torch reference before it is timed. --sweep times every candidate launch shape at
-each case and prints the best (for the tier table); --rule times one launch shape at every T (past the rules too).
+kerngen's torch reference before it is timed. --sweep times every candidate launch shape of the format
+(CANDIDATES) at each case and prints the best (for the tier table); --rule times one launch shape at every T (past
+the rules too).
 
 --format fp8 / mxfp4 quantizes the weights (fp8: e4m3 with a scale per 128 x 128 block; mxfp4: e2m1 with an e8m0
-scale per 32 values) and runs kerngen.experts' builds for them; the floor is then the quantized weight bytes plus
-the scale bytes of the active experts, torch._grouped_mm runs on the dequantized bf16 weights. With --peer DIR
-(a folder holding triton_fused_moe.py) the Triton GEMMs vLLM runs time beside them: its bf16 fused_moe_kernel (the
-best of its decode config sweep for each GEMM, the activation kernel between them) or, for fp8, its block-scaled
-GEMMs (best of a small config sweep). --layout kn feeds kerngen.experts the weights as transposed views of
-[E, H, 2I] / [E, I, H] (transformers' gpt-oss and Llama-4 layout; bf16). --layers L cycles the weights of L layers
-(fewer where they would not fit) so no step finds its experts in L2.
+scale per 32 values) and runs kerngen.experts' builds for them at the format's tile; the floor is then the quantized
+weight bytes plus the scale bytes of the active experts. Beside them, on the same weights dequantized to bf16 (each
+layer's), kerngen.experts' bf16 kernels (the tier table's bf16 rule at that T, `bf16_us`) and torch._grouped_mm.
+With --peer DIR (a folder holding triton_fused_moe.py, ../shared/peers) the Triton GEMMs vLLM runs time beside them:
+its bf16 fused_moe_kernel (the best of its decode config sweep for each GEMM, the activation kernel between them not
+timed) or, for fp8, its block-scaled w8a8 GEMMs (the best of 18 configs for each GEMM, activation quantization and
+the activation not timed); both are checked after timing, and the configs chosen are in the row (`peer_cfg`).
+--layout kn feeds kerngen.experts the weights as transposed views of [E, H, 2I] / [E, I, H] (transformers' gpt-oss
+and Llama-4 layout; bf16). --layers L cycles the weights of L layers (fewer where they would not fit, the bf16
+copies of quantized ones included) so no step finds its experts in L2.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -35,9 +42,10 @@ import torch
 import kerngen
 from .lib import graph_time_us, read_bandwidth_tbs
 from kerngen import jit
+from kerngen.errors import TierError
 from kerngen.ops import experts as ex
 from kerngen.plan import spec_for, target_arch
-from kerngen.tiers import Rule
+from kerngen.tiers import Rule, check_params
 
 # name: (H, I, E, K, activation, interleaved gate/up and biases) at each model's intermediate size
 SHAPES = {
@@ -45,12 +53,58 @@ SHAPES = {
     "qwen3-235b-a22b": (4096, 1536, 128, 8, "silu", False),
     "gpt-oss-120b": (2880, 2880, 128, 4, "gpt_oss", True),
     "deepseek-v3": (7168, 2048, 256, 8, "silu", False),
+    "kimi-k2": (7168, 2048, 384, 8, "silu", False),   # fp8 checkpoints: run it by name
     "kimi-k3": (3584, 2048, 896, 16, "situglu", False),
     "llama-4-maverick": (5120, 8192, 128, 1, "silu", False),   # 32 GB a layer: run it by name
 }
 DEFAULT = ("qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "kimi-k3")
-CANDIDATES = [dict(warps=w, unroll=u, blocks_per_sm=b, pdl=d) for w, u, b, d in
-              itertools.product((4, 8), (2, 4), (4, 8), (False, True))]
+FORMATS = ("bf16", "fp8", "mxfp4")
+BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0 + 4 / 128 ** 2, "mxfp4": 0.5 + 1 / 32}   # scales included
+
+
+def _candidates(fmt: str) -> list[dict]:
+    """The launch shapes --sweep times for weights in `fmt`. Quantized builds take a 128-wide K step a warp: unroll is
+    the K steps whose weight loads a lane issues before converting them; min_blocks (absent: no bound) is the
+    __launch_bounds__ minimum of CTAs an SM, a register bound, tried at blocks_per_sm."""
+    if fmt == "bf16":
+        return [dict(warps=w, unroll=u, blocks_per_sm=b, pdl=d) for w, u, b, d in
+                itertools.product((4, 8), (2, 4), (4, 8), (False, True))]
+    unrolls = {"fp8": (1, 2, 4), "mxfp4": (2, 4, 8)}[fmt]
+    return [dict(warps=w, unroll=u, blocks_per_sm=b, **({"min_blocks": b} if bound else {}), pdl=True)
+            for w, u, b, bound in itertools.product((4, 8), unrolls, (2, 3, 4), (False, True))]
+
+
+CANDIDATES = {fmt: _candidates(fmt) for fmt in FORMATS}
+# The Triton fp8 GEMMs' configs, tried for each GEMM
+PEER_FP8_CONFIGS = [dict(block_n=n, stages=s, warps=w)
+                    for n, s, w in itertools.product((32, 64, 128), (3, 4, 5), (4, 8))]
+# The Triton fp8 peer's check: max |error| <= PEER_FP8_TOL * max |reference|. It quantizes x and the intermediate to
+# e4m3 per group of 128 (3 mantissa bits: ~2.5% rms each), so its output is off by ~4.4% rms of the output's rms; in
+# 560 CPU simulations of its arithmetic at these shapes (8-64 rows) max |error| / max |reference| was 0.039-0.063
+# (mean 0.044), so 6e-2 would now and then stop a run on a correct peer. A wrong scale, expert or row is off by O(1).
+PEER_FP8_TOL = 1e-1
+
+
+def floor_us(active: float, H: int, I: int, fmt: str, bw_tbs: float) -> float:
+    """µs to read `active` experts' weights (3·H·I each in `fmt`, their scales included) at bw_tbs TB/s."""
+    return active * 3 * H * I * BYTES_PER_WEIGHT[fmt] / (bw_tbs * 1e12) * 1e6
+
+
+def layer_bytes(H: int, I: int, E: int, fmt: str) -> float:
+    """Device bytes a layer's weights take here: as kerngen.experts reads them, and for a quantized format their bf16
+    copies too (kerngen's bf16 kernels and torch._grouped_mm read those)."""
+    return 3 * E * H * I * (BYTES_PER_WEIGHT[fmt] + (2.0 if fmt != "bf16" else 0.0))
+
+
+def fit_layers(want: int, free: int, H: int, I: int, E: int, fmt: str) -> int:
+    """The layers of weights cycled: `want`, or as many as half of `free` bytes hold (at least one)."""
+    return max(1, min(want, int(0.5 * free // layer_bytes(H, I, E, fmt))))
+
+
+def tile_at(name: str, T: int, fmt: str) -> int:
+    """The routing tile of kerngen.experts' rule for `fmt` weights at T (16 past the rules)."""
+    H, I, _, _, act, _ = SHAPES[name]
+    return ex.tile_for(H, I, act, T, 0, fmt) or 16
 
 
 def _build(spec):
@@ -66,6 +120,18 @@ def weights(H, I, E, bias, gen):
     return w13, w2, b13, b2
 
 
+def layer_weights(w13, w2, H, I, E, fmt, layers, gen) -> list[tuple]:
+    """`layers` layers' weights as kerngen.experts reads them in `fmt`, (w13, w2, w13_scale, w2_scale) each: the first
+    layer's from w13, w2, the others' drawn from `gen` (each one's bf16 weights dropped once quantized)."""
+    quant = []
+    for layer in range(layers):
+        if layer:
+            w13, w2 = weights(H, I, E, False, gen)[:2]
+        (q13, s13), (q2, s2) = quantize(w13, fmt), quantize(w2, fmt)
+        quant.append((q13, q2, s13, s2))
+    return quant
+
+
 def quantize(w: torch.Tensor, fmt: str, chunk: int = 8):
     """bf16 weights [E, N, K] as kerngen.experts takes them in `fmt`: (weights, scales), or (w, None) for bf16.
     Quantized `chunk` experts at a time (the fp32 temporaries of a whole layer would not fit beside the weights)."""
@@ -76,9 +142,15 @@ def quantize(w: torch.Tensor, fmt: str, chunk: int = 8):
 
 
 def dequantize(w: torch.Tensor, scale: torch.Tensor, chunk: int = 8) -> torch.Tensor:
-    """kerngen's dequantized weights in bf16, `chunk` experts at a time (its fp32 result would not fit)."""
-    return torch.cat([ex.dequantize(w[e:e + chunk], scale[e:e + chunk]).to(torch.bfloat16)
-                      for e in range(0, w.shape[0], chunk)])
+    """kerngen's dequantized weights in bf16, `chunk` experts at a time (its fp32 result would not fit), written into
+    one tensor (chunks and their concatenation would hold the layer twice)."""
+    out = None
+    for e in range(0, w.shape[0], chunk):
+        d = ex.dequantize(w[e:e + chunk], scale[e:e + chunk])
+        if out is None:
+            out = torch.empty((w.shape[0], *d.shape[1:]), dtype=torch.bfloat16, device=w.device)
+        out[e:e + chunk] = d   # rounded to bf16 as .to(torch.bfloat16) rounds
+    return out
 
 
 def _quantize(w: torch.Tensor, fmt: str):
@@ -115,39 +187,38 @@ def timed(step, producer, chained: bool) -> float:
     return both - graph_time_us(producer, calls=20)
 
 
-def case(name, T, bw, args, kernels_of):
+def case(name, T, bw, args, kernels_of, bf16_kernel):
+    torch.cuda.empty_cache()   # the last case's weights go back to the driver before its free memory is read
     H, I, E, K, act_name, gpt = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(T)
     w13, w2, b13, b2 = weights(H, I, E, gpt, gen)
     fmt = args.format
-    per_weight = {"bf16": 2.0, "fp8": 1.0 + 4 / 128 ** 2, "mxfp4": 0.5 + 1 / 32}[fmt]   # bytes per weight, scales too
     free = torch.cuda.mem_get_info()[0]
-    layers = max(1, min(args.layers, int(0.5 * free // (3 * E * H * I * per_weight))))
-    quant = []   # the weights kerngen.experts reads, layer by layer: (w13, w2, w13_scale, w2_scale)
-    for layer in range(layers):
-        a, b = (w13, w2) if layer == 0 else weights(H, I, E, False, gen)[:2]
-        (q13, s13), (q2, s2) = quantize(a, fmt), quantize(b, fmt)
-        quant.append((q13, q2, s13, s2))
-    if fmt != "bf16":   # the grouped GEMM (and the check) on layer 0's weights as kerngen reads them
-        w13, w2 = dequantize(quant[0][0], quant[0][2]), dequantize(quant[0][1], quant[0][3])
+    layers = fit_layers(args.layers, free, H, I, E, fmt)
+    quant = layer_weights(w13, w2, H, I, E, fmt, layers, gen)   # (w13, w2, w13_scale, w2_scale) a layer
+    bf = None   # quantized formats: each layer's weights as kerngen reads them, dequantized to bf16
+    if fmt != "bf16":   # kerngen's bf16 kernels read them; the grouped GEMM and the check layer 0's
+        del w13, w2
+        bf = [(dequantize(q[0], q[2]), dequantize(q[1], q[3])) for q in quant]
+        w13, w2 = bf[0]
     if args.layout == "kn":   # the same values stored [E, H, 2I] / [E, I, H], handed over as transposed views
         quant = [(transposed(q[0]), transposed(q[1]), *q[2:]) for q in quant]
     calls = 20
     x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
     logits = [torch.randn(T, E, device="cuda", generator=gen) for _ in range(calls)]
-    tile = ex.tile_for(H, I, act_name, T, 0) or 16
+    tile = tile_at(name, T, fmt)
     rt = [kerngen.route(lg, top_k=K, method="softmax_topk", tile=tile) for lg in logits]
     r1 = [kerngen.route(lg, top_k=K, method="softmax_topk", tile=1) for lg in logits]
     kw = dict(activation=act_name, interleaved=gpt, b13=b13, b2=b2)
     a0, a1 = (1.702, 7.0) if act_name == "gpt_oss" else (1.0, 0.0)
     act = lambda h: ex.activate(h, I, act_name, gpt, 1.702, 7.0, 1.0, 0.0)  # noqa: E731
     active = sum(int(torch.unique(r.topk_ids).numel()) for r in r1) / calls
-    floor = active * 3 * H * I * per_weight / (bw * 1e12) * 1e6
+    floor = floor_us(active, H, I, fmt, bw)
     producer_buf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
     producer = lambda: producer_buf.mul_(1.0)  # noqa: E731   a 4 MB write, no early trigger
 
     ref = ex.reference(x, rt[0], w13, w2, **kw)
-    qkw = [dict(w13_scale=q[2], w2_scale=q[3]) if fmt != "bf16" else {} for q in quant]
+    ref_tk = ref[rt[0].expanded_to_permuted.flatten().long()]   # the reference rows in (token, slot) order
     ok_rows = rt[0].permuted_to_token >= 0
     outs = [torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda") for r in rt]
     acts = [torch.empty(r.tile_to_expert.shape[0] * tile, I, dtype=torch.bfloat16, device="cuda") for r in rt]
@@ -158,36 +229,40 @@ def case(name, T, bw, args, kernels_of):
         if not err <= 2e-2 * max(scale, 1.0):
             raise SystemExit(f"{name} T={T} {what}: max error {err} against the reference (scale {scale})")
 
-    rows = []
+    def kerngen_us(label, k, ws):
+        """kerngen.experts' kernels `k` checked on layer 0, routing 0, then timed over the layers' weights ws
+        ((w13, w2, scale keywords) a layer) and the routings, each step on the next of both."""
+        outs[0].zero_()
+        k(x, rt[0], ws[0][0], ws[0][1], outs[0], acts[0], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1, **ws[0][2])
+        torch.cuda.synchronize()
+        check(outs[0], label)
+        it = iter(range(10 ** 9))
+
+        def step():
+            n = next(it)
+            i, (a, b, skw) = n % calls, ws[n % len(ws)]
+            k(x, rt[i], a, b, outs[i], acts[i], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1, **skw)
+        return timed(step, producer, args.chained)
+
     g0 = grouped_step(x, r1[0], w13, w2, b13, b2, act)
     # the grouped step's rows are in tile-1 permuted order: compare through expanded_to_permuted
-    e1, et = r1[0].expanded_to_permuted.flatten().long(), rt[0].expanded_to_permuted.flatten().long()
-    gerr = (g0[e1].float() - ref[et].float()).abs().max().item()
+    e1 = r1[0].expanded_to_permuted.flatten().long()
+    gerr = (g0[e1].float() - ref_tk.float()).abs().max().item()
     assert gerr <= 2e-2 * max(ref.float().abs().max().item(), 1.0), f"{name} T={T} grouped_mm error {gerr}"
     it = iter(range(10 ** 9))
     gstep = lambda: grouped_step(x, r1[next(it) % calls], w13, w2, b13, b2, act)  # noqa: E731
     grouped_us = timed(gstep, producer, args.chained)
+    bf16_us = None
+    if bf is not None and (k16 := bf16_kernel(H, I, tile, act_name, T)) is not None:
+        bf16_us = kerngen_us("bf16 " + k16[0], k16[1], [(a, b, {}) for a, b in bf])
+    peer = (peer_fp8 if fmt == "fp8" else peer_bf16)(args, x, r1, quant, K, act, producer, calls, b13, b2, ref_tk)
+    peer_us, peer_cfg = peer or (None, None)
+    ws = [(q[0], q[1], dict(w13_scale=q[2], w2_scale=q[3]) if fmt != "bf16" else {}) for q in quant]
+    rows = []
     for label, k in kernels_of(H, I, tile, act_name, T, rt[0].tile_to_expert.shape[0]):
-        outs[0].zero_()
-        k(x, rt[0], quant[0][0], quant[0][1], outs[0], acts[0], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1,
-          **qkw[0])
-        torch.cuda.synchronize()
-        check(outs[0], label)
-        it2 = iter(range(10 ** 9))
-
-        def step():
-            n = next(it2)
-            i, q = n % calls, quant[n % layers]
-            k(x, rt[i], q[0], q[1], outs[i], acts[i], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1,
-              **qkw[n % layers])
-        us = timed(step, producer, args.chained)
-        rows.append(dict(model=name, T=T, tile=tile, kernel=label, us=us, grouped_us=grouped_us, floor_us=floor,
-                         active=active, format=fmt, layers=layers, layout=args.layout,
-                         peer_us=peer_fp8(args, x, rt, r1, quant, K, I, act, producer, calls)
-                         if fmt == "fp8" else peer_bf16(args, x, r1, quant, K, act, producer, calls, b13, b2,
-                                                        ref[rt[0].expanded_to_permuted.flatten().long()])))
-    del w13, w2, quant
-    torch.cuda.empty_cache()
+        rows.append(dict(model=name, T=T, tile=tile, kernel=label, us=kerngen_us(label, k, ws), grouped_us=grouped_us,
+                         floor_us=floor, active=active, format=fmt, layers=layers, layout=args.layout,
+                         peer_us=peer_us, bf16_us=bf16_us, peer_cfg=peer_cfg))
     return rows
 
 
@@ -196,22 +271,38 @@ def transposed(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _peer(args):
+@functools.lru_cache(maxsize=None)
+def _peer(folder: str):
     import importlib.util
-    spec = importlib.util.spec_from_file_location("triton_fused_moe", os.path.join(args.peer, "triton_fused_moe.py"))
+    spec = importlib.util.spec_from_file_location("triton_fused_moe", os.path.join(folder, "triton_fused_moe.py"))
     peer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peer)
     return peer
+
+
+def _best_config(run, configs):
+    """The config under which run(n, cfg) (the graph's n-th call) is fastest, timed alone; those the compiler
+    refuses are skipped."""
+    res, why = [], None
+    for cfg in configs:
+        it = iter(range(10 ** 9))
+        try:
+            res.append((graph_time_us(lambda: run(next(it), cfg), calls=10, replays=10), cfg))
+        except Exception as e:   # a config the compiler refuses
+            why = e
+    if not res:
+        raise SystemExit(f"the Triton peer: every config failed, the last with {type(why).__name__}: {why}")
+    return min(res, key=lambda r: r[0])[1]
 
 
 def peer_bf16(args, x, r1, quant, K, act, producer, calls, b13, b2, ref_tk):
     """vLLM's Triton bf16 fused-MoE GEMMs (fused_moe_kernel over its moe_align_block_size layout, block_m 16): the
     best decode config of each GEMM (its own sweep, each timed alone), then both GEMMs timed as one step (the
     activation between them not counted). Checked after timing, with the activation and biases, against the
-    reference rows. None without --peer or for another format."""
+    reference rows. (µs, [GEMM1's config, GEMM2's]); None without --peer or for another format."""
     if not args.peer or args.format != "bf16":
         return None
-    peer = _peer(args)
+    peer = _peer(args.peer)
     T, H = x.shape
     w13s = [q[0].contiguous() if args.layout == "kn" else q[0] for q in quant]   # the peer reads [E, N, K]
     w2s = [q[1].contiguous() if args.layout == "kn" else q[1] for q in quant]
@@ -220,19 +311,9 @@ def peer_bf16(args, x, r1, quant, K, act, producer, calls, b13, b2, ref_tk):
     c1 = torch.empty(T * K, 2 * I, dtype=torch.bfloat16, device="cuda")
     a1 = torch.empty(T * K, I, dtype=torch.bfloat16, device="cuda")
     c2 = torch.empty(T * K, H, dtype=torch.bfloat16, device="cuda")
-
-    def best(run):
-        res = []
-        for cfg in peer.CONFIGS:
-            it = iter(range(10 ** 9))
-            try:
-                res.append((graph_time_us(lambda: run(next(it), cfg), calls=10, replays=10), cfg))
-            except Exception:   # a config the compiler refuses
-                continue
-        return min(res)[1]
     ids = [r.topk_ids.long() for r in r1]
-    cfg1 = best(lambda n, cfg: peer.gemm(x, w13s[n % len(w13s)], c1, aligned[n % calls], K, cfg))
-    cfg2 = best(lambda n, cfg: peer.gemm(a1, w2s[n % len(w2s)], c2, aligned[n % calls], 1, cfg))
+    cfg1 = _best_config(lambda n, cfg: peer.gemm(x, w13s[n % len(w13s)], c1, aligned[n % calls], K, cfg), peer.CONFIGS)
+    cfg2 = _best_config(lambda n, cfg: peer.gemm(a1, w2s[n % len(w2s)], c2, aligned[n % calls], 1, cfg), peer.CONFIGS)
     it = iter(range(10 ** 9))
 
     def step():   # the two GEMMs only: its activation kernel (and biases) not counted, to the peer's advantage
@@ -249,71 +330,149 @@ def peer_bf16(args, x, r1, quant, K, act, producer, calls, b13, b2, ref_tk):
     err = (y - ref_tk.float()).abs().max().item()
     if not err <= 2e-2 * max(ref_tk.float().abs().max().item(), 1.0):
         raise SystemExit(f"the Triton peer: max error {err} against the reference")
-    return us
+    return us, [cfg1, cfg2]
 
 
-def peer_fp8(args, x, rt, r1, quant, K, I, act, producer, calls):
-    """The Triton fp8 block-scaled GEMMs (w8a8: activations quantized per token group of 128) vLLM runs, both
-    projections and the activation between them, best of a small config sweep; None without --peer or for
-    another format."""
+def peer_fp8(args, x, r1, quant, K, act, producer, calls, b13, b2, ref_tk):
+    """vLLM's Triton fp8 block-scaled GEMMs (w8a8: e4m3 weights with a scale per 128 x 128 block, activations
+    quantized to e4m3 per token group of 128; block_m 16): the best of PEER_FP8_CONFIGS for each GEMM, each timed
+    alone on inputs quantized beforehand (GEMM2's: GEMM1's rows of layer 0, routing 0, activated and quantized), then
+    both GEMMs timed as one step at those configs. Not timed, to the peer's advantage: the quantization of x and of
+    the intermediate, and the activation between the GEMMs (kerngen's kernels do all three inside theirs). Checked
+    after timing: GEMM2's rows of layer 0, routing 0 (the activation and biases added as peer_bf16 adds them) against
+    the reference's, within PEER_FP8_TOL of its largest value (w8a8 rounding). (µs, [GEMM1's config, GEMM2's]);
+    None without --peer or for another format."""
     if not args.peer or args.format != "fp8":
         return None
-    peer = _peer(args)
+    peer = _peer(args.peer)
     T, H = x.shape
-    aligned = [peer.align(r.topk_ids, quant[0][0].shape[0], 16) for r in r1]
+    E, I = quant[0][0].shape[0], quant[0][1].shape[2]
+    aligned = [peer.align(r.topk_ids, E, 16) for r in r1]
+    ids0 = r1[0].topk_ids.flatten().long()
     c1 = torch.empty(T * K, 2 * I, dtype=torch.bfloat16, device="cuda")
     c2 = torch.empty(T * K, H, dtype=torch.bfloat16, device="cuda")
-    best = None
-    for bn, warps, stages in ((64, 4, 3), (128, 4, 3), (64, 4, 4), (32, 4, 4)):
-        it = iter(range(10 ** 9))
+    xq, xs = peer.quant_fp8_groups(x)
 
-        def step():
-            n = next(it)
-            q, al = quant[n % len(quant)], aligned[n % calls]
-            aq, s_ = peer.quant_fp8_groups(x)
-            peer.gemm_fp8_block(aq, s_, q[0], q[2], c1, al, K, block_n=bn, warps=warps, stages=stages)
-            hq, hs = peer.quant_fp8_groups(act(c1.float()).to(torch.bfloat16))
-            peer.gemm_fp8_block(hq, hs, q[1], q[3], c2, al, 1, block_n=bn, warps=warps, stages=stages)
-        try:
-            us = timed(step, producer, args.chained)
-        except Exception as e:   # a config the compiler refuses
-            print(f"  peer config {bn},{warps},{stages}: {type(e).__name__}: {e}")
-            continue
-        best = us if best is None else min(best, us)
-    return best
+    def gemm1(n, cfg):
+        q = quant[n % len(quant)]
+        peer.gemm_fp8_block(xq, xs, q[0], q[2], c1, aligned[n % calls], K, **cfg)
+
+    def gemm2(n, cfg):
+        q = quant[n % len(quant)]
+        peer.gemm_fp8_block(hq, hs, q[1], q[3], c2, aligned[n % calls], 1, **cfg)
+
+    def intermediate(cfg):   # GEMM2's input: GEMM1's rows of layer 0, routing 0, activated and quantized as vLLM does
+        gemm1(0, cfg)
+        h = c1.float() if b13 is None else c1.float() + b13[ids0].float()
+        return peer.quant_fp8_groups(act(h).to(torch.bfloat16))
+
+    cfg1 = _best_config(gemm1, PEER_FP8_CONFIGS)
+    hq, hs = intermediate(cfg1)
+    cfg2 = _best_config(gemm2, PEER_FP8_CONFIGS)
+    it = iter(range(10 ** 9))
+
+    def step():   # the two GEMMs only
+        n = next(it)
+        gemm1(n, cfg1)
+        gemm2(n, cfg2)
+    us = timed(step, producer, args.chained)
+    hq, hs = intermediate(cfg1)   # layer 0, routing 0 again: the rows the reference has
+    gemm2(0, cfg2)
+    y = (c2 if b2 is None else c2 + b2[ids0]).float()
+    err, scale = (y - ref_tk.float()).abs().max().item(), ref_tk.float().abs().max().item()
+    if not err <= PEER_FP8_TOL * scale:
+        raise SystemExit(f"the Triton fp8 peer: max error {err} against the reference (largest value {scale}, "
+                         f"tolerance {PEER_FP8_TOL} of it)")
+    return us, [cfg1, cfg2]
 
 
-def main(argv=None) -> int:
+def parse_rule(text: str) -> dict:
+    """--rule's launch params, e.g. "warps=4,unroll=2,blocks_per_sm=4,min_blocks=4,pdl=true", checked against the
+    experts mma params (the tile is the routing's, from the tier table). ValueError or TierError if they do not fit."""
+    try:
+        rule = {k: (v == "true" if v in ("true", "false") else int(v))
+                for k, v in (kv.split("=") for kv in text.split(","))}
+    except ValueError:
+        raise ValueError(f"--rule {text!r}: expected comma-separated name=integer or name=true|false") from None
+    if "tile" in rule:
+        raise ValueError("--rule: leave out 'tile' (the routing's tile at each T comes from the tier table)")
+    check_params("--rule", "experts", "mma", {"tile": 16, **rule})
+    return rule
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; models and tokens as lists, --rule as a dict of params."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(DEFAULT))
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
-    ap.add_argument("--sweep", action="store_true", help="time every candidate, not only the tier table's rule")
-    ap.add_argument("--rule", default=None, help="time these params at every T, e.g. warps=4,unroll=2,blocks_per_sm=8")
+    ap.add_argument("--sweep", action="store_true", help="time every candidate of the format, not only the tier "
+                                                         "table's rule")
+    ap.add_argument("--rule", default=None, help="time these params at every T, e.g. warps=4,unroll=2,blocks_per_sm=8 "
+                                                 "(quantized builds also min_blocks=N)")
     ap.add_argument("--chained", action="store_true", help="back to back, no producer kernel between steps")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--format", default="bf16", choices=("bf16", "fp8", "mxfp4"), help="the expert weights' format")
+    ap.add_argument("--format", default="bf16", choices=FORMATS, help="the expert weights' format")
     ap.add_argument("--layers", type=int, default=4, help="layers of weights cycled (fewer where they do not fit)")
     ap.add_argument("--peer", default=None, help="folder of triton_fused_moe.py: time the Triton peer too")
     ap.add_argument("--layout", default="nk", choices=("nk", "kn"),
                     help="kn: the weights as transposed views of [E, H, 2I] / [E, I, H] (bf16)")
     args = ap.parse_args(argv)
+    args.models = args.models.split(",")
+    if unknown := [m for m in args.models if m not in SHAPES]:
+        ap.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
+    try:
+        args.tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        ap.error(f"--tokens {args.tokens!r}: expected comma-separated integers")
+    if min(args.tokens) < 1:
+        ap.error("--tokens: each at least 1")
     if args.rule:
-        args.rule = {k: (v == "true" if v in ("true", "false") else int(v))
-                     for k, v in (kv.split("=") for kv in args.rule.split(","))}
+        try:
+            args.rule = parse_rule(args.rule)
+        except (ValueError, TierError) as e:
+            ap.error(str(e))
+    if args.layout == "kn" and args.format != "bf16":
+        ap.error("--layout kn: bf16 weights only (quantized checkpoints are stored [E, N, K])")
+    return args
+
+
+def summary(b: dict) -> str:
+    """The printed line of a case (its fastest row `b`). Quantized formats: the floor, kerngen (% of the floor),
+    kerngen's bf16 kernels on the same weights dequantized (kerngen's speedup over them), Triton (% of the floor,
+    kerngen's speedup over it, its configs), grouped_mm."""
+    head = (f"{b['model']:16s} T={b['T']:3d} tile={b['tile']:2d} active={b['active']:6.1f} floor "
+            f"{b['floor_us']:7.1f} µs | kerngen {b['us']:7.1f} ({100 * b['floor_us'] / b['us']:4.0f}%) "
+            f"[{b['kernel']}] | ")
+    tail = f"{b['format']} {b['layout']} x{b['layers']} layers"
+    if b["format"] == "bf16":
+        return (head + f"grouped_mm {b['grouped_us']:7.1f} ({100 * b['floor_us'] / b['grouped_us']:4.0f}%) | "
+                f"{b['grouped_us'] / b['us']:.2f}x | " + tail
+                + (f" | triton {b['peer_us']:7.1f} ({100 * b['floor_us'] / b['peer_us']:4.0f}%, "
+                   f"{b['peer_us'] / b['us']:.2f}x)" if b["peer_us"] else ""))
+    bf16 = "-" if b["bf16_us"] is None else f"{b['bf16_us']:7.1f} ({b['bf16_us'] / b['us']:.2f}x)"
+    peer = ""
+    if b["peer_us"]:
+        cfgs = ", ".join(f"{c['block_n']}/{c['stages']}/{c['warps']}" for c in b["peer_cfg"])
+        peer = (f"triton {b['format']} {b['peer_us']:7.1f} ({100 * b['floor_us'] / b['peer_us']:4.0f}%, "
+                f"{b['peer_us'] / b['us']:.2f}x) [block_n/stages/warps {cfgs}] | ")
+    return head + f"kerngen bf16 {bf16} | " + peer + f"grouped_mm {b['grouped_us']:7.1f} | " + tail
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     dev = torch.cuda.current_device()
     arch = target_arch(dev)
-    models, tokens = args.models.split(","), [int(t) for t in args.tokens.split(",")]
+    models, tokens = args.models, args.tokens
 
     def cand_specs(H, I, tile, act):
         tag, consts = ex.tag_constants(H, I, tile, act, args.format, args.layout)
-        cands = CANDIDATES if args.sweep else [args.rule]
+        cands = CANDIDATES[args.format] if args.sweep else [args.rule]
         return [(",".join(f"{k}={x}" for k, x in c.items()),
                  spec_for(Rule(op="experts", variant="mma", ranges={}, params=c), tag, consts, arch)) for c in cands]
 
     if args.sweep:   # compile every candidate first, in parallel
         specs = [s for m in models for T in tokens for _, s in
-                 cand_specs(SHAPES[m][0], SHAPES[m][1], ex.tile_for(SHAPES[m][0], SHAPES[m][1], SHAPES[m][4], T, 0) or 16,
-                            SHAPES[m][4])]
+                 cand_specs(SHAPES[m][0], SHAPES[m][1], tile_at(m, T, args.format), SHAPES[m][4])]
         with ProcessPoolExecutor(max(1, (os.cpu_count() or 2) - 1)) as pool:
             list(pool.map(_build, list(dict.fromkeys(specs))))
 
@@ -325,25 +484,24 @@ def main(argv=None) -> int:
             s = ex.spec(H, I, tile, act, T, arch, fmt=args.format, layout=args.layout)
             yield "tiers.toml: " + ",".join(f"{k}={v}" for k, v in s.params), ex.Kernels(s, dev)
 
-    if args.layout == "kn" and args.format != "bf16":
-        raise SystemExit("--layout kn: bf16 weights only (quantized checkpoints are stored [E, N, K])")
+    def bf16_kernel(H, I, tile, act, T):
+        """(label, kernels) of the tier table's bf16 rule at T, built for `tile`; None where no bf16 rule serves T."""
+        try:
+            s = ex.spec(H, I, tile, act, T, arch, fmt="bf16")
+        except TierError:
+            return None
+        return "tiers.toml: " + ",".join(f"{k}={v}" for k, v in s.params), ex.Kernels(s, dev)
+
     bw = read_bandwidth_tbs()
     print(f"streaming-read bandwidth {bw:.2f} TB/s; {'chained' if args.chained else 'after a producer kernel'}; "
           f"layout {args.layout}")
     allrows = []
     for m in models:
         for T in tokens:
-            rows = case(m, T, bw, args, kernels_of)
+            rows = case(m, T, bw, args, kernels_of, bf16_kernel)
             allrows += rows
             rows.sort(key=lambda r: r["us"])
-            b = rows[0]
-            print(f"{m:16s} T={T:3d} tile={b['tile']:2d} active={b['active']:6.1f} floor {b['floor_us']:7.1f} µs | "
-                  f"kerngen {b['us']:7.1f} ({100 * b['floor_us'] / b['us']:4.0f}%) [{b['kernel']}] | grouped_mm "
-                  f"{b['grouped_us']:7.1f} ({100 * b['floor_us'] / b['grouped_us']:4.0f}%) | "
-                  f"{b['grouped_us'] / b['us']:.2f}x | {b['format']} {b['layout']} x{b['layers']} layers"
-                  + (f" | triton {b['peer_us']:7.1f} ({100 * b['floor_us'] / b['peer_us']:4.0f}%, "
-                     f"{b['peer_us'] / b['us']:.2f}x)" if b["peer_us"] else ""),
-                  flush=True)
+            print(summary(rows[0]), flush=True)
             for r in rows[1:4] if args.sweep else ():
                 print(f"{'':24s} {r['us']:7.1f} [{r['kernel']}]")
     if args.json:
