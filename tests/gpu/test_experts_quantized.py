@@ -195,18 +195,19 @@ def test_gpt_oss_and_kimi_shapes(fmt, T):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("params", [dict(prefetch=False), dict(prefetch_x=True), dict(unroll=2, prefetch_x=True),
-                                    dict(warps=8, unroll=2)])
+                                    dict(warps=8, unroll=2), dict(tile=16), dict(tile=16, prefetch_x=True)])
 def test_launch_shapes_the_sweep_tries(fmt, params):
-    """The quantized loop's variants (no prefetch, activations prefetched too, two steps a load batch, 8 warps) give
-    the reference's rows: the tier rules may pick any of them."""
+    """The quantized loop's variants (no prefetch, activations prefetched too, two steps a load batch, 8 warps, tiles
+    of 8 and 16 rows) give the reference's rows: the tier rules may pick any of them."""
     from kerngen import tiers
     from kerngen.plan import spec_for, target_arch
     H, I, T = 2880 if fmt == "mxfp4" else 3584, 2048, 6
     x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=11)
-    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
     p = {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True), **params}
+    tile = p.pop("tile", 8)
+    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=tile)
     spec = spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),
-                    *ex.tag_constants(H, I, 8, "silu", fmt), target_arch(0))
+                    *ex.tag_constants(H, I, tile, "silu", fmt), target_arch(0))
     out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
     ex.Kernels(spec, 0)(x, r, *w, out, w13_scale=s["w13_scale"], w2_scale=s["w2_scale"])
     check_rows(out, ex.reference(x, r, *w, **s), r)
