@@ -25,6 +25,8 @@ ROUTER_WEIGHT = ("output", "input")
 EXPERT_ACTIVATIONS = ("silu", "gelu", "gpt_oss", "situglu")   # kerngen.experts' gates
 EXPERT_FORMATS = ("bf16", "fp8", "mxfp4")   # kerngen.experts' weight formats (fp8: e4m3 with 128 x 128 block
 #                                            scales; mxfp4: e2m1 pairs with an e8m0 scale per 32 values)
+RULE_FORMATS = (*EXPERT_FORMATS, "w8a8")   # an experts rule's `formats`: the weight formats, and w8a8 (fp8 weights
+#                                            with fp8 activations: kerngen.experts(..., fp8_activations=True))
 EXPERT_LAYOUTS = ("nk", "kn")   # how a model's bf16 expert weights lie: [E, 2I, H] / [E, H, I], or transposed
 RANGE_KEYS = ("num_experts", "top_k", "hidden", "tokens", "world_size", "sm_count")
 MAX_EXPERTS, MAX_TOPK = 2048, 32
@@ -394,13 +396,13 @@ def _parse_rule(where: str, d: dict) -> Rule:
 
 
 def _formats(where: str, op: str, v) -> tuple[str, ...]:
-    """An experts rule's `formats`: a non-empty list of the weight formats it serves (left out: every format)."""
+    """An experts rule's `formats`: a non-empty list of the formats it serves (RULE_FORMATS; left out: every one)."""
     if v is None:
         return ()
     if op != "experts":
         _fail(where, f"field 'formats' (weight formats) applies to op = \"experts\" rules only, not {op}")
-    if not isinstance(v, list) or not v or not all(isinstance(f, str) and f in EXPERT_FORMATS for f in v):
-        _fail(where, f"field 'formats' must be a non-empty list of {', '.join(map(repr, EXPERT_FORMATS))}, got {v!r}")
+    if not isinstance(v, list) or not v or not all(isinstance(f, str) and f in RULE_FORMATS for f in v):
+        _fail(where, f"field 'formats' must be a non-empty list of {', '.join(map(repr, RULE_FORMATS))}, got {v!r}")
     return tuple(v)
 
 

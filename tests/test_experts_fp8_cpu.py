@@ -103,3 +103,62 @@ def test_bad_inputs_name_the_argument(over, arg):
     with pytest.raises(kerngen.InputError) as e:
         kerngen.experts(**_args(**over))
     assert e.value.arg == arg
+
+
+def test_quantize_fp8_per_row_and_128_columns():
+    """s = amax / 448 per row and 128 columns; the largest magnitude of a group lands on 448; every value within
+    half an e4m3 step (2^-4 relative, or the subnormal step) of v / s; zero groups stay zero."""
+    g = torch.Generator().manual_seed(3)
+    v = (torch.randn(5, 384, generator=g) * torch.logspace(-3, 3, 5)[:, None]).to(torch.bfloat16)
+    v[4, 128:256] = 0
+    q, s = ex.quantize_fp8(v)
+    assert q.dtype == FP8 and q.shape == v.shape and s.shape == (5, 3) and s.dtype == torch.float32
+    grp = v.float().unflatten(-1, (3, Q))
+    amax = grp.abs().amax(-1)
+    assert torch.equal(s, amax.clamp(min=1e-10) / 448)
+    qf = q.float().unflatten(-1, (3, Q))
+    assert torch.equal(qf.abs().amax(-1)[amax > 0], torch.full_like(amax[amax > 0], 448.0))
+    exact = grp / s[..., None]
+    assert ((qf - exact).abs() <= torch.maximum(exact.abs() * 2 ** -4, torch.full_like(exact, 2 ** -10))).all()
+    assert torch.equal(qf[4, 1], torch.zeros(Q))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fp8_activations_reference_is_the_blockwise_fp8_computation(seed):
+    """reference(fp8_activations=True) against the block-by-block form the fp8 tensor cores compute: for each 128
+    block, sum(xq * wq) times the activation row's scale times the weight block's scale, in fp64."""
+    T, K, E, H, I = 3, 2, 4, 256, 128
+    w13, s13, w2, s2 = fp8_weights(E, H, I, seed)
+    g = torch.Generator().manual_seed(seed + 20)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    r = routing_of(ids, E, 1)
+
+    def gemm(v, w, s):   # v [K] bf16, w [N, K] fp8 with block scales s [N/Q, K/Q]
+        vq, vs = ex.quantize_fp8(v)
+        out = torch.zeros(w.shape[0], dtype=torch.float64)
+        for kb in range(w.shape[1] // Q):
+            blk = (w[:, kb * Q:(kb + 1) * Q].double() @ vq[kb * Q:(kb + 1) * Q].double()) * float(vs[kb])
+            out += blk * s[:, kb].double().repeat_interleave(Q)
+        return out
+    want = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.float64)
+    for row, t in enumerate(r.permuted_to_token.tolist()):
+        e = int(r.tile_to_expert[row])
+        h = gemm(x[t], w13[e], s13[e])
+        a = (torch.nn.functional.silu(h[:I]) * h[I:]).to(torch.bfloat16)
+        want[row] = gemm(a, w2[e], s2[e])
+    got = kerngen.experts(x, r, w13, w2, w13_scale=s13, w2_scale=s2, fp8_activations=True)
+    # the fp32 sums and one bf16 rounding of the output; an intermediate one bf16 ulp apart may shift one e4m3 step
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert err <= 2 ** -7, err
+    assert not torch.equal(got, kerngen.experts(x, r, w13, w2, w13_scale=s13, w2_scale=s2))
+
+
+@pytest.mark.parametrize("over", [dict(fp8_activations=1), dict(fp8_activations="yes"),
+                                  dict(w13=torch.zeros(4, 256, 256, dtype=torch.bfloat16),
+                                       w2=torch.zeros(4, 256, 128, dtype=torch.bfloat16), w13_scale=None,
+                                       w2_scale=None, fp8_activations=True)])
+def test_fp8_activations_take_fp8_weights_and_a_bool(over):
+    with pytest.raises(kerngen.InputError) as e:
+        kerngen.experts(**_args(**over))
+    assert e.value.arg == "fp8_activations"

@@ -43,6 +43,33 @@ def test_every_quantized_kernel_compiles_without_spills(spec, tmp_path):
     assert_no_spills(built.files)
 
 
+def a8_specs():
+    """fp8_activations' builds of the shipped fp8 models (the fp8 rules with A8)."""
+    t = tiers.load()
+    out = []
+    for name in sorted(FORMATS["fp8"][0]):
+        m = t.model(name)
+        for lo, _ in tiers.token_pieces(t.rules, "experts", m.tokens):
+            try:
+                rule = t.rule("experts", {"hidden": m.hidden, "tokens": lo, "arch": "sm_90a", "format": "fp8"})
+            except kerngen.TierError:
+                continue   # these tokens run the reference
+            s = ex.rule_spec(rule, m.hidden, m.intermediate, m.activation, "sm_90a", "fp8", "nk", True)
+            if s not in out:
+                out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("spec", a8_specs(), ids=lambda s: s.tag)
+def test_fp8_activation_builds_compile_without_spills(spec, tmp_path):
+    built = jit.build(spec, store=DiskCache(tmp_path))
+    cubin = built.files["kernel.cubin"]
+    assert spec.tag.endswith("-fp8-a8") and dict(spec.constants)["A8"] == 1
+    for name in (b"experts_quant_x", b"experts_gemm1", b"experts_quant_act", b"experts_gemm2"):
+        assert name in cubin
+    assert_no_spills(built.files)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_weights_dispatch_their_build_with_their_scales(monkeypatch, fmt):
     launches = []
@@ -69,3 +96,35 @@ def test_quantized_weights_dispatch_their_build_with_their_scales(monkeypatch, f
         assert dict(spec.constants)["FORMAT"] == fmt and spec.tag.endswith(f"-{fmt}")
         assert f["s13"] == a["w13_scale"].data_ptr() and f["s2"] == a["w2_scale"].data_ptr()
         assert f["w13"] == a["w13"].data_ptr() and f["w2"] == a["w2"].data_ptr()
+
+
+def test_fp8_activations_dispatch_four_launches_with_their_buffers(monkeypatch):
+    launches = []
+
+    class Stub:
+        def __init__(self, module, name, device, grid, block, params, smem=0, pdl=False):
+            self.name, self.params, self.spec = name, params, module
+
+        def __call__(self, stream, *values):
+            assert len(values) == len(self.params.names)
+            launches.append((self.name, self.spec, dict(zip(self.params.names, values))))
+
+    monkeypatch.setattr(_common, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(ex, "resolve", lambda spec: spec)
+    monkeypatch.setattr(ex, "current_stream", lambda dev: 0)
+    monkeypatch.setattr(ex, "Launcher", Stub)
+    monkeypatch.setattr(ex, "sm_count", lambda dev: 132)
+    kerngen.clear()
+    a = fp8_args()
+    kerngen.experts(**a, fp8_activations=True)
+    kerngen.experts(**a)
+    kerngen.clear()
+    names = [n for n, _, _ in launches]
+    assert names == ["experts_quant_x", "experts_gemm1", "experts_quant_act", "experts_gemm2", "experts_gemm1",
+                     "experts_gemm2"]
+    quant = [f for n, s, f in launches[:4]]
+    assert all(s.tag.endswith("-fp8-a8") for _, s, _ in launches[:4])
+    assert not launches[4][1].tag.endswith("-a8")
+    for f in quant:   # the same buffers for all four: x and the intermediate quantized, their scales
+        assert {k: f[k] for k in ("xq", "xsc", "aq", "asc")} == {k: quant[0][k] for k in ("xq", "xsc", "aq", "asc")}
+        assert all(f[k] for k in ("xq", "xsc", "aq", "asc"))

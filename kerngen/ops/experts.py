@@ -45,6 +45,9 @@ MX_GROUP = 32  # MXFP4: values per e8m0 scale; a group is 16 bytes of two e2m1 v
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # the quantized builds' struct Params (fp8, mxfp4): the bf16 one, then the scales of w13 and w2
 PARAMS_SCALED = Params(*PARAMS.fields, ("s13", "ptr"), ("s2", "ptr"))
+# fp8 activations (fp8_activations=True): then x and the intermediate quantized, with their scales
+QUANT_CTAS = 8   # fp8 activations: CTAs an SM of the quantizing kernels (8 warps each: a full SM)
+PARAMS_A8 = Params(*PARAMS_SCALED.fields, ("xq", "ptr"), ("xsc", "ptr"), ("aq", "ptr"), ("asc", "ptr"))
 # How the weights lie in memory: "nk", w13 [E, 2I, H] and w2 [E, H, I] contiguous (vLLM, SGLang, most transformers
 # families); "kn", the transposes of contiguous [E, H, 2I] and [E, I, H] (transformers' gpt-oss and Llama-4, passed as
 # gate_up_proj.transpose(1, 2) and down_proj.transpose(1, 2)), read in place by kernels built for it (bf16 only).
@@ -82,11 +85,12 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 def reference(x, routing, w13, w2, *, activation="silu", interleaved=False, b13=None, b2=None, input_weights=None,
               tile=None, alpha=1.702, limit=7.0, beta=1.0, linear_beta=0.0, w13_scale=None,
-              w2_scale=None) -> torch.Tensor:
+              w2_scale=None, fp8_activations=False) -> torch.Tensor:
     """Plain torch, row by row of the permutation, with fp32 weights (fp8 ones dequantized: w * block scale).
     Rounding points: xs = bf16(x * input_weights) (fp32 product);
     h = xs @ w13[e].T accumulated in fp32, b13 added in fp32, not rounded; the activation in fp32, rounded once to
-    bf16 (the intermediate); out = a @ w2[e].T in fp32, b2 added in fp32, rounded to bf16. Padding rows are 0."""
+    bf16 (the intermediate); out = a @ w2[e].T in fp32, b2 added in fp32, rounded to bf16. Padding rows are 0.
+    fp8_activations: xs and the intermediate enter the products as quantize_fp8(.) dequantized (fp32)."""
     p2t, t2e = routing.permuted_to_token.long(), routing.tile_to_expert.long()
     tile = tile or getattr(routing, "tile", None) or infer_tile(routing)
     I, H = w2.shape[2] * (MX_GROUP if w2.dtype == torch.uint8 else 1), w2.shape[1]
@@ -96,15 +100,32 @@ def reference(x, routing, w13, w2, *, activation="silu", interleaved=False, b13=
     experts = t2e[rows // tile]
     for e in experts.unique().tolist():
         r = rows[experts == e]
-        h = xs[p2t[r]].float() @ dequantize(w13[e], None if w13_scale is None else w13_scale[e]).T
+        xe = fp8_round_trip(xs[p2t[r]]) if fp8_activations else xs[p2t[r]].float()
+        h = xe @ dequantize(w13[e], None if w13_scale is None else w13_scale[e]).T
         if b13 is not None:
             h = h + b13[e].float()
         a = activate(h, I, activation, interleaved, alpha, limit, beta, linear_beta).to(x.dtype)
-        y = a.float() @ dequantize(w2[e], None if w2_scale is None else w2_scale[e]).T
+        y = (fp8_round_trip(a) if fp8_activations else a.float()) @ dequantize(w2[e], None if w2_scale is None
+                                                                                else w2_scale[e]).T
         if b2 is not None:
             y = y + b2[e].float()
         out[r] = y.to(x.dtype)
     return out
+
+
+def quantize_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 rows [.., K] (K a multiple of 128) as e4m3 values and fp32 scales [.., K/128], per row and 128 columns:
+    s = max(amax, 1e-10) / 448, q = e4m3(v / s) (DeepSeek-V3's and vLLM's per-token-group activation quantization)."""
+    g = v.float().unflatten(-1, (-1, QBLOCK))
+    amax = g.abs().amax(-1).clamp(min=1e-10)
+    s = amax / torch.full_like(amax, 448.0)   # a divided tensor: CUDA torch multiplies by 1 / 448 for a scalar
+    return (g / s[..., None]).clamp(-448.0, 448.0).to(FP8).flatten(-2), s
+
+
+def fp8_round_trip(v: torch.Tensor) -> torch.Tensor:
+    """The fp32 values fp8 activations stand for: quantize_fp8(v) dequantized."""
+    q, s = quantize_fp8(v)
+    return (q.float().unflatten(-1, (-1, QBLOCK)) * s[..., None]).flatten(-2)
 
 
 def infer_tile(routing) -> int:
@@ -253,16 +274,20 @@ def _check_act_params(activation, alpha, limit, beta, linear_beta):
 
 
 def tag_constants(H: int, I: int, tile: int, activation: str, fmt: str = "bf16",
-                  layout: str = "nk") -> tuple[str, dict]:
+                  layout: str = "nk", a8: bool = False) -> tuple[str, dict]:
     """The cache tag and the template constants of one experts build (fmt: the weights' format, bf16, fp8 or
-    mxfp4; layout: LAYOUTS, the "kn" builds marked KN, the "nk" ones as they always were)."""
+    mxfp4; layout: LAYOUTS, the "kn" builds marked KN, the "nk" ones as they always were; a8: fp8 weights with fp8
+    activations, marked A8)."""
     kn = {"KN": 1} if layout == "kn" else {}
-    return (f"H{H}-I{I}-t{tile}-{activation}-{fmt}" + ("-kn" if kn else ""),
-            {"H": H, "I": I, "TILE": tile, "ACT": activation, "FORMAT": fmt, **kn})
+    if a8 and fmt != "fp8":
+        raise InputError(OP, "fp8_activations", "True only with fp8 weights", f"True with {fmt} weights")
+    a8c = {"A8": 1} if a8 else {}
+    return (f"H{H}-I{I}-t{tile}-{activation}-{fmt}" + ("-kn" if kn else "") + ("-a8" if a8 else ""),
+            {"H": H, "I": I, "TILE": tile, "ACT": activation, "FORMAT": fmt, **kn, **a8c})
 
 
 def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt: str = "bf16",
-              layout: str = "nk") -> plan_mod.KernelSpec:
+              layout: str = "nk", a8: bool = False) -> plan_mod.KernelSpec:
     """The kernel of an experts rule at this shape: the rule's `tile` param is the TILE constant (the routing
     tile its kernels take), its other params the launch shape. A rule with `transposed = false` serves
     contiguous weights only: for "kn" ones it is a TierError (torch._grouped_mm runs those tokens)."""
@@ -272,17 +297,23 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} serves contiguous "
                         "weights only (transposed = false): transposed ones run torch._grouped_mm there")
     return plan_mod.spec_for(dataclasses.replace(rule, params=params),
-                             *tag_constants(H, I, tile, activation, fmt, layout), arch_)
+                             *tag_constants(H, I, tile, activation, fmt, layout, a8), arch_)
+
+
+def rule_format(fmt: str, a8: bool) -> str:
+    """The `formats` entry of the tier rules serving these weights: their format, or w8a8 for fp8 activations."""
+    return "w8a8" if a8 else fmt
 
 
 def spec(H: int, I: int, tile: int | None, activation: str, tokens: int, arch_: str,
-         tbl: tiers.Table | None = None, fmt: str = "bf16", layout: str = "nk") -> plan_mod.KernelSpec:
+         tbl: tiers.Table | None = None, fmt: str = "bf16", layout: str = "nk", a8: bool = False) -> plan_mod.KernelSpec:
     """The kernel the tier table gives this shape at `tokens` (tools and tests; calls go through dispatch), built
     for routing tile `tile` (None: the rule's own)."""
-    rule = (tbl or table()).rule(OP, {"hidden": H, "tokens": max(tokens, 1), "arch": arch_, "format": fmt})
+    rule = (tbl or table()).rule(OP, {"hidden": H, "tokens": max(tokens, 1), "arch": arch_,
+                                      "format": rule_format(fmt, a8)})
     if tile is not None:
         rule = dataclasses.replace(rule, params={**rule.params, "tile": tile})
-    return rule_spec(rule, H, I, activation, arch_, fmt, layout)
+    return rule_spec(rule, H, I, activation, arch_, fmt, layout, a8)
 
 
 def tile_of(s: plan_mod.KernelSpec) -> int:
@@ -294,8 +325,8 @@ class Kernels:
     SM (no more than an SM holds of each kernel, and at most one per work item) looping over the used tiles' items.
     The grid follows the routing's tile count, so the launchers are kept per tile count; the intermediate scratch
     per stream."""
-    __slots__ = ("spec", "tile", "device", "scaled", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I", "_grids", "_act",
-                 "_cols")
+    __slots__ = ("spec", "tile", "device", "scaled", "a8", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I", "_grids",
+                 "_act", "_cols", "_q")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
         if s.variant not in VARIANTS:
@@ -303,6 +334,7 @@ class Kernels:
         c, p = dict(s.constants), dict(s.params)
         self.spec, self.tile, self.device = s, c["TILE"], device
         self.scaled = c.get("FORMAT", "bf16") != "bf16"   # a quantized build: its scales are launch fields
+        self.a8 = bool(c.get("A8"))   # fp8 activations: two quantizing launches and their buffers besides
         self._warps, self._H, self._I = p["warps"], c["H"], c["I"]
         self._cols = (16, 32) if c.get("KN") else (8, 16)   # columns of an item: GEMM1 (intermediate), GEMM2
         self._mod = resolve(s)
@@ -311,25 +343,51 @@ class Kernels:
                       for name, launch in self.persistent(s).items()}
         self._grids: dict[int, tuple[Launcher, Launcher]] = {}
         self._act: dict[int, torch.Tensor] = {}
+        self._q: dict[int, tuple] = {}
 
     @staticmethod
     def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
-        """Each kernel's CTA (32 * warps threads, no dynamic shared memory) and the CTAs an SM its rule asks for."""
+        """Each kernel's CTA (32 * warps threads, no dynamic shared memory) and the CTAs an SM its rule asks for; with
+        fp8 activations also the quantizing kernels' (8 warps, a warp a group, grids striding over the groups with
+        up to QUANT_CTAS CTAs an SM)."""
         p = dict(s.params)
         launch = Launch(32 * p["warps"], 0, p.get("blocks_per_sm", 4))
-        return {"experts_gemm1": launch, "experts_gemm2": launch}
+        out = {"experts_gemm1": launch, "experts_gemm2": launch}
+        if dict(s.constants).get("A8"):
+            out.update(dict.fromkeys(("experts_quant_x", "experts_quant_act"), Launch(256, 0, QUANT_CTAS)))
+        return out
 
-    def launchers(self, tiles: int) -> tuple[Launcher, Launcher]:
+    def launchers(self, tiles: int) -> tuple[Launcher, ...]:
+        """gemm1, gemm2 (and with fp8 activations quant_x, gemm1, quant_act, gemm2) for this many tiles."""
         pair = self._grids.get(tiles)
         if pair is None:
             block = (32 * self._warps, 1, 1)
             grid1 = (min(self._ctas["experts_gemm1"], tiles * -(-self._I // self._cols[0])), 1, 1)
             grid2 = (min(self._ctas["experts_gemm2"], tiles * -(-self._H // self._cols[1])), 1, 1)
-            params = PARAMS_SCALED if self.scaled else PARAMS
-            pair = self._grids[tiles] = (
-                Launcher(self._mod, "experts_gemm1", self.device, grid1, block, params, pdl=self._pdl),
-                Launcher(self._mod, "experts_gemm2", self.device, grid2, block, params, pdl=self._pdl))
+            params = PARAMS_A8 if self.a8 else PARAMS_SCALED if self.scaled else PARAMS
+            pair = (Launcher(self._mod, "experts_gemm1", self.device, grid1, block, params, pdl=self._pdl),
+                    Launcher(self._mod, "experts_gemm2", self.device, grid2, block, params, pdl=self._pdl))
+            if self.a8:   # a warp per 128 values; grids striding over the rows (x: at most tiles * tile tokens)
+                def quant(name, cols):
+                    grid = (max(1, min(self._ctas[name], -(-tiles * self.tile * (cols // QBLOCK) // 8))), 1, 1)
+                    return Launcher(self._mod, name, self.device, grid, (256, 1, 1), params, pdl=self._pdl)
+                pair = (quant("experts_quant_x", self._H), pair[0], quant("experts_quant_act", self._I), pair[1])
+            self._grids[tiles] = pair
         return pair
+
+    def quant_scratch(self, stream: int, T: int, tiles: int, device: torch.device) -> tuple:
+        """fp8 activations: x and the intermediate quantized, and their scales, one set per stream, grown to the
+        most tokens and tiles seen."""
+        q = self._q.get(stream)
+        if q is None or q[0].shape[0] < T or q[2].shape[0] < tiles * self.tile:
+            T = max(T, 0 if q is None else q[0].shape[0])
+            rows = max(tiles * self.tile, 0 if q is None else q[2].shape[0])
+            H, I = self._H, self._I
+            q = self._q[stream] = (torch.empty((T, H), dtype=torch.uint8, device=device),
+                                   torch.empty((T, H // QBLOCK), dtype=torch.float32, device=device),
+                                   torch.empty((rows, I), dtype=torch.uint8, device=device),
+                                   torch.empty((rows, I // QBLOCK), dtype=torch.float32, device=device))
+        return q
 
     def scratch(self, stream: int, tiles: int, device: torch.device) -> torch.Tensor:
         """The intermediate (at least [tiles * tile, I]; the kernels read its first rows), one buffer per stream,
@@ -360,8 +418,10 @@ class Kernels:
                   out.data_ptr(), T, experts_, int(interleaved), tiles, a0, a1)
         if self.scaled:
             fields += (w13_scale.data_ptr(), w2_scale.data_ptr())
-        pair[0](stream, *fields)
-        pair[1](stream, *fields)
+        if self.a8:
+            fields += tuple(t.data_ptr() for t in self.quant_scratch(stream, T, tiles, x.device))
+        for launch in pair:
+            launch(stream, *fields)
         return out
 
 
@@ -373,39 +433,46 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Kernels:
     return Kernels(s, device)
 
 
-def dispatch(H: int, I: int, activation: str, device: int, fmt: str = "bf16", layout: str = "nk") -> Dispatch:
-    """The experts kernels of this shape, weight format and layout on `device`, per token bucket (None where no rule
-    serves: torch._grouped_mm for bf16, the per-expert reference for fp8)."""
+def dispatch(H: int, I: int, activation: str, device: int, fmt: str = "bf16", layout: str = "nk",
+             a8: bool = False) -> Dispatch:
+    """The experts kernels of this shape, weight format and layout on `device` (a8: fp8 activations, fp8 weights'
+    rules), per token bucket (None where no rule serves: torch._grouped_mm for bf16, the per-expert reference for
+    fp8)."""
     def build() -> Dispatch:
         a = arch(device)
-        return Dispatch(OP, {"hidden": H, "format": fmt}, lambda rule: rule_spec(rule, H, I, activation, a, fmt, layout),
+        return Dispatch(OP, {"hidden": H, "format": rule_format(fmt, a8)},
+                        lambda rule: rule_spec(rule, H, I, activation, a, fmt, layout, a8),
                         kernel, device, arch=a, per_token=False)
 
-    return lookup((OP, H, I, activation, device, fmt, layout), build)
+    return lookup((OP, H, I, activation, device, fmt, layout) + (("a8",) if a8 else ()), build)
 
 
 def tile_for(H: int, I: int, activation: str, tokens: int, device: int, fmt: str = "bf16",
-             layout: str = "nk") -> int | None:
-    """The routing tile kerngen.experts' kernels (for weights in `fmt` and `layout`) take at this token count (the
-    rule's `tile`), or None where no rule serves these tokens (torch._grouped_mm needs no tile)."""
-    s = dispatch(H, I, activation, device, fmt, layout).spec(tokens)
+             layout: str = "nk", a8: bool = False) -> int | None:
+    """The routing tile kerngen.experts' kernels (for weights in `fmt` and `layout`; a8: fp8 activations) take at
+    this token count (the rule's `tile`), or None where no rule serves these tokens (torch._grouped_mm needs no
+    tile)."""
+    s = dispatch(H, I, activation, device, fmt, layout, a8).spec(tokens)
     return None if s is None else tile_of(s)
 
 
 def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_mod.KernelSpec]:
     """Every experts kernel `model` can dispatch to over its token range (models with an intermediate size), for
     bf16 weights (also read transposed where `experts_layout` is "kn") and for the format its checkpoints ship in
-    (`experts_format`)."""
+    (`experts_format`; fp8 also with fp8 activations, the w8a8 rules)."""
     if not model.intermediate:
         return []
     shape = {"hidden": model.hidden, "arch": arch_}
     out: list[plan_mod.KernelSpec] = []
-    builds = dict.fromkeys((("bf16", "nk"), ("bf16", model.experts_layout), (model.experts_format, "nk")))
-    for fmt, layout in builds:   # bf16 (both layouts where the model's are transposed), and the format it ships in
+    builds = dict.fromkeys((("bf16", "nk", False), ("bf16", model.experts_layout, False),
+                            (model.experts_format, "nk", False), (model.experts_format, "nk", True)))
+    for fmt, layout, a8 in builds:   # bf16 (both layouts where the model's are transposed), the format it ships in
+        if a8 and fmt != "fp8":      # (fp8: with fp8 activations too)
+            continue
         for lo, _ in tiers.token_pieces(tbl.rules, OP, model.tokens):
             try:
-                rule = tbl.rule(OP, {**shape, "tokens": lo, "format": fmt})
-                s = rule_spec(rule, model.hidden, model.intermediate, model.activation, arch_, fmt, layout)
+                rule = tbl.rule(OP, {**shape, "tokens": lo, "format": rule_format(fmt, a8)})
+                s = rule_spec(rule, model.hidden, model.intermediate, model.activation, arch_, fmt, layout, a8)
             except TierError:
                 continue   # these tokens run torch._grouped_mm
             if s not in out:
@@ -451,7 +518,7 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
             input_weights: torch.Tensor | None = None, tile: int | None = None, alpha: float = 1.702,
             limit: float = 7.0, beta: float = 1.0, linear_beta: float = 0.0, w13_scale: torch.Tensor | None = None,
             w2_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-            scratch: torch.Tensor | None = None) -> torch.Tensor:
+            scratch: torch.Tensor | None = None, fp8_activations: bool = False) -> torch.Tensor:
     """Expert output rows [rows, H] bf16 in permuted order (row = expanded_to_permuted[t, k]) for finalize.
 
     x [T, H] bf16; routing: a kerngen.Routing with its permutation (route(..., tile=...) or permute; tile is
@@ -469,6 +536,9 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     MXFP4 weights (gpt-oss): w13 [E, 2I, H/32, 16] / w2 [E, H, I/32, 16] uint8 blocks (two e2m1 values a byte,
     low nibble first) with w13_scale [E, 2I, H/32] / w2_scale [E, H, I/32] uint8 e8m0 scales (2^(s - 127));
     widened to bf16 with the scale applied in registers (exact for scale bytes 2..252); H, I multiples of 64.
+    fp8_activations (fp8 weights only, opt-in): x and the intermediate are quantized to e4m3 per row and 128 columns
+    (quantize_fp8: DeepSeek-V3's reference and vLLM's block-fp8 GEMM compute this way) and multiplied on fp8 tensor
+    cores, each block's fp32 sum scaled by both scales; the result differs from the default's by that quantization.
     Token counts no rule serves run the per-expert reference on the GPU for fp8 and MXFP4 weights (it reads
     which experts were hit on the host).
     scratch: the kernels' intermediate, bf16 contiguous [rows, I] or longer (rows = the routing's permuted
@@ -488,14 +558,14 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
                None if w2_scale is None else (w2_scale.dtype, w2_scale.shape, w2_scale.is_contiguous(),
                                               w2_scale.get_device()),
                activation, interleaved, alpha, limit, beta, linear_beta, out is None,
-               type(interleaved), type(tile))   # True == 1 and 8 == 8.0: the kinds are pinned too
+               type(interleaved), type(tile), fp8_activations, type(fp8_activations))   # True == 1 and 8 == 8.0: the kinds are pinned too
         hit = _fast.get(sig) if sig[4] is not None else None
     except (AttributeError, TypeError):   # not tensors, a foreign routing, unhashable values: checked below
         sig, hit = None, None
     if hit is None or (x.data_ptr() | w13.data_ptr() | w2.data_ptr()) % 16:
         hit = remember(_fast, sig if sig is not None and sig[4] is not None else None,
                        _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, alpha,
-                                limit, beta, linear_beta, w13_scale, w2_scale))
+                                limit, beta, linear_beta, w13_scale, w2_scale, fp8_activations))
     k, tile, H, I, a0, a1, dev, fmt, tiles, experts_ = hit
     p2t = routing.permuted_to_token
     rows = p2t.shape[0]
@@ -519,7 +589,7 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
                      tiles, experts_, scratch)
     kw = dict(activation=activation, interleaved=interleaved, b13=b13, b2=b2, input_weights=input_weights,
               tile=tile, alpha=alpha, limit=limit, beta=beta, linear_beta=linear_beta, w13_scale=w13_scale,
-              w2_scale=w2_scale)
+              w2_scale=w2_scale, fp8_activations=fp8_activations)
     if x.device.type not in _common.KERNEL_DEVICES or fmt != "bf16":
         out.copy_(reference(x, routing, w13, w2, **kw))
         return out
@@ -535,16 +605,19 @@ _fast: dict[tuple, tuple] = {}   # input signature -> (kernels or None, tile, H,
 
 
 def _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, alpha, limit, beta,
-             linear_beta, w13_scale=None, w2_scale=None) -> tuple:
+             linear_beta, w13_scale=None, w2_scale=None, fp8_activations=False) -> tuple:
     """Full checks, then the kernels serving this call (None: the grouped GEMM or the reference)."""
     tile, H, I, fmt, layout = check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights,
                                          tile, w13_scale, w2_scale)
+    if not isinstance(fp8_activations, bool) or (fp8_activations and fmt != "fp8"):
+        raise InputError(OP, "fp8_activations", "False, or True with fp8 weights",
+                         f"{fp8_activations!r} with {fmt} weights")
     _check_act_params(activation, alpha, limit, beta, linear_beta)
     a0, a1 = (alpha, limit) if activation == "gpt_oss" else (beta, linear_beta)
     dev = x.get_device()
     k = None
     if x.device.type in _common.KERNEL_DEVICES and tile <= MAX_TILE and routing.tile_to_expert.shape[0]:
-        d = dispatch(H, I, activation, dev, fmt, layout)
+        d = dispatch(H, I, activation, dev, fmt, layout, fp8_activations)
         k = d.kernel(x.shape[0])
         if k is not None and k.tile != tile:   # a routing built with another tile: the same rule at that tile
             k = _at_tile(d, k.spec, tile)
@@ -560,7 +633,8 @@ def _at_tile(d: Dispatch, s: plan_mod.KernelSpec, tile: int) -> Kernels:
         c = dict(s.constants)
         alt[key] = Kernels(plan_mod.spec_for(tiers.Rule(OP, s.variant, {}, {**dict(s.params), "backend": s.backend}),
                                              *tag_constants(c["H"], c["I"], tile, c["ACT"], c["FORMAT"],
-                                                            "kn" if c.get("KN") else "nk"), s.arch),
+                                                            "kn" if c.get("KN") else "nk", bool(c.get("A8"))),
+                                             s.arch),
                                  d.device)
     return alt[key]
 

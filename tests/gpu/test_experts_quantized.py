@@ -211,3 +211,89 @@ def test_launch_shapes_the_sweep_tries(fmt, params):
     out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
     ex.Kernels(spec, 0)(x, r, *w, out, w13_scale=s["w13_scale"], w2_scale=s["w2_scale"])
     check_rows(out, ex.reference(x, r, *w, **s), r)
+
+
+def check_a8(got, ref, r):
+    """fp8 activations: the same fp32 sums in another order, so an intermediate value may round to the neighbouring
+    bf16 and then to the neighbouring e4m3 (or move its group's scale): norm-wise within 1%, every value within 5%
+    of the largest."""
+    rows = r.permuted_to_token >= 0
+    g, f = got[rows].float(), ref[rows].float()
+    assert ((g - f).norm() / f.norm()).item() < 1e-2
+    assert ((g - f).abs().max() / f.abs().max()).item() < 5e-2
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 8, 16, 17, 64, 200])
+@pytest.mark.parametrize("H,I", [(1024, 256), (2048, 768)])
+def test_fp8_activations_match_their_reference(T, H, I):
+    """fp8_activations=True against the reference that quantizes x and the intermediate the same way (the sums in
+    another order; an intermediate value one bf16 ulp apart may quantize one e4m3 step apart), and within the
+    activation quantization's error of the weight-only reference."""
+    x, logits, w, s = make("fp8", T, 4, 32, H, I, seed=T + 3)
+    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=ex.tile_for(H, I, "silu", T, 0, "fp8"))
+    got = kerngen.experts(x, r, *w, **s, fp8_activations=True)
+    check_a8(got, ex.reference(x, r, *w, **s, fp8_activations=True), r)
+    rows = r.permuted_to_token >= 0
+    ref = ex.reference(x, r, *w, **s)[rows].float()
+    err = (got[rows].float() - ref).norm() / ref.norm()
+    assert err < 0.06, err   # e4m3 keeps 3 mantissa bits: about 2-3% relative on these sums
+
+
+def test_fp8_activations_quantize_x_as_the_reference():
+    """The quantizing launch's x bytes and scales equal quantize_fp8's, bit for bit (ties, zeros, large values)."""
+    T, E, K, H, I = 6, 16, 4, 1024, 256
+    x, logits, w, s = make("fp8", T, K, E, H, I, seed=5)
+    x[0, :128] = 0   # a zero group (scale 1e-10 / 448)
+    x[1, :4] = torch.tensor([448.0, -448.0, 1e4, 3.5], dtype=torch.bfloat16)
+    x[2] = x[2].round()   # ties of v / s
+    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
+    k = ex.Kernels(ex.rule_spec(ex.table().rule("experts", {"hidden": H, "tokens": T, "arch": "sm_90a",
+                                                            "format": "fp8"}), H, I, "silu", "sm_90a", "fp8", "nk",
+                                True), 0)
+    assert k.a8
+    out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
+    k(x, r, *w, out, **s)
+    torch.cuda.synchronize()
+    xq, xs, aq, asc = k.quant_scratch(torch.cuda.current_stream().cuda_stream, T, r.tile_to_expert.shape[0], x.device)
+    q, sc = ex.quantize_fp8(x)
+    assert torch.equal(xs[:T], sc)
+    assert torch.equal(xq[:T], q.view(torch.uint8))
+    check_a8(out, ex.reference(x, r, *w, **s, fp8_activations=True), r)
+
+
+def test_fp8_activations_inside_a_cuda_graph_and_with_input_weights():
+    T, E, K, H, I = 8, 32, 4, 1024, 256
+    x, logits, w, s = make("fp8", T, K, E, H, I, seed=9)
+    inw = torch.rand(T, device="cuda") + 0.5
+    ws = kerngen.RoutingWorkspace(T, E, K, 8)
+    out = torch.zeros(T * K + E * 7, H, dtype=torch.bfloat16, device="cuda")
+    run = lambda: kerngen.experts(x, kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, workspace=ws),  # noqa: E731
+                                  *w, **s, out=out, input_weights=inw, fp8_activations=True)
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    logits.copy_(torch.randn_like(logits))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
+    check_a8(out, ex.reference(x, r, *w, **s, input_weights=inw, fp8_activations=True), r)
+
+
+@pytest.mark.parametrize("params", [dict(prefetch_x=True), dict(unroll=2), dict(prefetch=False), dict(tile=16),
+                                    dict(tile=16, prefetch_x=True, min_blocks=6)])
+def test_fp8_activations_launch_shapes(params):
+    from kerngen import tiers
+    from kerngen.plan import spec_for, target_arch
+    H, I, T = 3584, 2048, 6
+    x, logits, w, s = make("fp8", T, 4, 16, H, I, seed=12)
+    p = {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True), **params}
+    tile = p.pop("tile", 8)
+    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=tile)
+    spec = spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),
+                    *ex.tag_constants(H, I, tile, "silu", "fp8", "nk", True), target_arch(0))
+    out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
+    ex.Kernels(spec, 0)(x, r, *w, out, **s)
+    check_a8(out, ex.reference(x, r, *w, **s, fp8_activations=True), r)

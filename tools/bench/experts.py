@@ -4,6 +4,7 @@
     python3 -m tools.bench.experts [--models qwen3-30b-a3b,...] [--tokens 1,8,64] [--format bf16|fp8|mxfp4]
                                    [--layout nk|kn] [--layers 4] [--peer DIR] [--sweep | --rule k=v,...] [--json FILE]
     python3 -m tools.bench.experts --format fp8 --models deepseek-v3,kimi-k2 --tokens 1,8,64 --peer .peer
+                                   [--fp8-activations]
     python3 -m tools.bench.experts --format mxfp4 --models gpt-oss-120b,kimi-k3 --tokens 1,8,64 [--sweep]
 
 Both run on the same inputs in the same process: one graph captures `calls` steps, each with its own routing
@@ -23,6 +24,8 @@ With --peer DIR (a folder holding triton_fused_moe.py, ../shared/peers) the Trit
 its bf16 fused_moe_kernel (the best of its decode config sweep for each GEMM, the activation kernel between them not
 timed) or, for fp8, its block-scaled w8a8 GEMMs (the best of 18 configs for each GEMM, activation quantization and
 the activation not timed); both are checked after timing, and the configs chosen are in the row (`peer_cfg`).
+--fp8-activations (fp8) also times kerngen.experts(..., fp8_activations=True), checked against the reference that
+quantizes the activations the same way (`a8_us`); its two quantizing launches are timed with it.
 --layout kn feeds kerngen.experts the weights as transposed views of [E, H, 2I] / [E, I, H] (transformers' gpt-oss
 and Llama-4 layout; bf16). --layers L cycles the weights of L layers (fewer where they would not fit, the bf16
 copies of quantized ones included) so no step finds its experts in L2.
@@ -229,13 +232,21 @@ def case(name, T, bw, args, kernels_of, bf16_kernel):
         if not err <= 2e-2 * max(scale, 1.0):
             raise SystemExit(f"{name} T={T} {what}: max error {err} against the reference (scale {scale})")
 
-    def kerngen_us(label, k, ws):
+    def check_a8(got, what):   # fp8 activations: against the reference quantizing them the same way
+        want = ex.reference(x, rt[0], quant[0][0], quant[0][1], w13_scale=quant[0][2], w2_scale=quant[0][3],
+                            fp8_activations=True, **kw)[ok_rows].float()
+        g = got[ok_rows].float()
+        rel, worst = ((g - want).norm() / want.norm()).item(), ((g - want).abs().max() / want.abs().max()).item()
+        if not (rel < 1e-2 and worst < 5e-2):
+            raise SystemExit(f"{name} T={T} {what}: error {rel} (norm), {worst} (max) against the fp8 reference")
+
+    def kerngen_us(label, k, ws, checker=check):
         """kerngen.experts' kernels `k` checked on layer 0, routing 0, then timed over the layers' weights ws
         ((w13, w2, scale keywords) a layer) and the routings, each step on the next of both."""
         outs[0].zero_()
         k(x, rt[0], ws[0][0], ws[0][1], outs[0], acts[0], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1, **ws[0][2])
         torch.cuda.synchronize()
-        check(outs[0], label)
+        checker(outs[0], label)
         it = iter(range(10 ** 9))
 
         def step():
@@ -258,11 +269,15 @@ def case(name, T, bw, args, kernels_of, bf16_kernel):
     peer = (peer_fp8 if fmt == "fp8" else peer_bf16)(args, x, r1, quant, K, act, producer, calls, b13, b2, ref_tk)
     peer_us, peer_cfg = peer or (None, None)
     ws = [(q[0], q[1], dict(w13_scale=q[2], w2_scale=q[3]) if fmt != "bf16" else {}) for q in quant]
+    a8_us = None
+    if fmt == "fp8" and args.fp8_activations:   # the w8a8 rule, at the routing's tile
+        s8 = ex.spec(H, I, tile, act_name, T, target_arch(0), fmt="fp8", a8=True)
+        a8_us = kerngen_us("w8a8", ex.Kernels(s8, 0), ws, check_a8)
     rows = []
     for label, k in kernels_of(H, I, tile, act_name, T, rt[0].tile_to_expert.shape[0]):
         rows.append(dict(model=name, T=T, tile=tile, kernel=label, us=kerngen_us(label, k, ws), grouped_us=grouped_us,
                          floor_us=floor, active=active, format=fmt, layers=layers, layout=args.layout,
-                         peer_us=peer_us, bf16_us=bf16_us, peer_cfg=peer_cfg))
+                         peer_us=peer_us, bf16_us=bf16_us, peer_cfg=peer_cfg, a8_us=a8_us))
     return rows
 
 
@@ -414,6 +429,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--format", default="bf16", choices=FORMATS, help="the expert weights' format")
     ap.add_argument("--layers", type=int, default=4, help="layers of weights cycled (fewer where they do not fit)")
     ap.add_argument("--peer", default=None, help="folder of triton_fused_moe.py: time the Triton peer too")
+    ap.add_argument("--fp8-activations", action="store_true",
+                    help="fp8: also time kerngen.experts(..., fp8_activations=True) (the w8a8 rules)")
     ap.add_argument("--layout", default="nk", choices=("nk", "kn"),
                     help="kn: the weights as transposed views of [E, H, 2I] / [E, I, H] (bf16)")
     args = ap.parse_args(argv)
@@ -450,6 +467,10 @@ def summary(b: dict) -> str:
                 + (f" | triton {b['peer_us']:7.1f} ({100 * b['floor_us'] / b['peer_us']:4.0f}%, "
                    f"{b['peer_us'] / b['us']:.2f}x)" if b["peer_us"] else ""))
     bf16 = "-" if b["bf16_us"] is None else f"{b['bf16_us']:7.1f} ({b['bf16_us'] / b['us']:.2f}x)"
+    if b.get("a8_us"):
+        a8 = b["a8_us"]
+        head += (f"kerngen w8a8 {a8:7.1f} ({100 * b['floor_us'] / a8:4.0f}%"
+                 + (f", {b['peer_us'] / a8:.2f}x triton" if b["peer_us"] else "") + ") | ")
     peer = ""
     if b["peer_us"]:
         cfgs = ", ".join(f"{c['block_n']}/{c['stages']}/{c['warps']}" for c in b["peer_cfg"])

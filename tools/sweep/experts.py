@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """kerngen.experts' quantized builds (fp8, MXFP4) over launch shapes, for their tier rules (GPU).
 
-    python3 -m tools.sweep.experts FORMAT MODELS TOKENS [sweep]
+    python3 -m tools.sweep.experts FORMAT MODELS TOKENS [sweep]      (FORMAT fp8, mxfp4, or fp8-a8: fp8_activations)
     python3 -m tools.sweep.experts fp8 deepseek-v3,kimi-k2 1,8,64 sweep
     python3 -m tools.sweep.experts mxfp4 gpt-oss-120b,kimi-k3 1,8,64 sweep
 
@@ -44,6 +44,8 @@ def occupancy(k):
 
 def main():
     fmt, models, tokens = sys.argv[1], sys.argv[2].split(","), [int(t) for t in sys.argv[3].split(",")]
+    a8 = fmt == "fp8-a8"   # fp8 weights with fp8 activations (experts(..., fp8_activations=True))
+    fmt = "fp8" if a8 else fmt
     sweep = len(sys.argv) > 4 and sys.argv[4] == "sweep"
     bw = read_bandwidth_tbs()
     dev, arch = 0, target_arch(0)
@@ -67,16 +69,20 @@ def main():
             acts = [torch.empty(r.tile_to_expert.shape[0] * tile, I, dtype=torch.bfloat16, device="cuda") for r in rt]
             pbuf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
             rule = ex.spec(H, I, tile, act, T, arch, fmt=fmt)
-            cands = [("rule", rule)]
-            rp = {**dict(rule.params), "prefetch": False}
-            cands.append(("rule-nopf", spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=rp),
-                                                *ex.tag_constants(H, I, tile, act, fmt), arch)))
+            build = lambda p: spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),  # noqa: E731
+                                       *ex.tag_constants(H, I, tile, act, fmt, "nk", a8), arch)
+            cands = [("rule", build(dict(rule.params)))]
+            if a8:   # the weight-only rule beside it
+                cands.append(("bf16-act", rule))
+            cands.append(("rule-nopf", build({**dict(rule.params), "prefetch": False})))
             if sweep:
                 for w, u, b, px in itertools.product((4,), (1, 2), (4, 5, 6, 8), (False, True)):
-                    p = dict(warps=w, unroll=u, blocks_per_sm=b, pdl=True, prefetch_x=px)
                     cands.append((f"w{w} u{u} b{b}" + " x" * px,
-                                  spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),
-                                           *ex.tag_constants(H, I, tile, act, fmt), arch)))
+                                  build(dict(warps=w, unroll=u, blocks_per_sm=b, pdl=True, prefetch_x=px))))
+                if a8:   # register bounds
+                    for b, px in itertools.product((6, 8), (False, True)):
+                        cands.append((f"w4 u1 b{b} m{b}" + " x" * px, build(dict(warps=4, unroll=1, blocks_per_sm=b,
+                                                                              pdl=True, prefetch_x=px, min_blocks=b))))
             res, seen = [], set()
             for label, s in cands:
                 k = ex.Kernels(s, dev)
@@ -98,8 +104,8 @@ def main():
                 res.append((us, label, occ, dict(s.params)))
             res.sort()
             rr = next(r for r in res if r[1] == "rule")
-            print(f"{fmt} {m:13s} T={T:3d} tile {tile:2d} floor {floor:7.1f} | rule {rr[0]:7.1f} ({100*floor/rr[0]:3.0f}%) occ {rr[2]} {rr[3]}", flush=True)
-            for us, label, occ, p in res[:6] if sweep else ():
+            print(f"{fmt}{'-a8' if a8 else ''} {m:13s} T={T:3d} tile {tile:2d} floor {floor:7.1f} | rule {rr[0]:7.1f} ({100*floor/rr[0]:3.0f}%) occ {rr[2]} {rr[3]}", flush=True)
+            for us, label, occ, p in res[:6] if sweep else [r for r in res if r[1] == "bf16-act"]:
                 print(f"      {us:7.1f} ({100*floor/us:3.0f}%) {label:12s} occ {occ} {p}", flush=True)
         del W
         torch.cuda.empty_cache()
