@@ -162,3 +162,22 @@ def test_fp8_activations_take_fp8_weights_and_a_bool(over):
     with pytest.raises(kerngen.InputError) as e:
         kerngen.experts(**_args(**over))
     assert e.value.arg == "fp8_activations"
+
+
+def test_the_torch_op_takes_fp8_activations():
+    """torch.ops.kerngen.moe_experts(..., fp8_activations=True) on CPU tensors: kerngen.experts with the same flag,
+    then the top-k weighted sum."""
+    import kerngen.torch_ops  # noqa: F401   registers torch.ops.kerngen
+    T, K, E, H, I = 3, 2, 4, 256, 128
+    w13, s13, w2, s2 = fp8_weights(E, H, I, 4)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    tw = torch.rand(T, K, generator=g)
+    got = torch.ops.kerngen.moe_experts(x, ids, tw, w13, w2, "silu", None, None, s13, s2, fp8_activations=True)
+    r = routing_of(ids, E, 1)
+    rows = kerngen.experts(x, r, w13, w2, w13_scale=s13, w2_scale=s2, fp8_activations=True)
+    want = (rows.float()[r.expanded_to_permuted.long()] * tw[..., None]).sum(1)
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    off = torch.ops.kerngen.moe_experts(x, ids, tw, w13, w2, "silu", None, None, s13, s2)
+    assert not torch.equal(got, off)

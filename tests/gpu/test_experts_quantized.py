@@ -283,17 +283,22 @@ def test_fp8_activations_inside_a_cuda_graph_and_with_input_weights():
 
 
 @pytest.mark.parametrize("params", [dict(prefetch_x=True), dict(unroll=2), dict(prefetch=False), dict(tile=16),
-                                    dict(tile=16, prefetch_x=True, min_blocks=6)])
-def test_fp8_activations_launch_shapes(params):
+                                    dict(tile=16, prefetch_x=True, min_blocks=6), dict(blocks_per_sm=1, warps=8)])
+@pytest.mark.parametrize("local", [None, (4, 12)])
+def test_fp8_activations_launch_shapes(params, local):
+    """Each launch shape the w8a8 rules may pick, over many items a CTA (across tiles of no local expert too)."""
     from kerngen import tiers
     from kerngen.plan import spec_for, target_arch
     H, I, T = 3584, 2048, 6
-    x, logits, w, s = make("fp8", T, 4, 16, H, I, seed=12)
+    x, logits, (w13, w2), s = make("fp8", T, 4, 16, H, I, seed=12)
     p = {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True), **params}
     tile = p.pop("tile", 8)
-    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=tile)
+    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=tile, local_experts=local)
+    if local:
+        w13, w2 = w13[local[0]:local[0] + local[1]].contiguous(), w2[local[0]:local[0] + local[1]].contiguous()
+        s = {k: v[local[0]:local[0] + local[1]].contiguous() for k, v in s.items()}
     spec = spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),
                     *ex.tag_constants(H, I, tile, "silu", "fp8", "nk", True), target_arch(0))
     out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
-    ex.Kernels(spec, 0)(x, r, *w, out, **s)
-    check_a8(out, ex.reference(x, r, *w, **s, fp8_activations=True), r)
+    ex.Kernels(spec, 0)(x, r, w13, w2, out, **s)
+    check_a8(out, ex.reference(x, r, w13, w2, **s, fp8_activations=True), r)
