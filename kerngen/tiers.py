@@ -109,7 +109,8 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                          "prefetch_x": FLAG},   # quantized builds with prefetch: the next steps' activations too
     ("latent_tail", "fused"): {"backend": NVRTC, "max_tokens": _n(1, 16, required=True),
                                "warps": _n(1, 32, required=True), "unroll": _n(1, 8, required=True),
-                               "cluster": _n(1, 8), "blocks_per_sm": _n(1, 32), "pdl": FLAG},
+                               "cluster": _n(1, 8), "blocks_per_sm": _n(1, 32), "pdl": FLAG,
+                               "early_weights": FLAG},   # the first weight steps loaded into registers before the wait
     ("latent_tail", "unfused"): {},   # kerngen.finalize + torch (host code)
     ("tail_tp", "allreduce"): {"allreduce": Param(str, required=True, choices=("nccl", "symm_mem")),
                                "max_tokens": _n()},
