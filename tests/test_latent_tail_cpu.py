@@ -1,13 +1,14 @@
 """kerngen.latent_tail on CPU tensors: the reference against an independent fp64 computation, the argument checks,
-the tier rules, the fused kernel compiled for sm_90a without spills (kimi-k3's shapes and others), its params
-struct against the Python packing, the unfused host path, and the tensor-parallel form on two gloo ranks.
+the tier rules, the fused kernel compiled for sm_90a without spills (kimi-k3's shapes and others; early_weights
+builds issuing their first weight loads before the grid-dependency wait), its params struct against the Python
+packing, the unfused host path, and the tensor-parallel form on two gloo ranks.
 The kernel itself runs in tests/gpu/test_latent_tail.py."""
 import pytest
 import torch
 import torch.distributed as dist
 
 import kerngen
-from kerngen import jit, render, tiers, warmup
+from kerngen import jit, render, resources, tiers, warmup
 from kerngen.cache import DiskCache
 from kerngen.ops import _common
 from kerngen.ops import finalize as fin
@@ -230,6 +231,34 @@ def test_the_fused_kernel_compiles_without_spills(spec, tmp_path):
     cubin = built.files["kernel.cubin"]
     assert built.status == "compiled" and cubin[:4] == b"\x7fELF" and b"latent_tail_fused" in cubin
     assert_no_spills(built.files)
+
+
+def with_params(s, params):
+    return spec_for(tiers.Rule("latent_tail", "fused", {}, params), s.tag, dict(s.constants), s.arch)
+
+
+def early_specs():
+    """kimi-k3's rules and the other shapes of fused_specs with early_weights (L = 136: fewer steps than a CTA's
+    warps load early; H = 8: CTAs of the cluster without an item)."""
+    return [with_params(s, {**dict(s.params), "early_weights": True}) for s in fused_specs()]
+
+
+@pytest.mark.parametrize("spec", early_specs(), ids=lambda s: f"{s.tag}-{dict(s.params)['max_tokens']}")
+def test_early_weights_load_the_first_steps_before_the_wait(spec, tmp_path):
+    """Each warp's first UNROLL steps of its 16 weight rows (two 16-byte streaming loads a row a step) are issued
+    before ACQBULK (griddepcontrol.wait), in registers (no spills); the build without the param issues none there."""
+    lt.launch_shape(spec, -1)
+    p = dict(spec.params)
+    without = with_params(spec, {k: v for k, v in p.items() if k != "early_weights"})
+    for s, early in ((spec, 4 * p["unroll"]), (without, 0)):
+        built = jit.build(s, store=DiskCache(tmp_path))
+        assert_no_spills(built.files)
+        ops = resources.opcodes(built.files)
+        assert ops[:ops.index("ACQBULK")].count("LDG.E.EF.128") == early, s.params
+
+
+def test_early_weights_false_renders_the_rules_source():
+    assert render.render(fused(3584, 7168, 16, early_weights=False)) == render.render(fused(3584, 7168, 16))
 
 
 def test_python_packing_matches_the_params_struct():

@@ -1,5 +1,6 @@
 """latent_tail on the GPU against the torch reference: the fused kernel (T <= 16) and the unfused path (T > 16),
--1 rows, shared / residual on and off, CUDA graphs, and the signature fast path after the first call.
+-1 rows, shared / residual on and off, CUDA graphs, and the signature fast path after the first call. The fused
+tests also run the tier rule's build with params a rule may add (early_weights), launched directly.
 
 Tolerance: the fused kernel computes y bitwise as finalize does, the sum of squares and the projection's dot
 products in another order than the reference (fp32 either way), and rounds n and the output to bf16 at the
@@ -11,11 +12,20 @@ import pytest
 import torch
 
 import kerngen
+from kerngen import tiers
+from kerngen.launch import current_stream
 from kerngen.ops import latent_tail as lt
+from kerngen.ops._common import DTYPE_NAMES
+from kerngen.plan import spec_for, target_arch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
 BF = torch.bfloat16
 KIMI = (16, 3584, 7168)   # K, L, H of kimi-k3 (H assumed: Kimi K2's hidden size)
+VARIANTS = [None, {"early_weights": True}]   # None: kerngen.latent_tail (dispatch); else over the tier rule's params
+
+
+def variant_id(over):
+    return "dispatch" if over is None else ",".join(f"{k}={v}" for k, v in over.items())
 
 
 def make(T, K, L, H, *, pad=0, skip=0.1, shared=True, residual=True, wdtype=torch.float32, seed=0):
@@ -46,18 +56,37 @@ def close(got, ref, rel):
     assert torch.isfinite(got).all()
 
 
-def check(T, K, L, H, **kw):
+def run_fused(over, gemm2, e2p, w, nw, up, sh, res, out, eps=1e-6):
+    """The tier rule's fused build at this shape and T with `over` laid over its params, launched directly."""
+    T, K = e2p.shape
+    L, H, wd, arch = nw.shape[0], up.shape[0], DTYPE_NAMES[w.dtype], target_arch()
+    rule = lt.spec(L, H, K, wd, T, arch)
+    assert rule.variant == "fused", T
+    s = spec_for(tiers.Rule(lt.OP, "fused", {}, {**dict(rule.params), **over}), *lt.tag_constants(L, H, K, wd), arch)
+    dev = torch.cuda.current_device()
+    lt.kernel(s, T, dev).launch(current_stream(dev), g=gemm2.data_ptr(), idx=e2p.data_ptr(), w=w.data_ptr(),
+                                nw=nw.data_ptr(), up=up.data_ptr(), shared=0 if sh is None else sh.data_ptr(),
+                                residual=0 if res is None else res.data_ptr(), out=out.data_ptr(),
+                                ld=gemm2.stride(0), rows=gemm2.shape[0], tokens=T, eps=eps)
+    return out
+
+
+def check(T, K, L, H, over=None, **kw):
     args = make(T, K, L, H, **kw)
     out = torch.full((T, H), float("nan"), dtype=BF, device="cuda")   # poisoned
-    got = kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6], out=out)
+    if over is None:
+        got = kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6], out=out)
+    else:
+        got = run_fused(over, *args, out)
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr()
     close(got, reference(*args), 1e-2 if T <= lt.MAX_FUSED_TOKENS else 2e-2)
 
 
+@pytest.mark.parametrize("over", VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("T", range(1, 17))
-def test_fused_kimi_k3(T):
-    check(T, *KIMI, seed=T)
+def test_fused_kimi_k3(T, over):
+    check(T, *KIMI, over, seed=T)
 
 
 @pytest.mark.parametrize("T", [17, 24, 33, 64])
@@ -65,17 +94,21 @@ def test_unfused_kimi_k3(T):
     check(T, *KIMI, seed=T)
 
 
+@pytest.mark.parametrize("over", VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("T", [1, 8, 16])
 @pytest.mark.parametrize("K,L,H,pad,wdtype", [(8, 1024, 2048, 8, torch.float32), (4, 1000, 1224, 0, BF),
-                                              (64, 256, 512, 0, torch.float32)])
-def test_other_shapes(T, K, L, H, pad, wdtype):
-    check(T, K, L, H, pad=pad, wdtype=wdtype, seed=K + T)
+                                              (64, 256, 512, 0, torch.float32), (2, 136, 8, 0, torch.float32)])
+def test_other_shapes(T, K, L, H, pad, wdtype, over):
+    """L = 1000: a partial last step; L = 136, H = 8: fewer steps than a CTA's warps load at once, one item for a
+    cluster of eight CTAs."""
+    check(T, K, L, H, over, pad=pad, wdtype=wdtype, seed=K + T)
 
 
+@pytest.mark.parametrize("over", VARIANTS, ids=variant_id)
 @pytest.mark.parametrize("shared,residual", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("T", [1, 12])
-def test_without_shared_or_residual(T, shared, residual):
-    check(T, *KIMI, shared=shared, residual=residual)
+def test_without_shared_or_residual(T, shared, residual, over):
+    check(T, *KIMI, over, shared=shared, residual=residual)
 
 
 def test_every_slot_skipped_gives_shared_plus_residual():
