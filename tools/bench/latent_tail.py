@@ -3,7 +3,8 @@
 (finalize in the latent width, RMSNorm, the up projection, the shared + residual add), CUDA graphs.
 
     python3 -m tools.bench.latent_tail [--tokens 1,2,4,8,16,32,64] [--shape 16,3584,7168] [--layers 4]
-                                       [--chained] [--rule max_tokens=16,warps=16,...] [--json FILE]
+                                       [--chained] [--rule early_weights=true | max_tokens=16,warps=16,...]
+                                       [--json FILE]
 
 Peers, on the same inputs in the same process: "unfused" is what an engine runs today (kerngen.finalize, torch
 RMSNorm in fp32, torch.matmul in bf16, the adds: four launches and more); "compiled" is the same after
@@ -12,7 +13,9 @@ kernel (an elementwise write of 4 MB that does not trigger early) unless --chain
 Consecutive steps use `--layers` different up_proj copies, as consecutive layers do, so the weights are read
 from memory and not L2. The floor is the up projection's weights, L * H * 2 bytes, at the measured copy
 bandwidth (the streaming-read rate the experts bench uses). Every result is checked against the reference
-before it is timed. --rule times one fused launch shape (a tier rule's params) at every T <= its max_tokens.
+before it is timed. --rule times fused params beside the tier rule's: laid over the tier rule's params at each T
+it serves with the fused kernel (e.g. early_weights=true), or, when they name max_tokens, one launch shape on its
+own at every T <= its max_tokens.
 """
 from __future__ import annotations
 
@@ -63,6 +66,21 @@ def check(got, ref, what):
         raise SystemExit(f"{what}: max error {err} against the reference (row RMS {scale.min().item():.3g})")
 
 
+def parse_rule(text: str) -> dict:
+    """"early_weights=true,unroll=4" -> {"early_weights": True, "unroll": 4}."""
+    pairs = (kv.split("=") for kv in text.split(","))
+    return {k: (v == "true" if v in ("true", "false") else int(v)) for k, v in pairs}
+
+
+def rule_params(rule: dict | None, tier, T: int) -> dict | None:
+    """The fused params --rule times at T beside the tier rule's spec `tier` (None: nothing to time at T)."""
+    if not rule:
+        return None
+    if "max_tokens" in rule:
+        return rule if T <= rule["max_tokens"] else None
+    return {**dict(tier.params), **rule} if tier.variant == "fused" else None
+
+
 def case(T, K, L, H, bw, args, compiled):
     gemm2, e2p, w, nw, ups, sh, res = inputs(T, K, L, H, args.layers, seed=T)
     ref = lt.reference(gemm2, e2p, w, nw, ups[0], shared=sh, residual=res)
@@ -91,8 +109,9 @@ def case(T, K, L, H, bw, args, compiled):
     for name, fn in (("kerngen", ours), ("unfused", unfused), ("compiled", unfused_compiled)):
         check(fn(ups[0]), ref, f"T={T} {name}")
         row[f"{name}_us"] = timed(cycle(fn), producer, args.chained)
-    if args.rule and T <= args.rule["max_tokens"]:
-        s = spec_for(Rule(lt.OP, "fused", {}, args.rule), *lt.tag_constants(L, H, K, "float32"), target_arch())
+    params = rule_params(args.rule, lt.spec(L, H, K, "float32", T, target_arch()), T)
+    if params:
+        s = spec_for(Rule(lt.OP, "fused", {}, params), *lt.tag_constants(L, H, K, "float32"), target_arch())
         k = lt.kernel(s, T, torch.cuda.current_device())
         from kerngen.launch import current_stream
         dev = torch.cuda.current_device()
@@ -102,7 +121,7 @@ def case(T, K, L, H, bw, args, compiled):
                      up=up.data_ptr(), shared=sh.data_ptr(), residual=res.data_ptr(), out=out.data_ptr(),
                      ld=gemm2.stride(0), rows=gemm2.shape[0], tokens=T, eps=1e-6)
             return out
-        check(rule_step(ups[0]), ref, f"T={T} rule {args.rule}")
+        check(rule_step(ups[0]), ref, f"T={T} rule {params}")
         row["rule_us"] = timed(cycle(rule_step), producer, args.chained)
     row["variant"] = lt.dispatch(L, H, K, "float32", torch.cuda.current_device()).spec(T).variant
     del ups
@@ -116,17 +135,17 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="16,3584,7168", help="K,L,H (default kimi-k3: H assumed, Kimi K2's)")
     ap.add_argument("--layers", type=int, default=4, help="up_proj copies cycled through (cold weights)")
     ap.add_argument("--chained", action="store_true", help="back to back, no producer kernel between steps")
-    ap.add_argument("--rule", default=None, help="fused params to time, e.g. max_tokens=16,warps=16,unroll=2,cluster=8")
+    ap.add_argument("--rule", default=None, help="fused params to time beside the tier rule's: over its params "
+                    "(early_weights=true), or a whole launch shape (max_tokens=16,warps=16,unroll=2,cluster=8)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if args.rule:
-        args.rule = {k: (v == "true" if v in ("true", "false") else int(v))
-                     for k, v in (kv.split("=") for kv in args.rule.split(","))}
+    args.rule = parse_rule(args.rule) if args.rule else None
     K, L, H = (int(v) for v in args.shape.split(","))
     bw = copy_bandwidth_tbs()
     compiled = torch.compile(unfused_rest, dynamic=False)
     print(f"latent_tail K={K} L={L} H={H}; copy bandwidth {bw:.2f} TB/s; "
-          f"{'chained' if args.chained else 'after a producer kernel'}; floor = L*H*2 bytes at that bandwidth")
+          f"{'chained' if args.chained else 'after a producer kernel'}; floor = L*H*2 bytes at that bandwidth"
+          + (f"; rule: {args.rule}" if args.rule else ""))
     print(f"{'T':>4s} {'variant':>8s} {'kerngen':>9s} {'unfused':>9s} {'compiled':>9s} {'floor':>7s} "
           f"{'% floor':>8s} {'vs best peer':>12s}" + ("  rule" if args.rule else ""))
     rows = []
@@ -136,7 +155,7 @@ def main(argv=None) -> int:
         peer = min(r["unfused_us"], r["compiled_us"])
         print(f"{T:4d} {r['variant']:>8s} {r['kerngen_us']:9.2f} {r['unfused_us']:9.2f} {r['compiled_us']:9.2f} "
               f"{r['floor_us']:7.2f} {100 * r['floor_us'] / r['kerngen_us']:7.1f}% {peer / r['kerngen_us']:11.2f}x"
-              + (f"  {r['rule_us']:.2f}" if "rule_us" in r else ""))
+              + (f"  {r['rule_us']:.2f} ({r['kerngen_us'] / r['rule_us']:.2f}x)" if "rule_us" in r else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(bandwidth_tbs=bw, chained=args.chained, rows=rows), f, indent=1)
