@@ -10,6 +10,7 @@ import torch.distributed as dist
 import kerngen
 from kerngen import jit, render, resources, tiers, warmup
 from kerngen.cache import DiskCache
+from kerngen.compile import nvrtc_compile
 from kerngen.ops import _common
 from kerngen.ops import finalize as fin
 from kerngen.ops import latent_tail as lt
@@ -238,23 +239,28 @@ def with_params(s, params):
 
 
 def early_specs():
-    """kimi-k3's rules and the other shapes of fused_specs with early_weights (L = 136: fewer steps than a CTA's
-    warps load early; H = 8: CTAs of the cluster without an item)."""
-    return [with_params(s, {**dict(s.params), "early_weights": True}) for s in fused_specs()]
+    """kimi-k3's rules and the other shapes of fused_specs with early_weights, and the tier rules at L = 136, H = 8
+    (the warps load every step of a row early, nothing is left to the L2 prefetch; CTAs of a cluster without an
+    item)."""
+    rules = [lt.spec(136, 8, 2, "float32", T, "sm_90a") for T in (1, 16)]
+    return [with_params(s, {**dict(s.params), "early_weights": True}) for s in fused_specs() + rules]
 
 
 @pytest.mark.parametrize("spec", early_specs(), ids=lambda s: f"{s.tag}-{dict(s.params)['max_tokens']}")
 def test_early_weights_load_the_first_steps_before_the_wait(spec, tmp_path):
     """Each warp's first UNROLL steps of its 16 weight rows (two 16-byte streaming loads a row a step) are issued
-    before ACQBULK (griddepcontrol.wait), in registers (no spills); the build without the param issues none there."""
+    before ACQBULK (griddepcontrol.wait), in registers (no spills), with no compiler warning; the build without the
+    param issues none there."""
     lt.launch_shape(spec, -1)
     p = dict(spec.params)
-    without = with_params(spec, {k: v for k, v in p.items() if k != "early_weights"})
-    for s, early in ((spec, 4 * p["unroll"]), (without, 0)):
-        built = jit.build(s, store=DiskCache(tmp_path))
-        assert_no_spills(built.files)
-        ops = resources.opcodes(built.files)
-        assert ops[:ops.index("ACQBULK")].count("LDG.E.EF.128") == early, s.params
+    cubin, log = nvrtc_compile(render.render(spec), "latent_tail_fused", spec.arch, "early", None)
+    assert not log, log
+    without = jit.build(with_params(spec, {k: v for k, v in p.items() if k != "early_weights"}),
+                        store=DiskCache(tmp_path)).files
+    for files, early in (({"kernel.cubin": cubin}, 4 * p["unroll"]), (without, 0)):
+        assert_no_spills(files)
+        ops = resources.opcodes(files)
+        assert ops[:ops.index("ACQBULK")].count("LDG.E.EF.128") == early
 
 
 def test_early_weights_false_renders_the_rules_source():
