@@ -30,6 +30,7 @@ def finalize(gemm2_out: Tensor, expanded_to_permuted: Tensor, topk_weights: Tens
 
 @finalize.register_kernel("cpu")
 def _finalize_cpu(gemm2_out, expanded_to_permuted, topk_weights, hidden=None):
+    _fin.check_args(gemm2_out, expanded_to_permuted, topk_weights, hidden, cuda=False)
     return _fin.reference(gemm2_out, expanded_to_permuted, topk_weights, hidden)
 
 
@@ -120,12 +121,15 @@ def _route_permute_fake(logits, top_k, method, tile, bias=None, n_group=1, topk_
                          mutates_args=("sorted_token_ids", "expert_ids", "num_tokens_post_pad"), device_types="cuda")
 def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_size: int, sorted_token_ids: Tensor,
                          expert_ids: Tensor, num_tokens_post_pad: Tensor) -> None:
-    """vLLM's `ops.moe_align_block_size`: writes the block layout into the given buffers (one launch)."""
+    """vLLM's `ops.moe_align_block_size`: writes the block layout into the given buffers (one launch). Ids
+    outside [0, num_experts) are skipped on every device (the kernel cannot raise without a host sync)."""
     _pm.permute_align_into(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad)
 
 
 @moe_align_block_size.register_kernel("cpu")
 def _moe_align_block_size_cpu(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad):
+    _pm.check_align_into("moe_align_block_size", topk_ids, num_experts, block_size, sorted_token_ids, expert_ids,
+                         num_tokens_post_pad, cuda=False)
     s, e, n = _pm.align_reference(topk_ids, block_size, num_experts)
     sorted_token_ids.fill_(topk_ids.numel())
     sorted_token_ids[:s.shape[0]].copy_(s)
@@ -150,6 +154,7 @@ def moe_tail(gemm2_out: Tensor, expanded_to_permuted: Tensor, topk_weights: Tens
 @moe_tail.register_kernel("cpu")
 def _moe_tail_cpu(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, eps=1e-6, shared=None,
                   residual=None):
+    _tail.check_args(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, shared, residual, cuda=False)
     return _tail.reference(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, eps=eps, shared=shared,
                            residual=residual)[0]
 

@@ -250,7 +250,7 @@ def cpu_moe_tail(monkeypatch):
     """moe_tail on CPU tensors past the device check, with a stand-in for the kernel that records its call."""
     calls = []
     tail.clear()
-    monkeypatch.setattr(tail, "check_gather_inputs", lambda op, g, e2p, w, *a: tuple(e2p.shape))
+    monkeypatch.setattr(tail, "check_gather_inputs", lambda op, g, e2p, w, *a, **kw: tuple(e2p.shape))
     monkeypatch.setattr(tail, "arch", lambda dev: "sm_90a")
     monkeypatch.setattr(tail, "kernel", lambda s, *a: lambda *args: calls.append((s, args)))
 

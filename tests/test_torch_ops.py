@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import kerngen
 import kerngen.torch_ops  # noqa: F401  (registers torch.ops.kerngen.*)
 from kerngen.ops import finalize as fin
 from kerngen.ops import routing as rt
@@ -75,3 +76,77 @@ def test_finalize_prepare_checks_inputs_on_the_cpu_too():
 def test_route_on_cpu_checks_its_arguments_as_the_kernels_do(args, arg):
     with pytest.raises(kerngen.InputError, match=arg):
         torch.ops.kerngen.route(torch.randn(3, 64), *args)
+
+
+def _bad_gather_inputs():
+    g, e2p, w = finalize_args(T=4, K=2, H=64, rows=8)
+    return [
+        ((g, e2p, torch.rand(4, 3)), "topk_weights"),          # K + 1 columns
+        ((g, e2p, torch.rand(3, 2)), "topk_weights"),
+        ((g, e2p, w.double()), "topk_weights"),
+        ((g.double(), e2p, w), "gemm2_out"),
+        ((g[:, :4], e2p, w), "norm_weight|hidden|gemm2_out"),
+        ((g, e2p.long(), w), "expanded_to_permuted"),
+        ((g, e2p.flatten(), w), "expanded_to_permuted"),
+        ((g, e2p[:, :0], w[:, :0]), "expanded_to_permuted"),
+        ((g, e2p.t(), w.t()), "expanded_to_permuted"),         # not contiguous
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_gather_inputs())))
+@pytest.mark.parametrize("op", ["finalize", "moe_tail"])
+def test_finalize_and_moe_tail_on_cpu_check_their_inputs_as_the_kernels_do(op, case):
+    args, arg = _bad_gather_inputs()[case]
+    extra = (torch.ones(64, dtype=torch.bfloat16),) if op == "moe_tail" else ()
+    with pytest.raises(kerngen.InputError, match=arg):
+        getattr(torch.ops.kerngen, op)(*args, *extra)
+
+
+def test_moe_tail_on_cpu_checks_norm_weight_shared_and_residual():
+    g, e2p, w = finalize_args(T=4, K=2, H=64, rows=8)
+    nw = torch.ones(64, dtype=torch.bfloat16)
+    for kw, arg in (({"norm_weight": nw.float()}, "norm_weight"), ({"norm_weight": nw[:60]}, "norm_weight"),
+                    ({"shared": torch.zeros(3, 64, dtype=torch.bfloat16)}, "shared"),
+                    ({"residual": torch.zeros(4, 64)}, "residual")):
+        with pytest.raises(kerngen.InputError, match=arg):
+            torch.ops.kerngen.moe_tail(g, e2p, w, kw.pop("norm_weight", nw), **kw)
+
+
+def test_finalize_on_cpu_checks_hidden():
+    g, e2p, w = finalize_args(T=4, K=2, H=64, rows=8)
+    for hidden in (4, 65, 72):
+        with pytest.raises(kerngen.InputError, match="hidden"):
+            torch.ops.kerngen.finalize(g, e2p, w, hidden)
+
+
+def _align_buffers(T, K, E, block):
+    rows = T * K + E * (block - 1)
+    i32 = dict(dtype=torch.int32)
+    return torch.empty(rows, **i32), torch.empty(-(-rows // block), **i32), torch.empty(1, **i32)
+
+
+@pytest.mark.parametrize("change, arg", [
+    (lambda a: a.update(ids=a["ids"].long()), "topk_ids"),
+    (lambda a: a.update(E=0), "num_experts"),
+    (lambda a: a.update(block=0), "block_size"),
+    (lambda a: a.update(sorted=a["sorted"][:4]), "sorted_token_ids"),
+    (lambda a: a.update(sorted=a["sorted"].long()), "sorted_token_ids"),
+    (lambda a: a.update(experts=a["experts"][:1]), "expert_ids"),
+    (lambda a: a.update(post=torch.empty(1, 2, dtype=torch.int32)), "num_tokens_post_pad"),
+])
+def test_moe_align_block_size_on_cpu_checks_its_arguments_as_the_kernel_does(change, arg):
+    ids = torch.tensor([[2, 3, 4], [1, 2, 4]], dtype=torch.int32)
+    s, e, n = _align_buffers(2, 3, 5, 4)
+    a = dict(ids=ids, E=5, block=4, sorted=s, experts=e, post=n)
+    change(a)
+    with pytest.raises(kerngen.InputError, match=arg):
+        torch.ops.kerngen.moe_align_block_size(a["ids"], a["E"], a["block"], a["sorted"], a["experts"], a["post"])
+
+
+def test_moe_align_block_size_skips_ids_outside_the_experts_on_cpu_as_the_kernel_does():
+    from kerngen.adapters import moe_align_block_size
+    ids = torch.tensor([[2, 7], [-1, 2]], dtype=torch.int32)    # 7 and -1 name no expert of 5
+    s, e, n = _align_buffers(2, 2, 5, 4)
+    torch.ops.kerngen.moe_align_block_size(ids, 5, 4, s, e, n)
+    assert n.tolist() == [4] and s[:4].tolist() == [0, 3, 4, 4] and e[0] == 2
+    assert [t.tolist() for t in moe_align_block_size(ids, 4, 5)][2] == [4]

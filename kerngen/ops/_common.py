@@ -76,9 +76,10 @@ def check_buffer(op: str, name: str, t, dtype, shape: tuple, device, align: int 
         raise InputError(op, name, f"of shape {tuple(shape)}", f"shape {tuple(t.shape)}")
 
 
-def check_gather_inputs(op: str, g, e2p, w, acts, weights, max_k: int) -> tuple[int, int]:
-    """gemm2_out / expanded_to_permuted / topk_weights of the ops that combine top-k rows; returns (T, K)."""
-    check_tensor(op, "gemm2_out", g, dtypes=acts, ndim=2)
+def check_gather_inputs(op: str, g, e2p, w, acts, weights, max_k: int, *, cuda: bool = True) -> tuple[int, int]:
+    """gemm2_out / expanded_to_permuted / topk_weights of the ops that combine top-k rows; returns (T, K).
+    cuda=False takes tensors on any one device (the CPU entry points that run the reference)."""
+    check_tensor(op, "gemm2_out", g, dtypes=acts, ndim=2, device=None if cuda else getattr(g, "device", None))
     check_tensor(op, "expanded_to_permuted", e2p, dtypes=(torch.int32,), ndim=2, device=g.device, contiguous=True)
     check_tensor(op, "topk_weights", w, dtypes=weights, ndim=2, device=g.device, contiguous=True)
     T, K = e2p.shape

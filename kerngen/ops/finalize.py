@@ -197,7 +197,7 @@ def prepare(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_we
 
 
 def _prepare(g, e2p, w, hidden) -> tuple:
-    _slow_checks(g, e2p, w, hidden)
+    check_args(g, e2p, w, hidden)
     T, K = e2p.shape
     H = g.shape[1] if hidden is None else hidden
     dev = g.get_device()
@@ -206,9 +206,10 @@ def _prepare(g, e2p, w, hidden) -> tuple:
     return launcher, T, H, g.stride(0), g.shape[0], dev
 
 
-def _slow_checks(g, e2p, w, hidden):
-    """Full validation with a message naming the argument; runs on the first call of a shape or on any doubt."""
-    T, K = check_gather_inputs(OP, g, e2p, w, _ACT, _W, MAX_K)
+def check_args(g, e2p, w, hidden, *, cuda: bool = True):
+    """Full validation with a message naming the argument; runs on the first call of a shape or on any doubt,
+    and (cuda=False) before the reference of torch.ops.kerngen.finalize on CPU tensors."""
+    T, K = check_gather_inputs(OP, g, e2p, w, _ACT, _W, MAX_K, cuda=cuda)
     H = g.shape[1] if hidden is None else hidden
     if not isinstance(H, int) or H < 8 or H % 8 or H > g.shape[1]:
         raise InputError(OP, "hidden", f"a multiple of 8 in [8, {g.shape[1]}] (gemm2_out's width)", repr(H))

@@ -522,19 +522,10 @@ def permute_align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int
     """The align layout of `permute` written into the given buffers (one launch; no copies), vLLM's
     `ops.moe_align_block_size(topk_ids, num_experts, block_size, sorted_ids, expert_ids, num_tokens_post_pad)`:
     sorted_token_ids int32 [>= T*K + E*(block_size-1)] (every entry is written), expert_ids int32
-    [>= ceil(len(sorted_token_ids) / block_size)], num_tokens_post_pad int32 [1]; all 16-byte aligned."""
-    op = "moe_align_block_size"
-    T, K, ls, nl = check_ids(op, topk_ids, num_experts, "block_size", block_size, local_experts)
-    check_tensor(op, "topk_ids", topk_ids)
-    need = max_rows(T, K, num_experts, block_size)
-    for name, t, n in (("sorted_token_ids", sorted_token_ids, need), ("num_tokens_post_pad", num_tokens_post_pad, 1),
-                       ("expert_ids", expert_ids, -(-sorted_token_ids.shape[0] // block_size)
-                        if isinstance(sorted_token_ids, torch.Tensor) and sorted_token_ids.dim() == 1 else 1)):
-        check_tensor(op, name, t, dtypes=(torch.int32,), ndim=1, device=topk_ids.device, contiguous=True)
-        if t.shape[0] < n:
-            raise InputError(op, name, f"of length >= {n}", f"length {t.shape[0]}")
-        if t.data_ptr() % 16:
-            raise InputError(op, name, "16-byte aligned (the kernel's vector stores)", f"offset {t.data_ptr() % 16}")
+    [>= ceil(len(sorted_token_ids) / block_size)], num_tokens_post_pad int32 [1]; all 16-byte aligned. Ids
+    outside [0, num_experts) are skipped, as `align_reference` skips them."""
+    T, K, ls, nl = check_align_into("moe_align_block_size", topk_ids, num_experts, block_size, sorted_token_ids,
+                                    expert_ids, num_tokens_post_pad, local_experts)
     dev = topk_ids.get_device()
     skey = (num_experts, K, block_size, dev)
     ws = _scratch.get(skey)
@@ -557,6 +548,25 @@ def check_ids(op, topk_ids, num_experts, tile_name, tile, local_experts) -> tupl
     check_int(op, "topk_ids.shape[1]", K, 1, min(MAX_TOPK, num_experts))
     check_int(op, tile_name, tile, 1, MAX_TILE)
     return (T, K, *check_local(op, local_experts, num_experts))
+
+
+def check_align_into(op, topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad,
+                     local_experts=None, *, cuda: bool = True) -> tuple[int, int, int, int]:
+    """Every check of `permute_align_into`'s arguments (cuda=False: of its CPU entry point, which runs
+    `align_reference`); returns (T, K, local_start, num_local)."""
+    T, K, ls, nl = check_ids(op, topk_ids, num_experts, "block_size", block_size, local_experts)
+    if cuda:
+        check_tensor(op, "topk_ids", topk_ids)
+    need = max_rows(T, K, num_experts, block_size)
+    for name, t, n in (("sorted_token_ids", sorted_token_ids, need), ("num_tokens_post_pad", num_tokens_post_pad, 1),
+                       ("expert_ids", expert_ids, -(-sorted_token_ids.shape[0] // block_size)
+                        if isinstance(sorted_token_ids, torch.Tensor) and sorted_token_ids.dim() == 1 else 1)):
+        check_tensor(op, name, t, dtypes=(torch.int32,), ndim=1, device=topk_ids.device, contiguous=True)
+        if t.shape[0] < n:
+            raise InputError(op, name, f"of length >= {n}", f"length {t.shape[0]}")
+        if t.data_ptr() % 16:
+            raise InputError(op, name, "16-byte aligned (the kernel's vector stores)", f"offset {t.data_ptr() % 16}")
+    return T, K, ls, nl
 
 
 def check_workspace(op, ws, T, E, K, tile, nl, device, layout="kerngen"):

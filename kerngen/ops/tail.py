@@ -235,7 +235,7 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
 
 
 def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
-    _slow_checks(g, e2p, w, nw, shared, residual, residual_out, out_dtype)
+    check_args(g, e2p, w, nw, shared, residual, residual_out, out_dtype)
     T, K = e2p.shape
     H = nw.shape[0]
     odt = out_dtype or g.dtype
@@ -248,9 +248,10 @@ def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
     return fn, T, H, odt, g_arg, dev, H // FP8_BLOCK if odt == FP8 else 0
 
 
-def _slow_checks(g, e2p, w, nw, shared, residual, residual_out, out_dtype):
-    """Full validation with a message naming the argument; runs on the first call of a signature."""
-    T, K = check_gather_inputs(OP, g, e2p, w, _ACT, _W, MAX_K)
+def check_args(g, e2p, w, nw, shared=None, residual=None, residual_out=None, out_dtype=None, *, cuda: bool = True):
+    """Full validation with a message naming the argument; runs on the first call of a signature, and
+    (cuda=False) before the reference of torch.ops.kerngen.moe_tail on CPU tensors."""
+    T, K = check_gather_inputs(OP, g, e2p, w, _ACT, _W, MAX_K, cuda=cuda)
     dev = g.device
     check_tensor(OP, "norm_weight", nw, dtypes=(g.dtype,), ndim=1, device=dev, contiguous=True)
     H = nw.shape[0]
