@@ -29,6 +29,7 @@ import weakref
 
 import torch
 
+from .dispatch import check_env
 from .errors import InputError
 from .ops import permute as _pm
 from .ops import routing as _rt
@@ -97,6 +98,7 @@ def select_experts(hidden_states: torch.Tensor | None, gating_output: torch.Tens
     if not isinstance(renormalize, bool):
         raise InputError(OP, "renormalize", "True or False", repr(renormalize))
     if gating_output.device.type != "cuda":
+        check_env()
         _rt.check_args(gating_output, topk, method, rsf=rsf, renormalize=renormalize, cuda=False,
                        **{k: v for k, v in kw.items() if v is not None})
         ids, w = _rt.reference(gating_output, topk, method, bias, kw.get("n_group", 1), kw.get("topk_group", 1),
@@ -125,6 +127,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     Experts within a block are in ascending expanded index (vLLM leaves the order open). kerngen's expert
     parallelism is a contiguous range: `expert_map` must map [start, start + count) to 0..count-1 and the rest
     to -1 (checked once per map tensor, with one device-to-host copy), or pass `local_experts=(start, count)`.
+    Ids outside [0, num_experts) are skipped on every device (the kernel cannot raise without a host sync).
     """
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.dtype != torch.int32:
         raise InputError("moe_align_block_size", "topk_ids", "an int32 tensor [T, K]", _describe(topk_ids))
@@ -133,6 +136,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     if not isinstance(pad_sorted_ids, bool):
         raise InputError("moe_align_block_size", "pad_sorted_ids", "True or False", repr(pad_sorted_ids))
     if topk_ids.device.type != "cuda":   # the same checks on every device
+        check_env()
         return _pm.align_reference(topk_ids, block_size, num_experts, local, pad_sorted_ids)
     rows = _pm.align_rows(topk_ids.shape[0], topk_ids.shape[1], num_experts, block_size, pad_sorted_ids)
     sorted_ids = torch.empty((rows,), dtype=torch.int32, device=topk_ids.device)

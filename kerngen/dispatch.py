@@ -14,7 +14,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Any, Callable
 
-from . import tiers
+from . import jit, tiers
 from .errors import TierError
 from .plan import KernelSpec, spec_for, target_arch, visible_sm_count
 
@@ -100,8 +100,15 @@ def lookup(key: tuple, build: Callable[[], Dispatch]) -> Dispatch:
     """The dispatch object of `key` (the op's name and static key, hashable), built by `build()` once."""
     d = _registry.get(key)
     if d is None:
+        check_env()
         d = _registry[key] = build()
     return d
+
+
+def check_env() -> None:
+    """Read the serving variables now: a bad KERNGEN_STRICT is an EnvError at a shape's first resolution, cached
+    kernels or not, and at every call of a CPU entry point (torch.ops.kerngen.*, the adapters), as on a GPU."""
+    jit.is_strict()
 
 
 def rule_spec(tag_constants: tuple[str, dict], arch: str) -> Callable[[tiers.Rule], KernelSpec]:

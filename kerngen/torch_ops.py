@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .dispatch import check_env
 from .errors import InputError
 from .ops import _common
 from .ops import experts as _ex
@@ -30,6 +31,7 @@ def finalize(gemm2_out: Tensor, expanded_to_permuted: Tensor, topk_weights: Tens
 
 @finalize.register_kernel("cpu")
 def _finalize_cpu(gemm2_out, expanded_to_permuted, topk_weights, hidden=None):
+    check_env()
     _fin.check_args(gemm2_out, expanded_to_permuted, topk_weights, hidden, cuda=False)
     return _fin.reference(gemm2_out, expanded_to_permuted, topk_weights, hidden)
 
@@ -55,6 +57,7 @@ def route(logits: Tensor, top_k: int, method: str, bias: Tensor | None = None, n
 @route.register_kernel("cpu")
 def _route_cpu(logits, top_k, method, bias=None, n_group=1, topk_group=1, routed_scaling_factor=1.0,
                renormalize=True):
+    check_env()
     _rt.check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, rsf=routed_scaling_factor,
                    cuda=False)
     ids, w = _rt.reference(logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor, renormalize)
@@ -94,6 +97,7 @@ def _permutation(r) -> tuple:
 @route_permute.register_kernel("cpu")
 def _route_permute_cpu(logits, top_k, method, tile, bias=None, n_group=1, topk_group=1, routed_scaling_factor=1.0,
                        renormalize=True, local_start=0, num_local=-1):
+    check_env()
     E = logits.shape[1]
     local = (local_start, E - local_start if num_local < 0 else num_local)
     _rt.check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local,
@@ -128,6 +132,7 @@ def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_size: int, so
 
 @moe_align_block_size.register_kernel("cpu")
 def _moe_align_block_size_cpu(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad):
+    check_env()
     _pm.check_align_into("moe_align_block_size", topk_ids, num_experts, block_size, sorted_token_ids, expert_ids,
                          num_tokens_post_pad, cuda=False)
     s, e, n = _pm.align_reference(topk_ids, block_size, num_experts)
@@ -154,6 +159,7 @@ def moe_tail(gemm2_out: Tensor, expanded_to_permuted: Tensor, topk_weights: Tens
 @moe_tail.register_kernel("cpu")
 def _moe_tail_cpu(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, eps=1e-6, shared=None,
                   residual=None):
+    check_env()
     _tail.check_args(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, shared, residual, cuda=False)
     return _tail.reference(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, eps=eps, shared=shared,
                            residual=residual)[0]
@@ -215,6 +221,7 @@ def _tile(x: Tensor, w13: Tensor, w2: Tensor, activation: str, a8: bool = False)
 @moe_experts.register_kernel("cpu")
 def _moe_experts_cpu(x, topk_ids, topk_weights, w13, w2, activation, b13=None, b2=None, w13_scale=None,
                      w2_scale=None, interleaved=False, alpha=1.702, limit=7.0, fp8_activations=False):
+    check_env()
     ids = _ids(topk_ids, "topk_ids")
     r = _pm.Routing(ids, topk_weights, **_pm.permute_reference(ids, w13.shape[0], 1), tile=1)
     g = _ex.experts(x, r, w13, w2, activation=activation, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale,

@@ -69,3 +69,22 @@ def test_an_unsupported_target_names_the_supported_ones(monkeypatch):
         with pytest.raises(EnvError, match=r"sm_90a \(H100, H200\), sm_100a \(B200, GB200\)"):
             env.check_supported(arch, "KERNGEN_ARCH")
     assert env.check_supported("sm_100a", "--arch") == "sm_100a"
+
+
+def test_a_bad_strict_flag_is_an_error_on_the_cpu_route_and_at_a_shapes_first_dispatch(monkeypatch):
+    import torch
+
+    import kerngen.torch_ops  # noqa: F401  (registers torch.ops.kerngen.*)
+    from kerngen import dispatch
+    monkeypatch.setenv("KERNGEN_STRICT", "maybe")
+    ids = torch.tensor([[0, 1]], dtype=torch.int32)
+    calls = [lambda: torch.ops.kerngen.route(torch.randn(2, 8), 2, "softmax_topk"),
+             lambda: kerngen.select_experts(None, torch.randn(2, 8), 2, True),
+             lambda: kerngen.adapters.moe_align_block_size(ids, 4, 2),
+             lambda: torch.ops.kerngen.finalize(torch.zeros(2, 8, dtype=torch.bfloat16), ids, torch.ones(1, 2)),
+             lambda: dispatch.lookup(("test-op", "never-built"), lambda: pytest.fail("built despite the bad flag"))]
+    for call in calls:
+        with pytest.raises(EnvError, match="KERNGEN_STRICT"):
+            call()
+    monkeypatch.setenv("KERNGEN_STRICT", "0")
+    assert torch.ops.kerngen.route(torch.randn(2, 8), 2, "softmax_topk")[0].shape == (2, 2)
