@@ -442,6 +442,9 @@ def parse(path: Path) -> tuple[dict[str, Model], list[Rule]]:
     for k in doc:
         if k not in ("schema", "models", "tier", "provenance"):
             _fail(str(path), f"unknown top-level key '{k}' (known: schema, models, tier, provenance)")
+    if "schema" not in doc:
+        _fail(str(path), f"missing required field 'schema': a tiers file starts with `schema = {SCHEMA}` (the table "
+                         "format it is written in), as the shipped tiers.toml does")
     schema = doc.get("schema")
     if not isinstance(schema, int) or isinstance(schema, bool) or schema != SCHEMA:
         _fail(str(path), f"field 'schema' must be {SCHEMA}, got {schema!r}")

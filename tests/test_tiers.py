@@ -1,7 +1,9 @@
 """Tier table parsing, validation messages, layering and dispatch."""
+import dataclasses
+
 import pytest
 
-from kerngen import tiers
+from kerngen import env, tiers
 from kerngen.errors import TierError
 
 SHIPPED = {"deepseek-v3", "kimi-k2", "kimi-k3", "glm-4.5", "qwen3-235b-a22b", "qwen3-30b-a3b",
@@ -41,6 +43,7 @@ def test_every_model_dispatches_finalize_over_its_range():
 
 @pytest.mark.parametrize("text, needle", [
     ("schema = 2\n", "field 'schema' must be 1"),
+    (MODEL[len("schema = 1\n"):], "missing required field 'schema': a tiers file starts with `schema = 1`"),
     ("schema = 1\nfoo = 3\n", "unknown top-level key 'foo'"),
     ("schema = 1\n[models.m]\nnum_experts = 8\ntop_k = 2\nhidden = 64\ntokens = [1, 8]\n", "[models.m]: field 'routing'"),
     ("schema = 1\n[models.m]\nnum_experts = 3000\ntop_k = 2\nhidden = 64\nrouting = 'softmax_topk'\ntokens = [1, 8]\n",
@@ -111,6 +114,17 @@ def test_bad_files_name_file_table_and_field(tmp_path, text, needle):
     with pytest.raises(TierError) as e:
         tiers.parse(p)
     assert needle in str(e.value) and str(p) in str(e.value)
+
+
+def test_the_docs_name_every_required_model_field():
+    doc = env.CHECKOUT / "docs" / "tiers.md"
+    if not doc.is_file():
+        pytest.skip("no docs/ beside the package (an installed copy)")
+    required = [f.name for f in dataclasses.fields(tiers.Model) if f.name != "name"
+                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    text = " ".join(doc.read_text().split())
+    sentence = text.split("gives a model's shape and router:", 1)[1].split(" are required", 1)[0]
+    assert required and all(f"`{f}`" in sentence for f in required), (required, sentence)
 
 
 def test_user_file_layers_over_shipped(tmp_path):
