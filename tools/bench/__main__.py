@@ -14,7 +14,7 @@ import argparse
 import torch
 
 import kerngen
-from .lib import copy_bandwidth_tbs, empty_kernel_us, graph_time_us, host_us
+from .lib import copy_bandwidth_tbs, empty_kernel_us, graph_time_us, host_us, require_gpu
 
 # (hidden, top_k): the large-K models, a K past the shipped ones, and the small-K models (gpt-oss-120b,
 # mixtral-8x7b, llama-4-maverick) whose rows lost to torch.compile
@@ -103,6 +103,7 @@ def main():
     ap.add_argument("--tokens", default="1,8,64,512,4096")
     ap.add_argument("--plot", help="write a PNG chart of time vs tokens")
     args = ap.parse_args()
+    require_gpu("python3 -m tools.bench")
     tokens = [int(t) for t in args.tokens.split(",")]
     ops = args.ops.split(",")
     torch.manual_seed(0)

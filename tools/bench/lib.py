@@ -1,9 +1,19 @@
 """Timing helpers shared by tools/bench: CUDA-graph timing, the floors (empty kernel, copy and read bandwidth)."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from kerngen.timing import graph_time_us  # noqa: F401  (re-exported for the bench scripts)
+
+
+def require_gpu(tool: str) -> None:
+    """Exit with one line and status 2, not a traceback, where torch sees no CUDA GPU (`tool`: the command)."""
+    if not torch.cuda.is_available():
+        print(f"{tool}: needs a CUDA GPU (torch.cuda.is_available() is False here); nothing was run.",
+              file=sys.stderr)
+        raise SystemExit(2)
 
 
 def empty_kernel_us() -> float:

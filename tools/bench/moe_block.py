@@ -33,7 +33,7 @@ import torch
 
 import kerngen
 import kerngen.integrations.transformers as kt
-from .lib import events_us, graph_time_us
+from .lib import events_us, graph_time_us, require_gpu
 
 IMPLS = ("eager", "grouped_mm", "kerngen")
 TOL = 2 ** -5
@@ -210,6 +210,7 @@ def main(argv=None) -> int:
                     "table's intermediate of each model")
     ap.add_argument("--calls", type=int, default=10, help="block calls per graph / per timed batch")
     a = ap.parse_args(argv)
+    require_gpu("python3 -m tools.bench.moe_block")
     known = kerngen.models()
     for name in a.models.split(","):
         if name not in known:

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 import kerngen
 from .routing import torch_routing
-from .lib import graph_time_us
+from .lib import graph_time_us, require_gpu
 
 TOL = 2e-2
 EPS = 1e-6
@@ -318,6 +318,7 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", default="kerngen", choices=("kerngen", "torch"),
                     help="the routed experts of the kerngen path: kerngen.experts, or the batched-matmul stand-in")
     a = ap.parse_args(argv)
+    require_gpu("python3 -m tools.bench.moe_layer_demo")
     try:
         schedules = parse_schedules(a.schedule)
     except ValueError as e:

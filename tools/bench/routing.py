@@ -16,7 +16,7 @@ import sys
 import torch
 
 import kerngen
-from .lib import graph_time_us
+from .lib import graph_time_us, require_gpu
 
 TOKENS = (1, 8, 64, 512, 4096)
 FIRST = ("kimi-k3", "deepseek-v3", "kimi-k2")   # the cases the targets name
@@ -149,6 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown", action="store_true", help="per-kernel device time instead")
     ap.add_argument("--align", action="store_true", help="also the align layout's cost (moe_align_block_size's)")
     a = ap.parse_args(argv)
+    require_gpu("python3 -m tools.bench.routing")
     tokens = [int(t) for t in a.tokens.split(",")]
     cases = ([(n, t) for n in a.models.split(",") for t in tokens] if a.models else default_cases(tokens))
     if a.breakdown:

@@ -21,7 +21,7 @@ import sys
 import torch
 
 import kerngen
-from .lib import graph_time_us
+from .lib import graph_time_us, require_gpu
 
 MODELS = ("kimi-k3", "deepseek-v3", "kimi-k2", "glm-4.5")
 
@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,8,64,512,4096")
     ap.add_argument("--block", type=int, default=16, help="the permutation's tile / SGLang's block size")
     a = ap.parse_args(argv)
+    require_gpu("python3 -m tools.bench.routing_peers")
     if a.sglang:
         sys.path.insert(0, a.sglang)
     producer_buf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")

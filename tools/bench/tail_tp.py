@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import kerngen
 from kerngen.timing import graph_time_us
+from .lib import require_gpu
 
 CASES = (("kimi-k3", 3584, 16), ("deepseek-v3", 7168, 8))
 
@@ -30,6 +31,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,8,64,512")
     args = ap.parse_args()
+    require_gpu("tools.bench.tail_tp")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 
+from ..bench.lib import require_gpu
+
 
 # (name, anchor in the rendered source, insert the stamp after the anchor?)  Order = kernel order.
 PHASES = [
@@ -110,10 +112,11 @@ def run(name: str, T: int, tile: int) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="kimi-k3:1,kimi-k3:8,deepseek-v3:1,deepseek-v3:8,kimi-k2:1")
     ap.add_argument("--tile", type=int, default=128)
     a = ap.parse_args()
+    require_gpu("python3 -m tools.diagnose.routing_phases")
     for case in a.cases.split(","):
         name, T = case.split(":")
         print(run(name, int(T), a.tile), flush=True)

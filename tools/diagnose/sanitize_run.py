@@ -10,6 +10,7 @@ their indices, the fused tail, the vLLM/SGLang align layout (fused, one-pass and
 on a router stream, and kerngen.experts' two launches (T = 1, 8, 40; both tiles; an expert-parallel range).
 Exits non-zero on a wrong result.
 """
+import argparse
 import sys
 
 
@@ -22,6 +23,7 @@ from kerngen.ops import finalize as fin
 from kerngen.ops import permute as pm
 from kerngen.ops import routing as rt
 from kerngen.ops import tail
+from ..bench.lib import require_gpu
 
 
 def newer_kernels(bad: list) -> None:
@@ -61,7 +63,9 @@ def newer_kernels(bad: list) -> None:
             bad.append(f"experts T={T} local={local}")
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    require_gpu("python3 -m tools.diagnose.sanitize_run")
     torch.manual_seed(0)
     bad = []
     for name, T in (("kimi-k3", 1), ("kimi-k3", 8), ("deepseek-v3", 8), ("llama-4-maverick", 40), ("kimi-k3", 40),

@@ -1,0 +1,38 @@
+"""The GPU tools (tools/bench, tools/diagnose) without a GPU: `--help` works, and a run says in one line that it
+needs a CUDA GPU and exits with status 2 instead of a traceback."""
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_TOOLS = ["tools.bench.__main__", "tools.bench.routing", "tools.bench.routing_peers", "tools.bench.tail_tp",
+             "tools.bench.moe_layer_demo", "tools.bench.moe_block", "tools.diagnose.routing_phases",
+             "tools.diagnose.sanitize_run"]
+
+
+@pytest.mark.parametrize("module", GPU_TOOLS)
+def test_a_gpu_tool_without_a_gpu_says_so_in_one_line(module, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", [module])
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("args", [["tools.bench"], ["tools.diagnose.sanitize_run"],
+                                  ["tools.diagnose.sanitize_run", "--help"]])
+def test_python_m_prints_no_traceback_without_a_gpu(args):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}   # no GPU, where the test machine has one
+    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert "Traceback" not in r.stderr, r.stderr
+    if "--help" in args:
+        assert r.returncode == 0 and "compute-sanitizer" in r.stdout
+    else:
+        assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
