@@ -212,6 +212,18 @@ class DiskCache:
             self._warn(f"entry-{miss.reason}", self._refusal(key, miss))
         return self._miss(key, miss.reason)
 
+    def check(self, key: str, artifacts: tuple[str, ...] = ()) -> str | None:
+        """Why entry `key` would not be served, as "reason (detail)" (e.g. "corrupt (checksum mismatch in
+        kernel.cubin)"), or None when its files match meta.json's checksums. Reads only: removes nothing."""
+        check_key(key)
+        if self.distrust():
+            return self.refusal_reason
+        try:
+            self._load(key, artifacts)
+        except _Miss as m:
+            return f"{m.reason} ({m.detail})" if m.detail else m.reason
+        return None
+
     def _refusal(self, key: str, miss: _Miss) -> str:
         if miss.reason == "untrusted":
             return (f"kerngen: cache entry {self.root / key} is not loaded: {miss.detail}, so it could be another "
@@ -265,7 +277,8 @@ class DiskCache:
             log.debug("kerngen cache: entry %s is being built by another process", key)
             return self._miss(key, "building")
         if lk is False:   # no lock to be had here (read-only, not yet marked): leave it, build in memory
-            log.warning("kerngen cache: entry %s is %s (%s); rebuilding it", key, miss.reason, miss.detail)
+            log.warning("kerngen cache: entry %s is %s (%s); left in place (its lock cannot be taken here)", key,
+                        miss.reason, miss.detail)
             return self._miss(key, miss.reason)
         try:
             try:
@@ -278,8 +291,9 @@ class DiskCache:
             lk.release()
 
     def _discard(self, key: str, miss: _Miss) -> None:
-        log.warning("kerngen cache: entry %s is %s (%s); rebuilding it", key, miss.reason, miss.detail)
-        self.remove(key)
+        removed = self.remove(key)
+        log.warning("kerngen cache: entry %s is %s (%s); %s", key, miss.reason, miss.detail,
+                    "removed" if removed else "left in place")
         return self._miss(key, miss.reason)
 
     def _miss(self, key: str, reason: str) -> None:

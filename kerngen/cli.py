@@ -175,6 +175,12 @@ def _check_shape(cmd: str, op: str, shape: dict) -> None:
         max_k = getattr(warmup.op_module(op), "MAX_K", tiers.MAX_TOPK)
         if not 1 <= topk <= max_k:
             raise InputError(where, "--topk", f"an integer in [1, {max_k}]", str(topk))
+    for flag, value, ops in (("--experts", experts, ("routing", "permute")),
+                             ("--intermediate", shape["intermediate"], ("experts",))):
+        if op in ops and value is None:
+            raise InputError(where, flag, "given (or --model NAME whose tier entry has it)", "none")
+    if op not in ("routing", "permute") and hidden is None:
+        raise InputError(where, "--hidden", "given (or --model NAME)", "none")
     if op in ("routing", "permute"):
         if not topk <= experts <= tiers.MAX_EXPERTS:
             raise InputError(where, "--experts", f"an integer in [--topk = {topk}, {tiers.MAX_EXPERTS}]",
@@ -274,9 +280,9 @@ def cmd_cache(args) -> int:
         print(f"kerngen cache: {trust.refusal(store.root, store.refusal_reason, store.distrust())}",
               file=sys.stderr)
     if args.action == "ls":
-        for k in keys:
+        for k in keys:   # every checksum checked, nothing removed (that is verify's)
             meta = store.meta(k) or {}
-            print(f"{k}  {'ok' if meta else 'incomplete'}  {meta.get('compile_seconds', '?')}s")
+            print(f"{k}  {store.check(k, _artifacts(meta)) or 'ok'}  {meta.get('compile_seconds', '?')}s")
         print(f"{len(keys)} {'entry' if len(keys) == 1 else 'entries'} in {store.root}")
     elif args.action == "verify":
         return _verify(store, keys)
@@ -290,13 +296,18 @@ def cmd_cache(args) -> int:
     return 1 if store.refusal_reason == "unusable" else 0
 
 
+def _artifacts(meta: dict | None) -> tuple[str, ...]:
+    """The artifact an entry's backend needs (as its loader would ask for it), by its meta.json."""
+    backend = tiers.BACKENDS.get((meta or {}).get("backend"))
+    return (backend.artifact,) if backend else ()
+
+
 def _verify(store: cache_mod.DiskCache, keys: list[str]) -> int:
     """Check every entry's checksums (and that it holds its backend's artifact); bad ones are removed where the
     cache may remove them."""
     bad = removed = 0
     for k in keys:
-        backend = tiers.BACKENDS.get((store.meta(k) or {}).get("backend"))
-        if store.get(k, (backend.artifact,) if backend else ()) is None and store.miss_reason.get(k) != "building":
+        if store.get(k, _artifacts(store.meta(k))) is None and store.miss_reason.get(k) != "building":
             gone = not os.path.lexists(store.root / k)
             bad, removed = bad + 1, removed + gone
             print(f"  {k}  {store.miss_reason.get(k)}{'  (removed)' if gone else ''}")
@@ -324,10 +335,10 @@ def _token_list(text: str) -> list[int]:
 def _shape_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("one shape (--op), or with --model its shape at --tokens")
     g.add_argument("--op", choices=SHAPE_OPS, help="the op whose kernel for this shape is meant")
-    g.add_argument("--experts", type=int, default=0, help="number of routed experts E (routing, permute)")
+    g.add_argument("--experts", type=int, help="number of routed experts E (routing, permute)")
     g.add_argument("--topk", type=int, help="experts per token K (routing, permute, finalize, tail)")
-    g.add_argument("--hidden", type=int, default=0, help="hidden size H, a multiple of 8 (finalize, tail, experts)")
-    g.add_argument("--intermediate", type=int, default=0, help="the experts' intermediate size I (experts)")
+    g.add_argument("--hidden", type=int, help="hidden size H, a multiple of 8 (finalize, tail, experts)")
+    g.add_argument("--intermediate", type=int, help="the experts' intermediate size I (experts)")
     g.add_argument("--activation", default="silu", choices=tiers.EXPERT_ACTIVATIONS, help="the experts' gate (experts)")
     g.add_argument("--tokens", type=_at_least(1), default=1,
                    help="token count T the kernel is dispatched for (default 1)")

@@ -90,6 +90,11 @@ def test_a_directory_as_tiers_file_is_a_clean_error(tmp_path):
     (("explain", "--op", "finalize", "--topk", "0", "--hidden", "1024"),
      "argument '--topk' must be an integer in [1, 64], got 0"),
     (("explain", "--op", "routing", "--topk", "8", "--experts", "4"), "argument '--experts' must be an integer in"),
+    (("explain", "--op", "routing", "--topk", "8"), "argument '--experts' must be given (or --model NAME"),
+    (("explain", "--op", "permute", "--topk", "8", "--tokens", "4"), "argument '--experts' must be given"),
+    (("explain", "--op", "finalize", "--topk", "8"), "argument '--hidden' must be given (or --model NAME), got none"),
+    (("warmup", "--op", "tail", "--topk", "8"), "argument '--hidden' must be given"),
+    (("explain", "--op", "experts", "--hidden", "1024"), "argument '--intermediate' must be given"),
     (("warmup", "--op", "finalize", "--topk", "8", "--hidden", "1024", "--arch", "banana"),
      "argument '--arch' must be an exact GPU target"),
     (("warmup", "--model", "kimi-k3", "--ops", "routing,foo"), "argument '--ops' must be a comma separated subset"),
@@ -254,3 +259,19 @@ def test_explain_knows_the_ops_warmup_builds(tmp_path, op, shape):
         assert r.returncode == 2 and f"kerngen.ops.{op} cannot name one shape's kernel yet" in r.stderr
         pytest.skip(f"kerngen.ops.{op} has no explain_spec")
     assert r.returncode == 0 and f"op        {op}" in r.stdout and f"key       {op}-" in r.stdout, r.stderr
+
+
+def test_cache_ls_checks_checksums_and_verify_says_it_removed_what_it_did(tmp_path):
+    from kerngen import jit
+    from kerngen.cache import DiskCache
+    from kerngen.ops import finalize as fin
+    good, bad = (jit.build(fin.spec(1024, k, "bfloat16", "float32", 1, "sm_90a"), store=DiskCache(tmp_path)).key
+                 for k in (4, 8))
+    cubin = tmp_path / bad / "kernel.cubin"
+    cubin.write_bytes(cubin.read_bytes()[:-1] + bytes([cubin.read_bytes()[-1] ^ 1]))   # one bit changed
+    ls = kerngen("cache", "ls", cache=tmp_path).stdout
+    assert f"{good}  ok" in ls and f"{bad}  corrupt (checksum mismatch in kernel.cubin)" in ls, ls
+    assert cubin.is_file()   # ls reads only
+    r = kerngen("cache", "verify", cache=tmp_path, check=False)
+    assert r.returncode == 1 and f"{bad}  corrupt  (removed)" in r.stdout and "1 ok, 1 bad, 1 removed" in r.stdout
+    assert "rebuilding" not in r.stderr and "removed" in r.stderr and not (tmp_path / bad).exists()
