@@ -68,12 +68,12 @@ def main():
             outs = [torch.empty(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda") for r in rt]
             acts = [torch.empty(r.tile_to_expert.shape[0] * tile, I, dtype=torch.bfloat16, device="cuda") for r in rt]
             pbuf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
-            rule = ex.spec(H, I, tile, act, T, arch, fmt=fmt)
+            rule = ex.spec(H, I, tile, act, T, arch, fmt=fmt, a8=a8)
             build = lambda p: spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),  # noqa: E731
                                        *ex.tag_constants(H, I, tile, act, fmt, "nk", a8), arch)
-            cands = [("rule", build(dict(rule.params)))]
+            cands = [("rule", rule)]
             if a8:   # the weight-only rule beside it
-                cands.append(("bf16-act", rule))
+                cands.append(("bf16-act", ex.spec(H, I, tile, act, T, arch, fmt=fmt)))
             cands.append(("rule-nopf", build({**dict(rule.params), "prefetch": False})))
             if sweep:
                 for w, u, b, px in itertools.product((4,), (1, 2), (4, 5, 6, 8), (False, True)):
