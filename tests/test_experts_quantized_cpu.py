@@ -70,8 +70,9 @@ def test_fp8_activation_builds_compile_without_spills(spec, tmp_path):
     assert_no_spills(built.files)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_quantized_weights_dispatch_their_build_with_their_scales(monkeypatch, fmt):
+def stub_launches(monkeypatch) -> list:
+    """kerngen.experts on CPU tensors through stub launchers: the list they append (kernel name, spec, fields by
+    name) to, a launch each."""
     launches = []
 
     class Stub:
@@ -88,6 +89,12 @@ def test_quantized_weights_dispatch_their_build_with_their_scales(monkeypatch, f
     monkeypatch.setattr(ex, "Launcher", Stub)
     monkeypatch.setattr(ex, "sm_count", lambda dev: 132)
     kerngen.clear()
+    return launches
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_weights_dispatch_their_build_with_their_scales(monkeypatch, fmt):
+    launches = stub_launches(monkeypatch)
     a = FORMATS[fmt][1]()
     kerngen.experts(**a)
     kerngen.clear()
@@ -99,22 +106,7 @@ def test_quantized_weights_dispatch_their_build_with_their_scales(monkeypatch, f
 
 
 def test_fp8_activations_dispatch_four_launches_with_their_buffers(monkeypatch):
-    launches = []
-
-    class Stub:
-        def __init__(self, module, name, device, grid, block, params, smem=0, pdl=False):
-            self.name, self.params, self.spec = name, params, module
-
-        def __call__(self, stream, *values):
-            assert len(values) == len(self.params.names)
-            launches.append((self.name, self.spec, dict(zip(self.params.names, values))))
-
-    monkeypatch.setattr(_common, "KERNEL_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(ex, "resolve", lambda spec: spec)
-    monkeypatch.setattr(ex, "current_stream", lambda dev: 0)
-    monkeypatch.setattr(ex, "Launcher", Stub)
-    monkeypatch.setattr(ex, "sm_count", lambda dev: 132)
-    kerngen.clear()
+    launches = stub_launches(monkeypatch)
     a = fp8_args()
     kerngen.experts(**a, fp8_activations=True)
     kerngen.experts(**a)
