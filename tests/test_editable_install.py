@@ -1,6 +1,7 @@
 """`pip install -e .` as the README's set-up command does it, into a fresh environment: kerngen then imports
 from any directory, the clone's parent too (where a folder named kerngen, the clone itself, sits in the
-working directory and must not shadow the package as an empty namespace)."""
+working directory and must not shadow the package as an empty namespace), and only kerngen: the repository's
+tools, tests and templates are not importable from elsewhere."""
 import os
 import shutil
 import site
@@ -31,8 +32,10 @@ def test_an_editable_install_imports_the_package_from_the_clones_parent(tmp_path
                                   capture_output=True, text=True, check=True).stdout.strip())
     (purelib / "zz_outer.pth").write_text("\n".join([*site.getsitepackages(), site.getusersitepackages()]) + "\n")
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # only what the install put on the path
-    probe = ("import kerngen\nfrom kerngen import env\n"
-             "print(kerngen.__file__)\nprint(env.data_root())\nprint(callable(kerngen.route))\n")
+    probe = ("import importlib.util\nimport kerngen\nfrom kerngen import env\n"
+             "print(kerngen.__file__)\nprint(env.data_root())\nprint(callable(kerngen.route))\n"
+             "print([n for n in ('tools', 'tests', 'templates') if importlib.util.find_spec(n)])\n")
     r = subprocess.run([str(python), "-c", probe], cwd=tmp_path, capture_output=True, text=True, env=clean)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == [str(clone / "kerngen" / "__init__.py"), str(clone), "True"], r.stdout
+    # the package alone: the repository's other folders are not top-level packages of the environment
+    assert r.stdout.split() == [str(clone / "kerngen" / "__init__.py"), str(clone), "True", "[]"], r.stdout
