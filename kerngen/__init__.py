@@ -6,8 +6,8 @@ arguments without loading torch. The torch custom ops `torch.ops.kerngen.*` (ker
 registered by `import kerngen` when torch is already imported, else on first use of any name below, or by
 `import kerngen.torch_ops`.
 """
-import sys
-from importlib import import_module
+import sys as _sys
+from importlib import import_module as _import_module
 
 from .errors import CacheError, CacheMissError, CompileError, DeviceError, EnvError, InputError, KerngenError, TierError
 from .plan import VERSION as __version__
@@ -39,16 +39,16 @@ _SUBMODULES = ("adapters", "cache", "dispatch", "env", "errors", "jit", "launch"
 
 def _register_torch_ops() -> None:
     """Register torch.ops.kerngen.* (once; it imports the ops) wherever torch is imported."""
-    if "torch" in sys.modules:
-        import_module(".torch_ops", __name__)
+    if "torch" in _sys.modules:
+        _import_module(".torch_ops", __name__)
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         module, attr = _LAZY[name]
-        value = getattr(import_module(f".{module}", __name__), attr)
+        value = getattr(_import_module(f".{module}", __name__), attr)
     elif name in _SUBMODULES:
-        value = import_module(f".{name}", __name__)
+        value = _import_module(f".{name}", __name__)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     _register_torch_ops()

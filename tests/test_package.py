@@ -73,3 +73,11 @@ def test_import_kerngen_loads_no_torch_and_its_ops_on_first_use(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "module 'kerngen' has no attribute 'no_such_name'", r.stderr
     r = run("-c", "import torch, kerngen; print(torch.ops.kerngen.finalize.default)", tmp_path=tmp_path)
     assert r.returncode == 0 and "kerngen.finalize" in r.stdout, r.stderr
+
+
+def test_the_namespace_holds_the_api_and_kerngens_own_modules_only():
+    import types
+    public = {n for n in dir(kerngen) if not n.startswith("_")}
+    own = {n for n in public if isinstance(getattr(kerngen, n), types.ModuleType)
+           and getattr(kerngen, n).__name__ == f"kerngen.{n}"}
+    assert public - own == set(kerngen.__all__) - {"__version__"}, public - own - set(kerngen.__all__)
