@@ -150,7 +150,8 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(cands) * len(tokens), desc=f"tune {model_name} {op}", unit="run", leave=False)
+            bar = tqdm(total=len(cands) * len(tokens), desc=f"tune {model_name} {op}", unit="run", leave=False,
+                       disable=None)   # only on a terminal (a redirected log gets no bar)
         winners, unfit = [], {}
         for T in tokens:
             best = None

@@ -106,7 +106,8 @@ def run(specs: list[KernelSpec], root: str, jobs: int, progress: bool = True) ->
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(specs), unit="kernel", desc="kerngen warmup", leave=False)
+        # disable=None: only on a terminal (a redirected log gets no bar)
+        bar = tqdm(total=len(specs), unit="kernel", desc="kerngen warmup", leave=False, disable=None)
     if jobs <= 1 or len(specs) <= 1:
         for s in specs:
             results.append(Result(s, *_build_one(s, root)))

@@ -98,3 +98,16 @@ def test_a_kernel_whose_worker_failed_is_built_in_process(tmp_path, monkeypatch,
     monkeypatch.setattr(warmup, "_build_one", lambda spec, root: ("", "failed", 0.0, "CompileError: x", False, ""))
     again = warmup._in_process(bad, str(tmp_path))
     assert again.status == "failed" and again.error == "CompileError: x" and again.note == ""
+
+
+def test_the_progress_bar_is_drawn_on_a_terminal_only(tmp_path, monkeypatch):
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, drawn in ((io.StringIO(), False), (Terminal(), True)):   # a redirected log, a terminal
+        monkeypatch.setattr(sys, "stderr", stream)
+        warmup.run([], str(tmp_path), 1)
+        assert ("kerngen warmup" in stream.getvalue()) == drawn, stream.getvalue()
