@@ -103,3 +103,18 @@ def test_every_link_to_a_file_resolves():
     for path in documents():
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", path.read_text()):
             assert (path.parent / target).exists(), f"{path.name} links to {target}"
+
+
+def test_the_command_line_table_names_every_op_explain_takes():
+    from kerngen import cli
+    listed = re.search(r"OP is one of ([\w, ]+) \(", README.read_text()).group(1)
+    assert listed.split(", ") == list(cli.SHAPE_OPS), listed
+
+
+def test_what_python_m_build_writes_is_ignored_by_git():
+    import shutil
+    import subprocess
+    if not (ROOT / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    for path in ("dist/kerngen-0.1.0-py3-none-any.whl", "dist/kerngen-0.1.0.tar.gz"):
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0, path
