@@ -50,6 +50,7 @@ def test_the_quick_start_is_short_and_runs_on_the_cpu():
     text = README.read_text()
     quick = text[text.index("## Quick start"):text.index("\n## ", text.index("## Quick start") + 3)]
     assert len(quick.splitlines()) <= 60
+    assert re.search(r"about \d+ minutes on \d+ CPU cores", " ".join(quick.split())), "how long the tests take"
     code = blocks(README, "python")[0]
     assert code in quick and not code.startswith(GPU) and "cuda" not in code
 
