@@ -72,11 +72,13 @@ def test_the_experts_tile_is_the_rules():
     tbl = tiers.load()
     rules = [r for r in tbl.rules if r.op == "experts"]
     assert rules and all("tile" in r.params for r in rules)
-    for r in rules:
+    for r in rules:   # each with the weights it serves (w8a8: fp8 weights with fp8 activations)
         lo, hi = r.ranges["tokens"]
+        f = r.formats[0] if r.formats else "bf16"
+        fmt, a8 = ("fp8", True) if f == "w8a8" else (f, False)
         for T in (lo, hi):
-            assert experts.tile_for(7168, 2048, "silu", T, -1) == r.params["tile"]
-            s = experts.dispatch(7168, 2048, "silu", -1).spec(T)
+            assert experts.tile_for(7168, 2048, "silu", T, -1, fmt, "nk", a8) == r.params["tile"], (r, T)
+            s = experts.dispatch(7168, 2048, "silu", -1, fmt, "nk", a8).spec(T)
             assert dict(s.constants)["TILE"] == r.params["tile"] and "tile" not in dict(s.params)
 
 
