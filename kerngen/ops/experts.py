@@ -375,18 +375,19 @@ class Kernels:
             self._grids[tiles] = pair
         return pair
 
-    def quant_scratch(self, stream: int, T: int, tiles: int, device: torch.device) -> tuple:
-        """fp8 activations: x and the intermediate quantized, and their scales, one set per stream, grown to the
-        most tokens and tiles seen."""
+    def quant_scratch(self, stream: int, T: int, tiles: int, device: torch.device) -> tuple[tuple, tuple]:
+        """fp8 activations: (x and the intermediate quantized and their scales, their launch fields), one set per
+        stream, grown to the most tokens and tiles seen."""
         q = self._q.get(stream)
-        if q is None or q[0].shape[0] < T or q[2].shape[0] < tiles * self.tile:
-            T = max(T, 0 if q is None else q[0].shape[0])
-            rows = max(tiles * self.tile, 0 if q is None else q[2].shape[0])
+        if q is None or q[0][0].shape[0] < T or q[0][2].shape[0] < tiles * self.tile:
+            T = max(T, 0 if q is None else q[0][0].shape[0])
+            rows = max(tiles * self.tile, 0 if q is None else q[0][2].shape[0])
             H, I = self._H, self._I
-            q = self._q[stream] = (torch.empty((T, H), dtype=torch.uint8, device=device),
-                                   torch.empty((T, H // QBLOCK), dtype=torch.float32, device=device),
-                                   torch.empty((rows, I), dtype=torch.uint8, device=device),
-                                   torch.empty((rows, I // QBLOCK), dtype=torch.float32, device=device))
+            bufs = (torch.empty((T, H), dtype=torch.uint8, device=device),
+                    torch.empty((T, H // QBLOCK), dtype=torch.float32, device=device),
+                    torch.empty((rows, I), dtype=torch.uint8, device=device),
+                    torch.empty((rows, I // QBLOCK), dtype=torch.float32, device=device))
+            q = self._q[stream] = (bufs, tuple(t.data_ptr() for t in bufs))
         return q
 
     def scratch(self, stream: int, tiles: int, device: torch.device) -> torch.Tensor:
@@ -419,7 +420,7 @@ class Kernels:
         if self.scaled:
             fields += (w13_scale.data_ptr(), w2_scale.data_ptr())
         if self.a8:
-            fields += tuple(t.data_ptr() for t in self.quant_scratch(stream, T, tiles, x.device))
+            fields += self.quant_scratch(stream, T, tiles, x.device)[1]
         for launch in pair:
             launch(stream, *fields)
         return out

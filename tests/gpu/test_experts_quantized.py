@@ -254,7 +254,8 @@ def test_fp8_activations_quantize_x_as_the_reference():
     out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
     k(x, r, *w, out, **s)
     torch.cuda.synchronize()
-    xq, xs, aq, asc = k.quant_scratch(torch.cuda.current_stream().cuda_stream, T, r.tile_to_expert.shape[0], x.device)
+    (xq, xs, aq, asc), _ = k.quant_scratch(torch.cuda.current_stream().cuda_stream, T, r.tile_to_expert.shape[0],
+                                           x.device)
     q, sc = ex.quantize_fp8(x)
     assert torch.equal(xs[:T], sc)
     assert torch.equal(xq[:T], q.view(torch.uint8))
