@@ -106,7 +106,8 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                          "transposed": FLAG,   # false: weights stored transposed run torch._grouped_mm here
                          "min_blocks": _n(1, 32),   # __launch_bounds__' CTAs an SM: a register bound
                          "prefetch": FLAG,   # quantized builds: the next steps' weight loads issued first (default)
-                         "prefetch_x": FLAG},   # quantized builds with prefetch: the next steps' activations too
+                         "prefetch_x": FLAG,   # quantized builds with prefetch: the next steps' activations too
+                         "f16x": FLAG},   # fp8 / MXFP4 weights: activations carried as f16 (power-of-two scales)
     ("latent_tail", "fused"): {"backend": NVRTC, "max_tokens": _n(1, 16, required=True),
                                "warps": _n(1, 32, required=True), "unroll": _n(1, 8, required=True),
                                "cluster": _n(1, 8), "blocks_per_sm": _n(1, 32), "pdl": FLAG,

@@ -2,6 +2,7 @@
 both it and bf16, every such kernel (and each activation at one shape) compiles for sm_90a without spills, and
 its weights dispatch its build with their scales as launch fields (stub launchers on CPU tensors)."""
 import pytest
+import torch
 
 import kerngen
 from kerngen import jit, tiers
@@ -44,14 +45,14 @@ def test_every_quantized_kernel_compiles_without_spills(spec, tmp_path):
 
 
 def a8_specs():
-    """fp8_activations' builds of the shipped fp8 models (the fp8 rules with A8)."""
+    """fp8_activations' builds of the shipped fp8 models (the w8a8 rules, with A8)."""
     t = tiers.load()
     out = []
     for name in sorted(FORMATS["fp8"][0]):
         m = t.model(name)
         for lo, _ in tiers.token_pieces(t.rules, "experts", m.tokens):
             try:
-                rule = t.rule("experts", {"hidden": m.hidden, "tokens": lo, "arch": "sm_90a", "format": "fp8"})
+                rule = t.rule("experts", {"hidden": m.hidden, "tokens": lo, "arch": "sm_90a", "format": "w8a8"})
             except kerngen.TierError:
                 continue   # these tokens run the reference
             s = ex.rule_spec(rule, m.hidden, m.intermediate, m.activation, "sm_90a", "fp8", "nk", True)
@@ -120,3 +121,72 @@ def test_fp8_activations_dispatch_four_launches_with_their_buffers(monkeypatch):
     for f in quant:   # the same buffers for all four: x and the intermediate quantized, their scales
         assert {k: f[k] for k in ("xq", "xsc", "aq", "asc")} == {k: quant[0][k] for k in ("xq", "xsc", "aq", "asc")}
         assert all(f[k] for k in ("xq", "xsc", "aq", "asc"))
+
+
+def f16x_specs():
+    """The shipped fp8 and MXFP4 rules' builds with f16x (activations carried as f16)."""
+    from kerngen.plan import spec_for
+    out = []
+    for s in specs("fp8") + specs("mxfp4"):
+        c = dict(s.constants)
+        if c.get("A8"):
+            continue   # fp8 activations: no f16x
+        x = spec_for(tiers.Rule("experts", "mma", {}, {**dict(s.params), "f16x": True, "backend": s.backend}),
+                     *ex.tag_constants(c["H"], c["I"], c["TILE"], c["ACT"], c["FORMAT"]), "sm_90a")
+        if x not in out:
+            out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("spec", f16x_specs(), ids=lambda s: s.tag + "-f16x")
+def test_f16x_builds_compile_without_spills(spec, tmp_path):
+    built = jit.build(spec, store=DiskCache(tmp_path))
+    cubin = built.files["kernel.cubin"]
+    for name in (b"experts_quant_x", b"experts_gemm1", b"experts_quant_act", b"experts_gemm2"):
+        assert name in cubin
+    assert_no_spills(built.files)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_f16x_dispatches_four_launches_with_f16_buffers(monkeypatch, fmt):
+    from kerngen.plan import spec_for
+    launches = stub_launches(monkeypatch)
+    a = FORMATS[fmt][1]()
+    H, I = a["x"].shape[1], a["w2"].shape[-1] * (32 if fmt == "mxfp4" else 1)
+    s = spec_for(tiers.Rule("experts", "mma", {}, dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True, f16x=True)),
+                 *ex.tag_constants(H, I, 8, "silu", fmt), "sm_90a")
+    k = ex.Kernels(s, -1)
+    assert k.x16 and not k.a8 and set(ex.persistent(s)) == {"experts_gemm1", "experts_gemm2", "experts_quant_x",
+                                                             "experts_quant_act"}
+    r = a["routing"]
+    k(a["x"], r, a["w13"], a["w2"], ex.reference(**a), w13_scale=a["w13_scale"], w2_scale=a["w2_scale"])
+    assert [n for n, _, _ in launches] == ["experts_quant_x", "experts_gemm1", "experts_quant_act", "experts_gemm2"]
+    (xq, xs, aq, asc), ptrs = k.quant_scratch(0, a["x"].shape[0], r.tile_to_expert.shape[0], a["x"].device)
+    assert xq.dtype == aq.dtype == torch.float16 and xq.shape == (a["x"].shape[0], H)
+    assert xs.shape[1] == -(-H // 128) and asc.shape[1] == -(-I // 128)
+    assert all(f["xq"] == ptrs[0] and f["asc"] == ptrs[3] for _, _, f in launches)
+
+
+@pytest.mark.parametrize("fmt,a8", [("bf16", False), ("fp8", True)])
+def test_f16x_is_refused_where_activations_are_not_bf16_over_quantized_weights(fmt, a8):
+    rule = tiers.Rule("experts", "mma", {"tokens": (1, 8)}, dict(tile=8, warps=4, unroll=1, f16x=True))
+    with pytest.raises(kerngen.TierError, match="f16x"):
+        ex.rule_spec(rule, 1024, 256, "silu", "sm_90a", fmt, "nk", a8)
+
+
+def test_quantize_f16_is_exact_within_its_range_with_power_of_two_scales():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 2880, generator=g) * 10).to(torch.bfloat16)
+    x[0, :128] = 0
+    x[1, 128:256] *= 2.0 ** 120
+    x[2, 256:384] *= 2.0 ** -120
+    x[3, 2816:] = torch.finfo(torch.bfloat16).max   # the short last group at the largest bf16
+    q, s = ex.quantize_f16(x)
+    assert q.dtype == torch.float16 and q.shape == x.shape and s.shape == (5, 23)
+    mant, _ = torch.frexp(s)
+    assert torch.all(mant == 0.5)   # powers of two
+    back = (torch.nn.functional.pad(q.float(), (0, 64)).unflatten(-1, (-1, 128)) * s[..., None]).flatten(-2)
+    assert torch.equal(back[:, :2880], x.float())
+    tiny = torch.tensor([[1.0, 2.0 ** -40, 3.0] + [0.0] * 125], dtype=torch.bfloat16)
+    q, s = ex.quantize_f16(tiny)   # 2^-40 below the group's largest: an f16 subnormal's step (2^-39 of it) away
+    assert q[0, 1].item() == 0.0 and q[0, 2].item() * s[0, 0].item() == 3.0

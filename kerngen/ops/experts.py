@@ -122,6 +122,21 @@ def quantize_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (g / s[..., None]).clamp(-448.0, 448.0).to(FP8).flatten(-2), s
 
 
+def quantize_f16(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 rows [.., K] (K a multiple of 8) as f16 values and power-of-two fp32 scales [.., ceil(K/128)], per row and
+    128 columns (the last group shorter where K % 128 != 0), as the f16x builds carry their activations: s = 2^(E - 15)
+    for the group's largest magnitude in [2^E, 2^(E+1)) (E at least -111), q = f16(v / s). Every value within 2^29
+    of its group's largest is exact; smaller ones round to f16 subnormals (within 2^-39 of it)."""
+    K = v.shape[-1]
+    pad = -K % QBLOCK
+    g = F.pad(v.float(), (0, pad)).unflatten(-1, (-1, QBLOCK))
+    e = (g.abs().amax(-1).view(torch.int32) >> 23).clamp(min=16)   # the largest's biased exponent
+    s = ((e - 15) << 23).view(torch.float32)
+    inv = ((269 - e) << 23).view(torch.float32)
+    q = (g * inv[..., None]).to(torch.float16).flatten(-2)
+    return q[..., :K], s
+
+
 def fp8_round_trip(v: torch.Tensor) -> torch.Tensor:
     """The fp32 values fp8 activations stand for: quantize_fp8(v) dequantized."""
     q, s = quantize_fp8(v)
@@ -293,6 +308,9 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
     contiguous weights only: for "kn" ones it is a TierError (torch._grouped_mm runs those tokens)."""
     params = dict(rule.params)
     tile = params.pop("tile")
+    if params.get("f16x") and (fmt not in ("fp8", "mxfp4") or a8):
+        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets f16x, which only "
+                        f"fp8 and MXFP4 weights with bf16 activations take (not {rule_format(fmt, a8)})")
     if not params.pop("transposed", True) and layout == "kn":
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} serves contiguous "
                         "weights only (transposed = false): transposed ones run torch._grouped_mm there")
@@ -325,8 +343,8 @@ class Kernels:
     SM (no more than an SM holds of each kernel, and at most one per work item) looping over the used tiles' items.
     The grid follows the routing's tile count, so the launchers are kept per tile count; the intermediate scratch
     per stream."""
-    __slots__ = ("spec", "tile", "device", "scaled", "a8", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I", "_grids",
-                 "_act", "_cols", "_q")
+    __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I",
+                 "_grids", "_act", "_cols", "_q")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
         if s.variant not in VARIANTS:
@@ -335,6 +353,7 @@ class Kernels:
         self.spec, self.tile, self.device = s, c["TILE"], device
         self.scaled = c.get("FORMAT", "bf16") != "bf16"   # a quantized build: its scales are launch fields
         self.a8 = bool(c.get("A8"))   # fp8 activations: two quantizing launches and their buffers besides
+        self.x16 = bool(p.get("f16x"))   # f16 activations: the same, f16 buffers
         self._warps, self._H, self._I = p["warps"], c["H"], c["I"]
         self._cols = (16, 32) if c.get("KN") else (8, 16)   # columns of an item: GEMM1 (intermediate), GEMM2
         self._mod = resolve(s)
@@ -348,45 +367,45 @@ class Kernels:
     @staticmethod
     def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
         """Each kernel's CTA (32 * warps threads, no dynamic shared memory) and the CTAs an SM its rule asks for; with
-        fp8 activations also the quantizing kernels' (8 warps, a warp a group, grids striding over the groups with
-        up to QUANT_CTAS CTAs an SM)."""
+        fp8 or f16 activations also the quantizing kernels' (8 warps, a warp a group, grids striding over the groups
+        with up to QUANT_CTAS CTAs an SM)."""
         p = dict(s.params)
         launch = Launch(32 * p["warps"], 0, p.get("blocks_per_sm", 4))
         out = {"experts_gemm1": launch, "experts_gemm2": launch}
-        if dict(s.constants).get("A8"):
+        if dict(s.constants).get("A8") or p.get("f16x"):
             out.update(dict.fromkeys(("experts_quant_x", "experts_quant_act"), Launch(256, 0, QUANT_CTAS)))
         return out
 
     def launchers(self, tiles: int) -> tuple[Launcher, ...]:
-        """gemm1, gemm2 (and with fp8 activations quant_x, gemm1, quant_act, gemm2) for this many tiles."""
+        """gemm1, gemm2 (and with fp8 or f16 activations quant_x, gemm1, quant_act, gemm2) for this many tiles."""
         pair = self._grids.get(tiles)
         if pair is None:
             block = (32 * self._warps, 1, 1)
             grid1 = (min(self._ctas["experts_gemm1"], tiles * -(-self._I // self._cols[0])), 1, 1)
             grid2 = (min(self._ctas["experts_gemm2"], tiles * -(-self._H // self._cols[1])), 1, 1)
-            params = PARAMS_A8 if self.a8 else PARAMS_SCALED if self.scaled else PARAMS
+            params = PARAMS_A8 if self.a8 or self.x16 else PARAMS_SCALED if self.scaled else PARAMS
             pair = (Launcher(self._mod, "experts_gemm1", self.device, grid1, block, params, pdl=self._pdl),
                     Launcher(self._mod, "experts_gemm2", self.device, grid2, block, params, pdl=self._pdl))
-            if self.a8:   # a warp per 128 values; grids striding over the rows (x: at most tiles * tile tokens)
+            if self.a8 or self.x16:   # a warp per 128 values; grids striding over the rows (x: at most tiles * tile)
                 def quant(name, cols):
-                    grid = (max(1, min(self._ctas[name], -(-tiles * self.tile * (cols // QBLOCK) // 8))), 1, 1)
+                    grid = (max(1, min(self._ctas[name], -(-tiles * self.tile * -(-cols // QBLOCK) // 8))), 1, 1)
                     return Launcher(self._mod, name, self.device, grid, (256, 1, 1), params, pdl=self._pdl)
                 pair = (quant("experts_quant_x", self._H), pair[0], quant("experts_quant_act", self._I), pair[1])
             self._grids[tiles] = pair
         return pair
 
     def quant_scratch(self, stream: int, T: int, tiles: int, device: torch.device) -> tuple[tuple, tuple]:
-        """fp8 activations: (x and the intermediate quantized and their scales, their launch fields), one set per
-        stream, grown to the most tokens and tiles seen."""
+        """fp8 or f16 activations: (x and the intermediate quantized and their scales, their launch fields), one set
+        per stream, grown to the most tokens and tiles seen."""
         q = self._q.get(stream)
         if q is None or q[0][0].shape[0] < T or q[0][2].shape[0] < tiles * self.tile:
             T = max(T, 0 if q is None else q[0][0].shape[0])
             rows = max(tiles * self.tile, 0 if q is None else q[0][2].shape[0])
-            H, I = self._H, self._I
-            bufs = (torch.empty((T, H), dtype=torch.uint8, device=device),
-                    torch.empty((T, H // QBLOCK), dtype=torch.float32, device=device),
-                    torch.empty((rows, I), dtype=torch.uint8, device=device),
-                    torch.empty((rows, I // QBLOCK), dtype=torch.float32, device=device))
+            H, I, dt = self._H, self._I, torch.float16 if self.x16 else torch.uint8
+            bufs = (torch.empty((T, H), dtype=dt, device=device),
+                    torch.empty((T, -(-H // QBLOCK)), dtype=torch.float32, device=device),
+                    torch.empty((rows, I), dtype=dt, device=device),
+                    torch.empty((rows, -(-I // QBLOCK)), dtype=torch.float32, device=device))
             q = self._q[stream] = (bufs, tuple(t.data_ptr() for t in bufs))
         return q
 
@@ -419,7 +438,7 @@ class Kernels:
                   out.data_ptr(), T, experts_, int(interleaved), tiles, a0, a1)
         if self.scaled:
             fields += (w13_scale.data_ptr(), w2_scale.data_ptr())
-        if self.a8:
+        if self.a8 or self.x16:
             fields += self.quant_scratch(stream, T, tiles, x.device)[1]
         for launch in pair:
             launch(stream, *fields)
@@ -533,7 +552,8 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     linear_beta). No host synchronisation: CUDA-graph capturable.
     fp8 weights (DeepSeek-V3, Kimi K2): w13 / w2 float8_e4m3fn with w13_scale [E, 2I/128, H/128] and w2_scale
     [E, H/128, I/128] fp32 (the dequantized weight is w * its block's scale; H and I multiples of 128); the
-    kernels widen the weights to bf16 in registers (exactly) and apply each block's scale to the fp32 sums.
+    kernels widen the weights in registers (exactly: to bf16, or to f16 where the tier rule sets f16x and the
+    activations travel as f16 with power-of-two scales, quantize_f16) and apply each block's scale to the fp32 sums.
     MXFP4 weights (gpt-oss): w13 [E, 2I, H/32, 16] / w2 [E, H, I/32, 16] uint8 blocks (two e2m1 values a byte,
     low nibble first) with w13_scale [E, 2I, H/32] / w2_scale [E, H, I/32] uint8 e8m0 scales (2^(s - 127));
     widened to bf16 with the scale applied in registers (exact for scale bytes 2..252); H, I multiples of 64.

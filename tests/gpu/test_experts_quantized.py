@@ -248,7 +248,7 @@ def test_fp8_activations_quantize_x_as_the_reference():
     x[2] = x[2].round()   # ties of v / s
     r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
     k = ex.Kernels(ex.rule_spec(ex.table().rule("experts", {"hidden": H, "tokens": T, "arch": "sm_90a",
-                                                            "format": "fp8"}), H, I, "silu", "sm_90a", "fp8", "nk",
+                                                            "format": "w8a8"}), H, I, "silu", "sm_90a", "fp8", "nk",
                                 True), 0)
     assert k.a8
     out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
@@ -303,3 +303,130 @@ def test_fp8_activations_launch_shapes(params, local):
     out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
     ex.Kernels(spec, 0)(x, r, w13, w2, out, **s)
     check_a8(out, ex.reference(x, r, w13, w2, **s, fp8_activations=True), r)
+
+
+def f16x_kernels(fmt, H, I, tile, act="silu", **params):
+    """The kernels of a launch shape with f16x (activations carried as f16), built for routing tile `tile`."""
+    from kerngen import tiers
+    from kerngen.plan import spec_for, target_arch
+    p = {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True), **params, "f16x": True}
+    k = ex.Kernels(spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),
+                            *ex.tag_constants(H, I, tile, act, fmt), target_arch(0)), 0)
+    assert k.x16 and not k.a8
+    return k
+
+
+def run_f16x(k, x, r, w, s, **kw):
+    out = torch.zeros(r.permuted_to_token.shape[0], x.shape[1], dtype=torch.bfloat16, device="cuda")
+    k(x, r, *w, out, w13_scale=s["w13_scale"], w2_scale=s["w2_scale"], **kw)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("params", [dict(), dict(prefetch=False), dict(prefetch_x=True), dict(unroll=2),
+                                    dict(tile=16), dict(tile=16, prefetch_x=True),
+                                    dict(warps=8, unroll=2, blocks_per_sm=2)])
+@pytest.mark.parametrize("H,I", [(1024, 256), (2880, 2880)])
+def test_f16x_launch_shapes_match_the_dequantized_reference(fmt, params, H, I):
+    """f16x builds (the activations as f16 times a power of two per 128 columns, exact for these values) against the
+    bf16-activation reference, with the weight-only kernels' tolerance; gpt-oss's 2880 ends its rows mid-step."""
+    if fmt == "fp8" and H % 128:
+        pytest.skip("fp8 block scales need multiples of 128")
+    p = dict(params)
+    tile = p.pop("tile", 8)
+    for T in (1, 7, 40):
+        x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=T + H)
+        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=tile)
+        check_rows(run_f16x(f16x_kernels(fmt, H, I, tile, **p), x, r, w, s), ex.reference(x, r, *w, **s), r)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_f16x_quantize_x_as_quantize_f16(fmt):
+    """The quantizing launch's f16 values and scales equal quantize_f16's bit for bit (zeros, huge and tiny groups, a
+    group mixing 2^-40 with 1, the short last group of a 2880-wide row)."""
+    T, E, K, H, I = 6, 16, 4, 2880 if fmt == "mxfp4" else 1024, 256
+    x, logits, w, s = make(fmt, T, K, E, H, I, seed=5)
+    x[0, :128] = 0
+    x[1, :128] *= 2.0 ** 100
+    x[2, 128:256] *= 2.0 ** -100
+    x[3, 256:260] = torch.tensor([1.0, 2.0 ** -40, -(2.0 ** -35), 3.0], dtype=torch.bfloat16)
+    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
+    k = f16x_kernels(fmt, H, I, 8)
+    out = run_f16x(k, x, r, w, s)
+    torch.cuda.synchronize()
+    (xq, xs, aq, asc), _ = k.quant_scratch(torch.cuda.current_stream().cuda_stream, T, r.tile_to_expert.shape[0],
+                                           x.device)
+    q, sc = ex.quantize_f16(x)
+    assert xq.dtype == torch.float16 and torch.equal(xs[:T], sc)
+    assert torch.equal(xq[:T].view(torch.int16), q.view(torch.int16))
+    assert out.isfinite().any()   # (the 2^100 row overflows the intermediate, as in the reference)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_f16x_inside_a_cuda_graph_with_input_weights_and_a_local_range(fmt):
+    T, E, K, H, I = 8, 32, 4, 1024, 256
+    x, logits, (w13, w2), s = make(fmt, T, K, E, H, I, seed=9)
+    lo, n = 4, 12
+    w13, w2 = w13[lo:lo + n].contiguous(), w2[lo:lo + n].contiguous()
+    s = {key: v[lo:lo + n].contiguous() for key, v in s.items()}
+    inw = torch.rand(T, device="cuda") + 0.5
+    k = f16x_kernels(fmt, H, I, 8)
+    ws = kerngen.RoutingWorkspace(T, E, K, 8, local_experts=(lo, n))
+    route = lambda: kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, local_experts=(lo, n),  # noqa: E731
+                                  workspace=ws)
+    out = torch.zeros(route().permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
+    run = lambda: k(x, route(), w13, w2, out, input_weights=inw, **s)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    logits.copy_(torch.randn_like(logits))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, local_experts=(lo, n))
+    rows = r.permuted_to_token.shape[0]
+    check_rows(out[:rows], ex.reference(x, r, w13, w2, **s, input_weights=inw), r)
+
+
+@pytest.mark.parametrize("codes", ["all", "subnormal"])
+def test_f16x_fp8_every_code(codes):
+    """Every e4m3 code (NaN excepted), or the subnormal ones alone: cvt.rn.f16x2.e4m3x2 is exact for each."""
+    E, K, H, I = 8, 2, 1024, 256
+    allowed = ([b for b in range(256) if b & 0x7F != 0x7F] if codes == "all"
+               else [b | sg for b in range(8) for sg in (0, 0x80)])
+    w13 = _codes((E, 2 * I, H), allowed, 1).view(torch.float8_e4m3fn).cuda()
+    w2 = _codes((E, H, I), allowed, 2).view(torch.float8_e4m3fn).cuda()
+    g = torch.Generator().manual_seed(3)
+    big = 64.0 if codes == "subnormal" else 1 / 448
+    s = dict(w13_scale=(torch.rand(E, 2 * I // 128, H // 128, generator=g) * 0.02 + 1e-3).cuda() * big,
+             w2_scale=(torch.rand(E, H // 128, I // 128, generator=g) * 0.02 + 1e-3).cuda() * big)
+    x = torch.randn(5, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)).to(torch.bfloat16)
+    r = _route(x, E, K, 5)
+    ref = ex.reference(x, r, w13, w2, **s)
+    assert ref[r.permuted_to_token >= 0].float().abs().max() > 0
+    check_rows(run_f16x(f16x_kernels("fp8", H, I, 8), x, r, (w13, w2), s), ref, r)
+
+
+@pytest.mark.parametrize("top", [24, 127, 160, 230])
+def test_f16x_mxfp4_scale_bytes_and_subnormal_codes(top):
+    """Scale bytes in [top - 20, top] (a row's groups of a step up to 2^20 apart: the f16 group factors stay exact),
+    x scaled by 2^(127 - top); and the codes 0 and +-0.5 alone (0.5 an e4m3 subnormal once placed)."""
+    E, K, H, I = 8, 2, 1024, 256
+    w13, s13, _, _ = mx_weights(E, H, I, seed=top, scale_range=(top - 20, top + 1))
+    _, _, w2, s2 = mx_weights(E, H, I, seed=top + 1)
+    w, s = (w13.cuda(), w2.cuda()), dict(w13_scale=s13.cuda(), w2_scale=s2.cuda())
+    x = (torch.randn(5, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(top)) * 0.3
+         * 2.0 ** (127 - top)).to(torch.bfloat16)
+    r = _route(x, E, K, top)
+    k = f16x_kernels("mxfp4", H, I, 8)
+    check_rows(run_f16x(k, x, r, w, s), ex.reference(x, r, *w, **s), r)
+    allowed = [lo | hi << 4 for lo in (0, 1, 8, 9) for hi in (0, 1, 8, 9)]
+    x = torch.randn(5, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).to(torch.bfloat16)
+    w = (_codes((E, 2 * I, H // 32, 16), allowed, 1).cuda(), _codes((E, H, I // 32, 16), allowed, 2).cuda())
+    s = dict(w13_scale=torch.full((E, 2 * I, H // 32), 124, dtype=torch.uint8, device="cuda"),
+             w2_scale=torch.full((E, H, I // 32), 124, dtype=torch.uint8, device="cuda"))
+    ref = ex.reference(x, r, *w, **s)
+    assert ref[r.permuted_to_token >= 0].float().abs().max() > 0
+    check_rows(run_f16x(k, x, r, w, s), ref, r)

@@ -1,19 +1,24 @@
 #!/usr/bin/env python3
 """kerngen.experts' quantized builds (fp8, MXFP4) over launch shapes, for their tier rules (GPU).
 
-    python3 -m tools.sweep.experts FORMAT MODELS TOKENS [sweep]      (FORMAT fp8, mxfp4, or fp8-a8: fp8_activations)
+    python3 -m tools.sweep.experts FORMAT MODELS TOKENS [sweep]      (FORMAT fp8, mxfp4, fp8-a8: fp8_activations,
+                                                                      fp8-x16 / mxfp4-x16: f16x launch shapes)
     python3 -m tools.sweep.experts fp8 deepseek-v3,kimi-k2 1,8,64 sweep
-    python3 -m tools.sweep.experts mxfp4 gpt-oss-120b,kimi-k3 1,8,64 sweep
+    python3 -m tools.sweep.experts mxfp4-x16 gpt-oss-120b,kimi-k3 1,8,64 sweep
 
 Random quantized weights (every code but NaN; scale bytes 116..123 for MXFP4) of up to 4 layers cycled, a routing per
 call, CUDA graphs, each step after a 4 MB producer kernel (its time taken off); the floor is the active experts'
 quantized weight and scale bytes at the streaming-read bandwidth. Prints the tier rule's time, its variant without
 prefetch, and with `sweep` the six fastest of 4 warps x unroll x blocks_per_sm x prefetch_x, each launched at
-most as many CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). Correctness
-is the GPU tests' job (tests/gpu/test_experts_quantized.py): the weights here are random bytes.
+most as many CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). A -x16 format
+times the rule with f16x (activations carried as f16) beside it, and sweeps the f16x shapes. Every candidate is built
+first by a pool of processes. Correctness is the GPU tests' job (tests/gpu/test_experts_quantized.py): the weights
+here are random bytes.
 """
 import itertools
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import kerngen
@@ -42,10 +47,18 @@ def occupancy(k):
         out.append(n)
     return min(out)
 
+def prebuild(specs):
+    """Build the specs into the kernel cache, several at a time (each compile is one NVRTC process's work)."""
+    from kerngen import jit
+    with ProcessPoolExecutor(max(1, min(len(specs), (os.cpu_count() or 2) - 1))) as pool:
+        list(pool.map(jit.build, specs))
+
+
 def main():
     fmt, models, tokens = sys.argv[1], sys.argv[2].split(","), [int(t) for t in sys.argv[3].split(",")]
     a8 = fmt == "fp8-a8"   # fp8 weights with fp8 activations (experts(..., fp8_activations=True))
-    fmt = "fp8" if a8 else fmt
+    x16 = fmt.endswith("-x16")   # the f16x launch shapes
+    fmt = "fp8" if a8 else fmt.removesuffix("-x16")
     sweep = len(sys.argv) > 4 and sys.argv[4] == "sweep"
     bw = read_bandwidth_tbs()
     dev, arch = 0, target_arch(0)
@@ -74,15 +87,20 @@ def main():
             cands = [("rule", rule)]
             if a8:   # the weight-only rule beside it
                 cands.append(("bf16-act", ex.spec(H, I, tile, act, T, arch, fmt=fmt)))
+            if x16:
+                cands.append(("rule-x16", build({**dict(rule.params), "f16x": True})))
             cands.append(("rule-nopf", build({**dict(rule.params), "prefetch": False})))
             if sweep:
                 for w, u, b, px in itertools.product((4,), (1, 2), (4, 5, 6, 8), (False, True)):
-                    cands.append((f"w{w} u{u} b{b}" + " x" * px,
-                                  build(dict(warps=w, unroll=u, blocks_per_sm=b, pdl=True, prefetch_x=px))))
-                if a8:   # register bounds
+                    cands.append((f"w{w} u{u} b{b}" + " x" * px + " h" * x16,
+                                  build(dict(warps=w, unroll=u, blocks_per_sm=b, pdl=True, prefetch_x=px,
+                                             **({"f16x": True} if x16 else {})))))
+                if a8 or x16:   # register bounds
                     for b, px in itertools.product((6, 8), (False, True)):
-                        cands.append((f"w4 u1 b{b} m{b}" + " x" * px, build(dict(warps=4, unroll=1, blocks_per_sm=b,
-                                                                              pdl=True, prefetch_x=px, min_blocks=b))))
+                        cands.append((f"w4 u1 b{b} m{b}" + " x" * px + " h" * x16,
+                                      build(dict(warps=4, unroll=1, blocks_per_sm=b, pdl=True, prefetch_x=px,
+                                                 min_blocks=b, **({"f16x": True} if x16 else {})))))
+            prebuild([s for _, s in cands])
             res, seen = [], set()
             for label, s in cands:
                 k = ex.Kernels(s, dev)
@@ -105,7 +123,7 @@ def main():
             res.sort()
             rr = next(r for r in res if r[1] == "rule")
             print(f"{fmt}{'-a8' if a8 else ''} {m:13s} T={T:3d} tile {tile:2d} floor {floor:7.1f} | rule {rr[0]:7.1f} ({100*floor/rr[0]:3.0f}%) occ {rr[2]} {rr[3]}", flush=True)
-            for us, label, occ, p in res[:6] if sweep else [r for r in res if r[1] == "bf16-act"]:
+            for us, label, occ, p in res[:6] if sweep else [r for r in res if r[1] in ("bf16-act", "rule-x16")]:
                 print(f"      {us:7.1f} ({100*floor/us:3.0f}%) {label:12s} occ {occ} {p}", flush=True)
         del W
         torch.cuda.empty_cache()
