@@ -1,4 +1,6 @@
-"""kerngen: JIT-generated MoE kernels (routing, finalize, fused tail), compiled per shape and cached on disk.
+"""kerngen: JIT-generated MoE inference kernels, compiled per shape and cached on disk: routing and permutation,
+pre-routing, decode expert GEMMs (bf16, fp8, MXFP4), finalize, the fused tail (with tensor parallelism) and the
+latent-MoE tail.
 
 Importing kerngen touches no GPU, imports no CuTe DSL, creates no directory and imports no torch of its own: the
 ops (`kerngen.route`, `permute`, `finalize`, ...) are imported on first use, so the command line checks its

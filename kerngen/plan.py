@@ -23,7 +23,7 @@ VERSION = "0.1.0"
 
 @dataclass(frozen=True)
 class KernelSpec:
-    op: str                                   # routing | finalize | tail | permute
+    op: str                                   # routing | permute | finalize | tail | experts | latent_tail
     variant: str                              # template file name under templates/<op>/
     backend: str                              # "nvrtc" (CUDA C++ .cu.j2) or "cute" (CuTe DSL .py)
     tag: str                                  # readable part of the key, e.g. "H3584-K16-bf16-wf32"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tensor-parallel tail benchmark, under torchrun (rank 0 prints):
 
-    torchrun --nproc-per-node 2 tools/bench/tail_tp.py [--tokens 1,8,64,512]
+    torchrun --nproc-per-node 2 -m tools.bench.tail_tp [--tokens 1,8,64,512]
 
 fused   = kerngen.moe_tail(..., group=WORLD): our finalize, one all-reduce of routed + shared partials, our
           fused residual + RMSNorm kernel;

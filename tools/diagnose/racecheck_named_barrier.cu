@@ -2,7 +2,7 @@
 // barrier 1 (256 threads) while warps 8-15 skip it, then a block scan whose store / load pair a
 // __syncthreads() orders. No race exists; racecheck reports one whenever nbar > 0.
 //
-//   nvcc -arch=sm_90a -lineinfo -o /tmp/nb tools/racecheck_named_barrier.cu
+//   nvcc -arch=sm_90a -lineinfo -o /tmp/nb tools/diagnose/racecheck_named_barrier.cu
 //   compute-sanitizer --tool racecheck /tmp/nb
 #include <cstdio>
 __global__ void k(int* out, int nbar) {
