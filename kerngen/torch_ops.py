@@ -1,5 +1,5 @@
 """torch custom ops: kerngen::finalize, kerngen::route, kerngen::route_permute, kerngen::moe_align_block_size,
-kerngen::moe_tail, kerngen::moe_experts.
+kerngen::moe_tail, kerngen::latent_tail, kerngen::moe_experts.
 
 They trace under torch.compile(fullgraph=True) (fake implementations give output shapes) and capture in
 CUDA graphs. A CPU implementation (the torch reference) lets pipelines run and be checked on the CPU.
@@ -17,6 +17,7 @@ from .errors import InputError
 from .ops import _common
 from .ops import experts as _ex
 from .ops import finalize as _fin
+from .ops import latent_tail as _lt
 from .ops import permute as _pm
 from .ops import routing as _rt
 from .ops import tail as _tail
@@ -169,6 +170,31 @@ def _moe_tail_cpu(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, ep
 def _moe_tail_fake(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, eps=1e-6, shared=None,
                    residual=None):
     return gemm2_out.new_empty((expanded_to_permuted.shape[0], norm_weight.shape[0]))
+
+
+# --------------------------------------------------------------------------------------------- latent tail
+@torch.library.custom_op("kerngen::latent_tail", mutates_args=(), device_types="cuda")
+def latent_tail(gemm2_out: Tensor, expanded_to_permuted: Tensor, topk_weights: Tensor, norm_weight: Tensor,
+                up_proj: Tensor, eps: float = 1e-6, shared: Tensor | None = None,
+                residual: Tensor | None = None) -> Tensor:
+    return _lt.latent_tail(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, eps=eps, shared=shared,
+                           residual=residual)
+
+
+@latent_tail.register_kernel("cpu")
+def _latent_tail_cpu(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, eps=1e-6, shared=None,
+                     residual=None):
+    check_env()
+    _lt.check_args(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, shared, residual, eps,
+                   cuda=False)
+    return _lt.reference(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, shared=shared,
+                         residual=residual, eps=eps)
+
+
+@latent_tail.register_fake
+def _latent_tail_fake(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, eps=1e-6, shared=None,
+                      residual=None):
+    return gemm2_out.new_empty((expanded_to_permuted.shape[0], up_proj.shape[0]))
 
 
 # ------------------------------------------------------------------------- the routed experts of a block

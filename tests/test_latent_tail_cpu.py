@@ -1,5 +1,6 @@
-"""kerngen.latent_tail on CPU tensors: the reference against an independent fp64 computation, the argument checks,
-the tier rules, the fused kernel compiled for sm_90a without spills (kimi-k3's shapes and others; early_weights
+"""kerngen.latent_tail without a GPU: the reference against an independent fp64 computation; the CPU rule of every
+op (kerngen.latent_tail refuses CPU tensors, torch.ops.kerngen.latent_tail runs the reference after the same checks
+and reads KERNGEN_STRICT); the argument checks, on both entry points; the tier rules, the fused kernel compiled for sm_90a without spills (kimi-k3's shapes and others; early_weights
 builds issuing their first weight loads before the grid-dependency wait), its params struct against the Python
 packing, the unfused host path, and the tensor-parallel form on two gloo ranks.
 The kernel itself runs in tests/gpu/test_latent_tail.py."""
@@ -8,7 +9,9 @@ import torch
 import torch.distributed as dist
 
 import kerngen
+import kerngen.torch_ops  # noqa: F401  (registers torch.ops.kerngen.*)
 from kerngen import jit, render, resources, tiers, warmup
+from kerngen.errors import EnvError
 from kerngen.cache import DiskCache
 from kerngen.compile import nvrtc_compile
 from kerngen.ops import _common
@@ -70,7 +73,26 @@ def test_reference_matches_fp64(T, K, L, H, shared, residual):
     got = lt.reference(*args[:5], shared=args[5], residual=args[6])
     assert got.shape == (T, H) and got.dtype == BF
     assert_close_to(got, fp64(*args), (T, K, L, H))
-    assert torch.equal(kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6]), got)   # CPU: reference
+    assert torch.equal(torch.ops.kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6]), got)
+
+
+class _Reference:
+    """A CPU stand-in for a launch object: the reference into `out` (the op's own checks and dispatch run)."""
+    def __init__(self, s):
+        self.spec = s
+
+    def run(self, g, e2p, w, nw, up, shared, residual, eps, out):
+        return out.copy_(lt.reference(g, e2p, w, nw, up, shared=shared, residual=residual, eps=eps))
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    """kerngen.latent_tail on CPU tensors, its kernels stood in for by the reference."""
+    monkeypatch.setattr(_common, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(lt, "kernel", lambda s, tokens, device, *a: _Reference(s))
+    kerngen.clear()
+    yield
+    kerngen.clear()
 
 
 def test_latent_sum_is_finalize_before_its_rounding():
@@ -79,7 +101,7 @@ def test_latent_sum_is_finalize_before_its_rounding():
     assert y.dtype == torch.float32 and torch.equal(y.to(BF), fin.reference(gemm2, e2p, w, 128))
 
 
-def test_bf16_weights_eps_and_in_place_residual():
+def test_bf16_weights_eps_and_in_place_residual(cpu_kernels):
     gemm2, e2p, w, nw, up, sh, res = make(3, 4, 64, 64, wdtype=BF)
     want = lt.reference(gemm2, e2p, w, nw, up, shared=sh, residual=res, eps=1e-3)
     assert_close_to(want, fp64(gemm2, e2p, w, nw, up, sh, res, eps=1e-3))
@@ -87,13 +109,68 @@ def test_bf16_weights_eps_and_in_place_residual():
     assert got is res and torch.equal(got, want)
 
 
-def test_no_tokens_and_no_rows():
+def test_no_tokens_and_no_rows(cpu_kernels):
     gemm2, e2p, w, nw, up, *_ = make(0, 4, 64, 32)
     assert kerngen.latent_tail(gemm2, e2p, w, nw, up).shape == (0, 32)
     g0 = torch.zeros(0, 64, dtype=BF)
     e = torch.full((2, 3), -1, dtype=torch.int32)
     out = kerngen.latent_tail(g0, e, torch.rand(2, 3), nw, up, shared=torch.ones(2, 32, dtype=BF))
     assert torch.equal(out, torch.ones(2, 32, dtype=BF))   # y = 0: n = 0, out = shared
+    assert torch.equal(torch.ops.kerngen.latent_tail(g0, e, torch.rand(2, 3), nw, up, shared=torch.ones(2, 32, dtype=BF)),
+                       out)
+
+
+# ---------------------------------------------------------------------------------------------- the CPU rule
+
+def _finalize_error(g, e2p, w):
+    with pytest.raises(kerngen.InputError) as e:
+        kerngen.finalize(g, e2p, w)
+    return e.value
+
+
+def test_cpu_tensors_are_refused_as_finalize_refuses_them():
+    """kerngen.latent_tail launches kernels: a CPU tensor is the InputError finalize raises, naming gemm2_out and
+    the CPU entry points (before: the reference ran)."""
+    a = _args()
+    want = _finalize_error(a["gemm2_out"], a["expanded_to_permuted"], a["topk_weights"])
+    for call in (lambda: kerngen.latent_tail(**a), lambda: kerngen.latent_tail(**a, out=torch.empty(2, 32, dtype=BF))):
+        with pytest.raises(kerngen.InputError) as e:
+            call()
+        assert e.value.arg == want.arg == "gemm2_out" and str(e.value) == str(want).replace("finalize", "latent_tail")
+
+
+def test_the_cpu_op_is_the_reference_and_traces():
+    a = _args()
+    got = torch.ops.kerngen.latent_tail(a["gemm2_out"], a["expanded_to_permuted"], a["topk_weights"],
+                                        a["norm_weight"], a["up_proj"], 1e-5, a["shared"], a["residual"])
+    assert torch.equal(got, lt.reference(*list(a.values())[:5], shared=a["shared"], residual=a["residual"], eps=1e-5))
+    torch.library.opcheck(torch.ops.kerngen.latent_tail.default, tuple(list(a.values())[:5]),
+                          {"shared": a["shared"], "residual": a["residual"]})
+
+
+def test_the_cpu_op_reads_kerngen_strict(monkeypatch):
+    """A bad KERNGEN_STRICT is an EnvError on every call of the CPU op, as at a shape's first dispatch on a GPU."""
+    a = list(_args().values())[:5]
+    monkeypatch.setenv("KERNGEN_STRICT", "maybe")
+    with pytest.raises(EnvError, match="KERNGEN_STRICT"):
+        torch.ops.kerngen.latent_tail(*a)
+    monkeypatch.setenv("KERNGEN_STRICT", "1")   # strict: a cache miss raises on a GPU; the reference builds nothing
+    assert torch.ops.kerngen.latent_tail(*a).shape == (2, 32)
+
+
+def _offset(t: torch.Tensor, elements: int = 4) -> torch.Tensor:
+    """t's values at an address `elements` bf16 past a 16-byte boundary, same shape and strides."""
+    flat = torch.zeros(t.numel() + 64, dtype=t.dtype)
+    v = flat[elements:elements + t.numel()].view(t.shape)
+    v.copy_(t)
+    return v
+
+
+def _misaligned():
+    gemm2, *_ = make(2, 4, 64, 32)
+    base = torch.zeros(gemm2.shape[0], 72, dtype=BF)
+    return [(dict(gemm2_out=base[:, 4:68]), "gemm2_out"), (dict(norm_weight=_offset(torch.ones(64, dtype=BF))), "norm_weight"),
+            (dict(up_proj=_offset(torch.randn(32, 64).to(BF))), "up_proj")]
 
 
 def _args(**over):
@@ -129,13 +206,32 @@ def _args(**over):
     (dict(eps="1e-6"), "eps"),
     (dict(eps=-1.0), "eps"),
 ])
-def test_bad_inputs_name_the_argument(over, arg):
+def test_bad_inputs_name_the_argument(over, arg, cpu_kernels):
+    """The same InputError from the op (its CUDA path, kernels stood in for) and from the CPU op."""
     with pytest.raises(kerngen.InputError) as e:
         kerngen.latent_tail(**_args(**over))
     assert e.value.arg == arg and e.value.op == "latent_tail"
+    if "out" in over or not all(isinstance(v, (torch.Tensor, float)) for v in over.values()):
+        return   # the torch op has no out=; torch's dispatcher itself refuses other types
+    a = _args(**over)
+    with pytest.raises(kerngen.InputError) as cpu:
+        torch.ops.kerngen.latent_tail(*(a.pop(k) for k in list(a)[:5]), a.pop("eps", 1e-6), **a)
+    assert (cpu.value.arg, cpu.value.op, str(cpu.value)) == (arg, "latent_tail", str(e.value))
 
 
-def test_a_wrong_argument_after_a_good_call_is_still_named():
+@pytest.mark.parametrize("case", range(3), ids=["gemm2_out", "norm_weight", "up_proj"])
+def test_misaligned_inputs_are_refused_on_both_devices(case, cpu_kernels):
+    """16-byte alignment is checked before the reference too (before: on CUDA only)."""
+    over, arg = _misaligned()[case]
+    a = _args(**over)
+    for call in (lambda: kerngen.latent_tail(**a),
+                 lambda: torch.ops.kerngen.latent_tail(*list(a.values())[:5], 1e-6, a["shared"], a["residual"])):
+        with pytest.raises(kerngen.InputError, match="16-byte aligned") as e:
+            call()
+        assert e.value.arg == arg
+
+
+def test_a_wrong_argument_after_a_good_call_is_still_named(cpu_kernels):
     a = _args()
     kerngen.latent_tail(**a)
     with pytest.raises(kerngen.InputError) as e:
@@ -341,8 +437,11 @@ def _tp_worker(rank, init, results):
     try:
         gemm2, e2p, w = rank_inputs(rank)
         nw, up, sh, res = common_inputs()
-        out = torch.empty(TT, HH, dtype=BF)
-        plain = kerngen.latent_tail(gemm2, e2p, w, nw, up, shared=sh, residual=res, out=out, group=dist.group.WORLD)
+        try:   # CPU tensors: refused as by finalize (moe_tail's group= path refuses them too)
+            kerngen.latent_tail(gemm2, e2p, w, nw, up, shared=sh, residual=res, group=dist.group.WORLD)
+            refused = None
+        except kerngen.InputError as e:
+            refused = e.arg
         # the GPU orchestration, with references for the kernels: finalize's bf16 partial, the fp32 sum rounded
         # to bf16 and fed back with K = 1
         _common.KERNEL_DEVICES = ("cuda", "cpu")
@@ -355,10 +454,9 @@ def _tp_worker(rank, init, results):
             return kw["out"].copy_(lt.reference(g, e, ww, n, u, shared=kw["shared"], residual=kw["residual"]))
 
         lt.latent_tail = local
-        kernel_path = whole(gemm2, e2p, w, nw, up, shared=sh, residual=res, out=torch.empty(TT, HH, dtype=BF),
-                            group=dist.group.WORLD)
+        out = torch.empty(TT, HH, dtype=BF)
+        kernel_path = whole(gemm2, e2p, w, nw, up, shared=sh, residual=res, out=out, group=dist.group.WORLD)
         lt.latent_tail = whole
-        _common.KERNEL_DEVICES = ("cuda",)
         errors = []
         for kw, name in ((dict(group="not a group"), "group"), (dict(group=dist.group.WORLD, shared=sh[:, :8]), "shared"),
                          (dict(group=dist.group.WORLD, out=torch.empty(TT, 8, dtype=BF)), "out")):
@@ -366,7 +464,8 @@ def _tp_worker(rank, init, results):
                 kerngen.latent_tail(gemm2, e2p, w, nw, up, **kw)
             except kerngen.InputError as e:
                 errors.append(e.arg == name)
-        results[rank] = (plain, plain is out, kernel_path, seen, errors)
+        _common.KERNEL_DEVICES = ("cuda",)
+        results[rank] = (refused, kernel_path is out, kernel_path, seen, errors)
     finally:
         dist.destroy_process_group()
 
@@ -384,12 +483,11 @@ def _rel(a, b):
 def test_every_rank_gets_the_single_process_result(tp_results):
     want = single_expected()
     for rank in range(WORLD):
-        plain, given, kernel_path, seen, _ = tp_results[rank]
-        assert given and plain.shape == (TT, HH)
-        assert _rel(plain, want) < 1e-2, rank   # fp32 partial sums: only the summation order differs
+        refused, given, kernel_path, seen, _ = tp_results[rank]
+        assert refused == "gemm2_out" and given and kernel_path.shape == (TT, HH)
         assert _rel(kernel_path, want) < 2e-2, rank   # bf16 partial and bf16 sum on the GPU path
         assert seen == [((TT, LL), BF, list(range(TT)), [1.0] * TT)]   # the summed rows, K = 1, weight 1
-    assert torch.equal(tp_results[0][0], tp_results[1][0])
+    assert torch.equal(tp_results[0][2], tp_results[1][2])
 
 
 def test_normalizing_partials_would_be_detected():

@@ -19,7 +19,11 @@ Tensor parallelism (group=): each rank holds a partial routed output (its expert
 sums are all-reduced in fp32 before the norm (normalizing partials and adding them is not the tail). up_proj,
 norm_weight, shared and residual are whole on every rank, and every rank gets the whole `out`. On CUDA the
 partial is kerngen.finalize's (rounded to bf16), the fp32 sum is rounded to bf16 once more and fed to this op
-with K = 1 (row t, weight 1); on the CPU the reference runs on the fp32 sum.
+with K = 1 (row t, weight 1).
+
+Devices, as for every op that launches kernels: `latent_tail` takes CUDA tensors only (a CPU tensor is an
+InputError naming the argument); torch.ops.kerngen.latent_tail runs `reference` on CPU tensors after the same
+checks (`check_args`, the alignment included) and reads KERNGEN_STRICT as the CUDA path does.
 """
 from __future__ import annotations
 
@@ -32,8 +36,8 @@ from ..errors import InputError
 from ..launch import Launcher, Params, current_stream
 from ..occupancy import Launch
 from . import _common
-from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_rows, check_tensor, remember,
-                      resolve, table)
+from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
+                      check_tensor, remember, resolve, table)
 from .finalize import finalize
 
 OP = "latent_tail"
@@ -234,7 +238,7 @@ def _sig(t):
     return None if t is None else (t.dtype, t.shape, t.stride(), t.device)
 
 
-_fast: dict[tuple, tuple] = {}   # input signature -> (launch object or None (reference), T, L, H, device)
+_fast: dict[tuple, tuple] = {}   # input signature -> (launch object, T, L, H, device)
 
 
 def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_weights: torch.Tensor,
@@ -251,8 +255,9 @@ def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, top
     out: optional [T, H] bf16 contiguous buffer, returned as given; it may be `residual` (updated in place).
     group: a torch.distributed ProcessGroup: gemm2_out / expanded_to_permuted / topk_weights are this rank's
     partial, summed over the group (fp32) before the norm; every rank gets `out`.
-    CUDA tensors run the tier table's variant (the fused kernel up to 16 tokens; CUDA-graph capturable, on
-    torch's current stream); CPU tensors run `reference`.
+    CUDA tensors only, like every op that launches kernels: the tier table's variant (the fused kernel up to 16
+    tokens; CUDA-graph capturable, on torch's current stream). On the CPU: torch.ops.kerngen.latent_tail (the same
+    checks, then `reference`), or `reference` itself.
     """
     if group is not None:
         return _tp(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, shared, residual, eps, out,
@@ -265,7 +270,7 @@ def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, top
         hit = _fast.get(sig)
     except (AttributeError, TypeError):   # not tensors, or an unhashable eps: _prepare names the argument
         sig, hit = None, None
-    if hit is None or (hit[0] is not None and (g.data_ptr() | nw.data_ptr() | up.data_ptr()) % 16):
+    if hit is None or (g.data_ptr() | nw.data_ptr() | up.data_ptr()) % 16:
         hit = remember(_fast, sig, _prepare(g, e2p, w, nw, up, shared, residual, eps))
     k, T, L, H, dev = hit
     if out is None:
@@ -274,8 +279,6 @@ def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, top
         check_buffer(OP, "out", out, torch.bfloat16, (T, H), g.device)
     if not T:
         return out
-    if k is None:
-        return out.copy_(reference(g, e2p, w, nw, up, shared=shared, residual=residual, eps=eps))
     if type(k) is Launcher:
         k.launch(current_stream(dev), g=g.data_ptr(), idx=e2p.data_ptr(), w=w.data_ptr(), nw=nw.data_ptr(),
                  up=up.data_ptr(), shared=0 if shared is None else shared.data_ptr(),
@@ -286,28 +289,18 @@ def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, top
 
 
 def _prepare(g, e2p, w, nw, up, shared, residual, eps) -> tuple:
-    T, L, H = _slow_checks(g, e2p, w, nw, up, shared, residual, eps)
+    T, L, H = check_args(g, e2p, w, nw, up, shared, residual, eps)
     dev = g.get_device()
-    if g.device.type not in _common.KERNEL_DEVICES:
-        return None, T, L, H, dev
-    for name, t in (("gemm2_out", g), ("norm_weight", nw), ("up_proj", up)):
-        check_aligned(OP, name, t)
-    d = dispatch(L, H, e2p.shape[1], DTYPE_NAMES[w.dtype], dev)
-    k = d.served(T)
+    k = dispatch(L, H, e2p.shape[1], DTYPE_NAMES[w.dtype], dev).served(T)
     return k, T, L, H, dev
 
 
-def _slow_checks(g, e2p, w, nw, up, shared, residual, eps) -> tuple[int, int, int]:
-    """Full validation with a message naming the argument; returns (T, L, H)."""
-    check_tensor(OP, "gemm2_out", g, dtypes=_BF16, ndim=2, device=getattr(g, "device", None))
-    dev = g.device   # CUDA tensors run the kernels, CPU tensors the reference
-    check_tensor(OP, "expanded_to_permuted", e2p, dtypes=(torch.int32,), ndim=2, device=dev, contiguous=True)
-    check_tensor(OP, "topk_weights", w, dtypes=_W, ndim=2, device=dev, contiguous=True)
-    T, K = e2p.shape
-    if tuple(w.shape) != (T, K):
-        raise InputError(OP, "topk_weights", f"of shape {(T, K)} like expanded_to_permuted", f"{tuple(w.shape)}")
-    if not 1 <= K <= MAX_K:
-        raise InputError(OP, "expanded_to_permuted", f"[T, K] with 1 <= K <= {MAX_K}", f"K = {K}")
+def check_args(g, e2p, w, nw, up, shared, residual, eps, *, cuda: bool = True) -> tuple[int, int, int]:
+    """Full validation with a message naming the argument; returns (T, L, H). Runs on the first call of a shape or
+    on any doubt, and (cuda=False: tensors on any one device) before the reference of torch.ops.kerngen.latent_tail
+    on CPU tensors: the same checks and errors on both devices but the device's."""
+    T, K = check_gather_inputs(OP, g, e2p, w, _BF16, _W, MAX_K, cuda=cuda)
+    dev = g.device
     check_tensor(OP, "norm_weight", nw, dtypes=_BF16, ndim=1, device=dev, contiguous=True)
     L = nw.shape[0]
     if L < 8 or L % 8 or L > g.shape[1]:
@@ -328,6 +321,8 @@ def _slow_checks(g, e2p, w, nw, up, shared, residual, eps) -> tuple[int, int, in
                 raise InputError(OP, name, f"of shape {(T, H)} (tokens, up_proj's rows)", f"shape {tuple(t.shape)}")
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 <= eps < float("inf"):
         raise InputError(OP, "eps", "a finite number >= 0", repr(eps))
+    for name, t in (("gemm2_out", g), ("norm_weight", nw), ("up_proj", up)):
+        check_aligned(OP, name, t)
     return T, L, H
 
 
@@ -351,19 +346,12 @@ def _tp(g, e2p, w, nw, up, shared, residual, eps, out, group) -> torch.Tensor:
         raise InputError(OP, "group", "a process group of an initialized torch.distributed", "no default group")
     if not isinstance(group, dist.ProcessGroup):
         raise InputError(OP, "group", "a torch.distributed.ProcessGroup", type(group).__name__)
-    T, L, H = _slow_checks(g, e2p, w, nw, up, shared, residual, eps)
+    T, L, H = check_args(g, e2p, w, nw, up, shared, residual, eps)
     if out is not None:
         check_buffer(OP, "out", out, torch.bfloat16, (T, H), g.device)
-    if g.device.type in _common.KERNEL_DEVICES:
-        y = finalize(g, e2p, w, hidden=L).float()
-    else:
-        y = latent_sum(g, e2p, w, L)
+    y = finalize(g, e2p, w, hidden=L).float()
     dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
-    if g.device.type not in _common.KERNEL_DEVICES:
-        res = project(normalize(y, nw, eps), up, shared, residual)
-        return res if out is None else out.copy_(res)
     ident, ones = _rows(T, g.device)
     return latent_tail(y.to(torch.bfloat16), ident, ones, nw, up, shared=shared, residual=residual, eps=eps, out=out)
-
 
 on_clear(clear)
