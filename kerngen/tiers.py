@@ -107,11 +107,13 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                          "min_blocks": _n(1, 32),   # __launch_bounds__' CTAs an SM: a register bound
                          "prefetch": FLAG,   # quantized builds: the next steps' weight loads issued first (default)
                          "prefetch_x": FLAG,   # quantized builds with prefetch: the next steps' activations too
-                         "f16x": FLAG},   # fp8 / MXFP4 weights: activations carried as f16 (power-of-two scales)
+                         "f16x": FLAG,   # fp8 / MXFP4 weights: activations carried as f16 (power-of-two scales)
+                         "mtiles": _n(1, 2)},   # with f16x: m16 tiles of weight rows an item takes (default 1)
     ("latent_tail", "fused"): {"backend": NVRTC, "max_tokens": _n(1, 16, required=True),
                                "warps": _n(1, 32, required=True), "unroll": _n(1, 8, required=True),
                                "cluster": _n(1, 8), "blocks_per_sm": _n(1, 32), "pdl": FLAG,
-                               "early_weights": FLAG},   # the first weight steps loaded into registers before the wait
+                               "early_weights": FLAG,   # the first weight steps loaded into registers before the wait
+                               "split": FLAG},   # the norm in a first kernel of its own, the projection waiting on it
     ("latent_tail", "unfused"): {},   # kerngen.finalize + torch (host code)
     ("tail_tp", "allreduce"): {"allreduce": Param(str, required=True, choices=("nccl", "symm_mem")),
                                "max_tokens": _n()},

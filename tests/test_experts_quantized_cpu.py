@@ -78,7 +78,7 @@ def stub_launches(monkeypatch) -> list:
 
     class Stub:
         def __init__(self, module, name, device, grid, block, params, smem=0, pdl=False):
-            self.name, self.params, self.spec = name, params, module
+            self.name, self.params, self.spec, self.grid = name, params, module, grid
 
         def __call__(self, stream, *values):   # the fields in the struct's order
             assert len(values) == len(self.params.names)
@@ -193,3 +193,26 @@ def test_quantize_f16_is_exact_within_its_range_with_power_of_two_scales():
     tiny = torch.tensor([[1.0, 2.0 ** -40, 3.0] + [0.0] * 125], dtype=torch.bfloat16)
     q, s = ex.quantize_f16(tiny)   # 2^-40 below the group's largest: an f16 subnormal's step (2^-39 of it) away
     assert q[0, 1].item() == 0.0 and q[0, 2].item() * s[0, 0].item() == 3.0
+
+
+@pytest.mark.parametrize("fmt,H,I", [("fp8", 7168, 2048), ("mxfp4", 2880, 2880), ("mxfp4", 3584, 2048)])
+@pytest.mark.parametrize("params", [dict(prefetch_x=True), dict()])
+def test_two_tiles_an_item_compile_without_spills_and_halve_the_grid(fmt, H, I, params, tmp_path, monkeypatch):
+    """mtiles=2 (f16x builds): items of two m16 tiles of weight rows, so an item covers 16 intermediate / 32 output
+    columns and the grid sizes from that; without spills at 4 CTAs of 4 warps."""
+    from kerngen.plan import spec_for
+    p = {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True, f16x=True, mtiles=2), **params}
+    tile = p.pop("tile", 8)
+    s = spec_for(tiers.Rule("experts", "mma", {}, p), *ex.tag_constants(H, I, tile, "silu", fmt), "sm_90a")
+    built = jit.build(s, store=DiskCache(tmp_path))
+    assert_no_spills(built.files)
+    stub_launches(monkeypatch)
+    k = ex.Kernels(s, -1)
+    gemm1, gemm2 = k.launchers(3)[1::2]
+    assert gemm1.grid[0] == min(3 * -(-I // 16), 4 * tiers.SMS) and gemm2.grid[0] == min(3 * -(-H // 32), 4 * tiers.SMS)
+
+
+def test_mtiles_needs_f16x():
+    rule = tiers.Rule("experts", "mma", {"tokens": (1, 8)}, dict(tile=8, warps=4, unroll=1, mtiles=2))
+    with pytest.raises(kerngen.TierError, match="mtiles"):
+        ex.rule_spec(rule, 7168, 2048, "silu", "sm_90a", "fp8")

@@ -311,6 +311,9 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
     if params.get("f16x") and (fmt not in ("fp8", "mxfp4") or a8):
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets f16x, which only "
                         f"fp8 and MXFP4 weights with bf16 activations take (not {rule_format(fmt, a8)})")
+    if params.get("mtiles", 1) != 1 and not params.get("f16x"):
+        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets mtiles without "
+                        "f16x: only the f16-activation builds take more than one tile of weight rows an item")
     if not params.pop("transposed", True) and layout == "kn":
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} serves contiguous "
                         "weights only (transposed = false): transposed ones run torch._grouped_mm there")
@@ -355,7 +358,8 @@ class Kernels:
         self.a8 = bool(c.get("A8"))   # fp8 activations: two quantizing launches and their buffers besides
         self.x16 = bool(p.get("f16x"))   # f16 activations: the same, f16 buffers
         self._warps, self._H, self._I = p["warps"], c["H"], c["I"]
-        self._cols = (16, 32) if c.get("KN") else (8, 16)   # columns of an item: GEMM1 (intermediate), GEMM2
+        mt = p.get("mtiles", 1) if self.x16 else 1   # m16 tiles of weight rows an item takes
+        self._cols = (16, 32) if c.get("KN") else (8 * mt, 16 * mt)   # an item's columns: GEMM1, GEMM2
         self._mod = resolve(s)
         self._pdl = bool(p.get("pdl", False))
         self._ctas = {name: _common.persistent_ctas(OP, self._mod, name, device, launch)

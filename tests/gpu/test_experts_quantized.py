@@ -325,11 +325,13 @@ def run_f16x(k, x, r, w, s, **kw):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("params", [dict(), dict(prefetch=False), dict(prefetch_x=True), dict(unroll=2),
                                     dict(tile=16), dict(tile=16, prefetch_x=True),
-                                    dict(warps=8, unroll=2, blocks_per_sm=2)])
+                                    dict(warps=8, unroll=2, blocks_per_sm=2), dict(mtiles=2),
+                                    dict(mtiles=2, prefetch_x=True), dict(mtiles=2, tile=16)])
 @pytest.mark.parametrize("H,I", [(1024, 256), (2880, 2880)])
 def test_f16x_launch_shapes_match_the_dequantized_reference(fmt, params, H, I):
     """f16x builds (the activations as f16 times a power of two per 128 columns, exact for these values) against the
-    bf16-activation reference, with the weight-only kernels' tolerance; gpt-oss's 2880 ends its rows mid-step."""
+    bf16-activation reference, with the weight-only kernels' tolerance; gpt-oss's 2880 ends its rows mid-step;
+    mtiles=2 items of two tiles of weight rows sharing each activation fragment."""
     if fmt == "fp8" and H % 128:
         pytest.skip("fp8 block scales need multiples of 128")
     p = dict(params)

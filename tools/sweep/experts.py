@@ -95,6 +95,11 @@ def main():
                     cands.append((f"w{w} u{u} b{b}" + " x" * px + " h" * x16,
                                   build(dict(warps=w, unroll=u, blocks_per_sm=b, pdl=True, prefetch_x=px,
                                              **({"f16x": True} if x16 else {})))))
+                if x16:   # two tiles of weight rows an item
+                    for u, b, px in itertools.product((1,), (3, 4), (False, True)):
+                        cands.append((f"w4 u{u} b{b} t2" + " x" * px + " h",
+                                      build(dict(warps=4, unroll=u, blocks_per_sm=b, pdl=True, prefetch_x=px,
+                                                 f16x=True, mtiles=2))))
                 if a8 or x16:   # register bounds
                     for b, px in itertools.product((6, 8), (False, True)):
                         cands.append((f"w4 u1 b{b} m{b}" + " x" * px + " h" * x16,
