@@ -7,6 +7,7 @@ GPU warns. Ops without a candidate list keep their shipped rules.
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 from pathlib import Path
 
@@ -131,8 +132,93 @@ def _time_routing(model: tiers.Model, T: int, variant: str, params: dict) -> flo
                          f"routing {variant} {params} (ids)", T)
 
 
+EXPERTS_MAX_TOKENS = 256   # kerngen.experts' kernels serve decode batches; beyond, torch._grouped_mm (no rule)
+
+
+def experts_formats(model: tiers.Model) -> tuple[str, ...]:
+    """The experts rule formats tuned for `model`: bf16, the format its checkpoints ship in, and w8a8 for fp8."""
+    return tuple(dict.fromkeys(("bf16", model.experts_format) + (("w8a8",) if model.experts_format == "fp8" else ())))
+
+
+def experts_candidates(fmt: str = "bf16"):
+    """kerngen.experts' launch shapes for weights in `fmt` (bf16, fp8, mxfp4, or w8a8: fp8 with fp8 activations):
+    routing tiles of 8 and 16 rows; quantized builds also the activation path (fp8: f16x, and mtiles with it)."""
+    if fmt == "bf16":
+        for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
+            yield "mma", dict(tile=tile, warps=warps, unroll=unroll, blocks_per_sm=bps, pdl=True)
+        return
+    for tile, unroll, bps, px in itertools.product((8, 16), (1, 2), (4, 5, 6), (False, True)):
+        base = dict(tile=tile, warps=4, unroll=unroll, blocks_per_sm=bps, pdl=True, prefetch_x=px)
+        yield "mma", base
+        if fmt == "fp8":
+            yield "mma", dict(base, f16x=True)
+    if fmt == "fp8":
+        for bps, px in itertools.product((3, 4), (False, True)):
+            yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=bps, pdl=True, prefetch_x=px, f16x=True,
+                              mtiles=2)
+
+
+_expert_weights: dict[tuple, tuple] = {}   # (model, format) -> w13, w2, w13_scale, w2_scale (one layer, random)
+
+
+def _expert_inputs(model: tiers.Model, wfmt: str):
+    """One layer of random expert weights of `model` in `wfmt` (every code but NaN; MXFP4 scale bytes 118..123),
+    kept while one format is tuned."""
+    key = (model.name, wfmt)
+    if key not in _expert_weights:
+        _expert_weights.clear()
+        E, H, I, dev = model.num_experts, model.hidden, model.intermediate, "cuda"
+        if wfmt == "bf16":
+            w = [(torch.randn(E, n, k, device=dev) * 0.02).to(torch.bfloat16) for n, k in ((2 * I, H), (H, I))]
+            _expert_weights[key] = (*w, None, None)
+        elif wfmt == "fp8":
+            w = [torch.randint(0, 256, (E, n, k), dtype=torch.uint8, device=dev) for n, k in ((2 * I, H), (H, I))]
+            for t in w:
+                t[(t & 0x7F) == 0x7F] = 0
+            sc = [torch.rand(E, n // 128, k // 128, device=dev) * 1e-2 / 448 for n, k in ((2 * I, H), (H, I))]
+            _expert_weights[key] = (w[0].view(torch.float8_e4m3fn), w[1].view(torch.float8_e4m3fn), *sc)
+        else:
+            w = [torch.randint(0, 256, (E, n, k // 32, 16), dtype=torch.uint8, device=dev) for n, k in
+                 ((2 * I, H), (H, I))]
+            sc = [torch.randint(118, 124, (E, n, k // 32), dtype=torch.uint8, device=dev) for n, k in
+                  ((2 * I, H), (H, I))]
+            _expert_weights[key] = (*w, *sc)
+    return _expert_weights[key]
+
+
+def _time_experts(model: tiers.Model, T: int, variant: str, params: dict, fmt: str = "bf16") -> float:
+    """kerngen.experts' two GEMMs at this launch shape on one layer of random weights in `fmt`, each (token, k)
+    output row checked against the reference within the GPU tests' tolerance."""
+    import kerngen
+    from .ops import experts as ex
+    a8, wfmt = fmt == "w8a8", "fp8" if fmt == "w8a8" else fmt
+    H, I, E, K, dev = model.hidden, model.intermediate, model.num_experts, model.top_k, torch.cuda.current_device()
+    spec = ex.rule_spec(tiers.Rule(op="experts", variant=variant, ranges={}, params=params), H, I, model.activation,
+                        target_arch(dev), wfmt, "nk", a8)
+    k = ex.Kernels(spec, dev)
+    w13, w2, s13, s2 = _expert_inputs(model, wfmt)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = (torch.randn(T, H, device="cuda", generator=g) * 0.3).to(torch.bfloat16)
+    r = kerngen.route(torch.randn(T, E, device="cuda", generator=g), top_k=K, method="softmax_topk",
+                      tile=params["tile"])
+    out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
+    gpt = model.activation == "gpt_oss"
+    kw = dict(interleaved=gpt, w13_scale=s13, w2_scale=s2, a0=1.702 if gpt else 1.0, a1=7.0 if gpt else 0.0)
+    call = lambda: k(x, r, w13, w2, out, **kw)  # noqa: E731
+
+    def correct() -> bool:
+        ref = ex.reference(x, r, w13, w2, activation=model.activation, interleaved=gpt, w13_scale=s13,
+                           w2_scale=s2, fp8_activations=a8)
+        rows = r.expanded_to_permuted.long().flatten()
+        got, want = out[rows].float(), ref[rows].float()
+        if a8:   # fp8 activations: norm-wise within 1% (an intermediate may quantize one e4m3 step apart)
+            return bool(((got - want).norm() / want.norm()) < 1e-2)
+        return bool(((got - want).abs() <= 2e-2 * want.abs() + 2e-2 * want.abs().max()).all())
+    return _checked_time(call, correct, f"experts {fmt} {params}", T)
+
+
 TUNERS = {"finalize": (finalize_candidates, _time_finalize), "tail": (tail_candidates, _time_tail),
-          "routing": (routing_candidates, _time_routing)}
+          "routing": (routing_candidates, _time_routing), "experts": (experts_candidates, _time_experts)}
 
 
 def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> list[tiers.Rule]:
@@ -141,17 +227,26 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
     model = tbl.model(model_name)
     tokens = [t for t in sorted(tokens) if model.tokens[0] <= t <= model.tokens[1]]
     rules: list[tiers.Rule] = []
+    jobs = []   # (op, format or None, candidates, timer, token buckets)
     for op in ops:
         if op not in TUNERS:
             print(f"kerngen tune: no candidates for {op} yet; its shipped rules stay in force")
             continue
         candidates, timer = TUNERS[op]
-        cands = list(candidates())
+        if op != "experts":
+            jobs.append((op, None, list(candidates()), timer, tokens))
+        elif not model.intermediate:
+            print(f"kerngen tune: {model_name} names no intermediate size; its experts rules stay in force")
+        else:   # per format, up to the tokens the experts kernels serve
+            for fmt in experts_formats(model):
+                jobs.append((op, fmt, list(candidates(fmt)), functools.partial(timer, fmt=fmt),
+                             [t for t in tokens if t <= EXPERTS_MAX_TOKENS]))
+    for op, fmt, cands, timer, tokens in jobs:
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(cands) * len(tokens), desc=f"tune {model_name} {op}", unit="run", leave=False,
-                       disable=None)   # only on a terminal (a redirected log gets no bar)
+            bar = tqdm(total=len(cands) * len(tokens), desc=f"tune {model_name} {op}{' ' + fmt if fmt else ''}",
+                       unit="run", leave=False, disable=None)   # only on a terminal (a redirected log gets no bar)
         winners, unfit = [], {}
         for T in tokens:
             best = None
@@ -174,7 +269,7 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
             lines = str(e).splitlines()
             reason = next((line.strip() for line in lines if "error" in line), lines[0] if lines else "")
             print(f"kerngen tune: {op} {variant} {params} does not compile for {model_name}, skipped ({reason})")
-        rules += _merge(op, model, winners, _target())
+        rules += _merge(op, model, winners, _target(), (fmt,) if fmt else ())
     return rules
 
 
@@ -184,23 +279,27 @@ def _target() -> str | None:
     return target_arch() if torch.cuda.is_available() else None
 
 
-def _merge(op: str, model: tiers.Model, winners, arch: str | None = None) -> list[tiers.Rule]:
+def _merge(op: str, model: tiers.Model, winners, arch: str | None = None, formats: tuple = ()) -> list[tiers.Rule]:
     """One rule per run of buckets with the same winner; a boundary sits halfway between buckets. The rules
-    serve `arch` only (the GPU they were timed on)."""
+    serve `arch` only (the GPU they were timed on), experts rules the weight `formats` timed, up to the last
+    bucket timed (beyond, no experts rule: torch._grouped_mm)."""
     out: list[tiers.Rule] = []
     lo = model.tokens[0]
+    top = min(model.tokens[1], winners[-1][0]) if op == "experts" else model.tokens[1]
     for i, (T, us, variant, params) in enumerate(winners):
         last = i == len(winners) - 1
         if not last and (winners[i + 1][2], winners[i + 1][3]) == (variant, params):
             continue
-        hi = model.tokens[1] if last else (T + winners[i + 1][0]) // 2
+        hi = top if last else (T + winners[i + 1][0]) // 2
         if "max_tokens" in params:   # a fused kernel never serves more tokens than it is sized for
             hi = min(hi, int(params["max_tokens"]))
         shape = ({"num_experts": (model.num_experts, model.num_experts)} if op == "routing"
                  else {"hidden": (model.hidden, model.hidden)})
-        out.append(tiers.Rule(op=op, variant=variant, params=dict(params),
-                              ranges={**shape, "top_k": (model.top_k, model.top_k), "tokens": (lo, hi)},
-                              source=f"tuned: {us:.2f} us at T={T}", arch=(arch,) if arch else ()))
+        ranges = {**shape, "tokens": (lo, hi)} if op == "experts" else {**shape, "top_k": (model.top_k,) * 2,
+                                                                         "tokens": (lo, hi)}
+        out.append(tiers.Rule(op=op, variant=variant, params=dict(params), ranges=ranges,
+                              source=f"tuned: {us:.2f} us at T={T}", arch=(arch,) if arch else (),
+                              formats=tuple(formats)))
         lo = hi + 1
     return out
 
@@ -237,6 +336,8 @@ def write(path: Path, model_name: str, rules: list[tiers.Rule]) -> None:
         lines += [f"{k} = {_toml(list(v))}" for k, v in r.ranges.items()]
         if r.arch:
             lines.append(f"arch = {_toml(list(r.arch))}")
+        if r.formats:
+            lines.append(f"formats = {_toml(list(r.formats))}")
         lines.append("params = { " + ", ".join(f"{k} = {_toml(v)}" for k, v in r.params.items()) + " }")
     text = "\n".join(lines) + "\n"
     tmp = path.with_suffix(path.suffix + ".tmp")

@@ -88,3 +88,41 @@ def test_no_candidate_compiling_is_an_error_naming_the_first_reason(monkeypatch)
     monkeypatch.setitem(tune.TUNERS, "routing", (lambda: iter([("topk", dict(warps=16, warps_per_token=1))]), timer))
     with pytest.raises(KerngenError, match="no routing candidate compiles for kimi-k3(.|\n)*too big"):
         tune.tune("kimi-k3", ["routing"], tokens=[1], progress=False)
+
+
+def test_experts_are_tuned_per_format_up_to_the_tokens_their_kernels_serve(tmp_path, monkeypatch):
+    """deepseek-v3 ships fp8: its experts rules are tuned for bf16, fp8 and w8a8, each rule naming its format, the
+    buckets past EXPERTS_MAX_TOKENS left out (torch._grouped_mm there), and the file loads with the table picking
+    each format's winner; the fp8 candidates include the f16-activation shapes."""
+    monkeypatch.setattr(tune, "provenance", lambda: {"gpu": "NVIDIA H200", "date": "2026-12-04"})
+    timed = []
+
+    def timer(model, T, variant, params, fmt="bf16"):
+        timed.append((fmt, T))
+        fast = {"bf16": dict(warps=8), "fp8": dict(f16x=True, prefetch_x=True), "w8a8": dict(prefetch_x=True)}[fmt]
+        return 1.0 if all(params.get(k) == v for k, v in fast.items()) and params["tile"] == (8 if T <= 16 else 16) \
+            else 2.0
+
+    monkeypatch.setitem(tune.TUNERS, "experts", (tune.experts_candidates, timer))
+    rules = tune.tune("deepseek-v3", ["experts"], tokens=[1, 16, 64, 256, 1024], progress=False)
+    assert {fmt for fmt, _ in timed} == {"bf16", "fp8", "w8a8"} and max(T for _, T in timed) == 256
+    assert all(r.op == "experts" and len(r.formats) == 1 for r in rules)
+    assert max(r.ranges["tokens"][1] for r in rules) == 256
+    out = tmp_path / "tuned.toml"
+    tune.write(out, "deepseek-v3", rules)
+    t = tiers.load(out)
+    fp8 = t.rule("experts", {"hidden": 7168, "tokens": 8, "format": "fp8", "arch": "sm_90a"})
+    assert fp8.params["f16x"] and fp8.params["tile"] == 8 and str(out) in fp8.source
+    assert t.rule("experts", {"hidden": 7168, "tokens": 100, "format": "fp8", "arch": "sm_90a"}).params["tile"] == 16
+    assert t.rule("experts", {"hidden": 7168, "tokens": 8, "format": "w8a8", "arch": "sm_90a"}).formats == ("w8a8",)
+    assert t.rule("experts", {"hidden": 7168, "tokens": 8, "arch": "sm_90a"}).params["warps"] == 8   # bf16
+    assert sum(1 for _, p in tune.experts_candidates("fp8") if p.get("mtiles") == 2) >= 2
+
+
+def test_every_experts_candidate_is_a_valid_rule_for_its_format():
+    from kerngen.ops import experts as ex
+    for fmt in ("bf16", "fp8", "mxfp4", "w8a8"):
+        for variant, params in tune.experts_candidates(fmt):
+            tiers.check_params("experts", "experts", variant, params)
+            ex.rule_spec(tiers.Rule("experts", variant, {}, params), 7168, 2048, "silu", "sm_90a",
+                         "fp8" if fmt == "w8a8" else fmt, "nk", fmt == "w8a8")

@@ -1,20 +1,24 @@
-"""kerngen tune on the GPU: every op's candidates run, are checked, and the winners load as tier rules."""
+"""kerngen tune on the GPU: the experts timers run their candidates (checked against the reference) and write rules
+the table loads."""
+import itertools
+
 import pytest
-import torch
 
 from kerngen import tiers, tune
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
 
 
-def test_tune_writes_rules_that_dispatch_uses(tmp_path, gpu_cache):
-    rules = tune.tune("kimi-k3", ["routing", "finalize", "tail"], tokens=(1, 8), progress=False)
-    assert {r.op for r in rules} == {"routing", "finalize", "tail"}
-    path = tmp_path / "tuned.toml"
-    tune.write(path, "kimi-k3", rules)
-    t = tiers.load(path)
-    assert torch.cuda.get_device_name() in path.read_text()
-    for op, shape in (("routing", {"num_experts": 896, "top_k": 16}), ("finalize", {"hidden": 3584, "top_k": 16}),
-                      ("tail", {"hidden": 3584, "top_k": 16})):
-        for T in (1, 8):
-            assert str(path) in t.rule(op, {**shape, "tokens": T}).source, (op, T)
+def test_experts_tuning_times_checked_candidates_and_writes_loadable_rules(tmp_path, monkeypatch):
+    candidates = tune.experts_candidates
+    monkeypatch.setattr(tune, "experts_candidates",
+                        lambda fmt="bf16": itertools.islice(candidates(fmt), 2))
+    monkeypatch.setitem(tune.TUNERS, "experts", (tune.experts_candidates, tune._time_experts))
+    rules = tune.tune("gpt-oss-120b", ["experts"], tokens=[1, 8], progress=False)
+    assert {r.formats for r in rules} <= {("bf16",), ("mxfp4",)} and {f for r in rules for f in r.formats} == {
+        "bf16", "mxfp4"}
+    out = tmp_path / "tuned.toml"
+    tune.write(out, "gpt-oss-120b", rules)
+    t = tiers.load(out)
+    r = t.rule("experts", {"hidden": 2880, "tokens": 8, "format": "mxfp4", "arch": rules[0].arch[0]})
+    assert str(out) in r.source and r.params["tile"] in (8, 16)
