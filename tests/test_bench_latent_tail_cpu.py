@@ -26,3 +26,14 @@ def test_a_whole_launch_shape_times_alone_up_to_its_max_tokens():
     assert rule == dict(max_tokens=8, warps=8, unroll=4, cluster=8, pdl=False)
     assert bench.rule_params(rule, tier_spec(8), 8) == rule
     assert bench.rule_params(rule, tier_spec(9), 9) is None
+
+
+def test_split_lays_over_the_tier_rule_and_builds_the_two_kernels():
+    rule = bench.parse_rule("split=true,blocks_per_sm=3")
+    assert rule == {"split": True, "blocks_per_sm": 3}
+    for T in (1, 8, 16):
+        params = bench.rule_params(rule, tier_spec(T), T)
+        assert params == {**dict(tier_spec(T).params), **rule}, T
+        s = bench.spec_for(bench.Rule(lt.OP, "fused", {}, params), *lt.tag_constants(*KIMI[:2], KIMI[2], "float32"),
+                           "sm_90a")
+        assert lt.split(s) and sorted(lt.persistent(s)) == [lt.NORM, lt.PROJ]

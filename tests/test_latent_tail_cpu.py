@@ -285,7 +285,9 @@ def test_the_dispatch_buckets(monkeypatch):
      "tokens = [1, 8]\n", "field 'model_hidden' must be a multiple of 8"),
     ("[[tier]]\nop = 'latent_tail'\nvariant = 'unfused'\nparams = { warps = 4 }\n",
      "unknown param 'warps' of latent_tail variant 'unfused'"),
-    ("[[tier]]\nop = 'latent_tail'\nvariant = 'split'\n", "unknown variant 'split' of latent_tail for backend 'nvrtc'"),
+    ("[[tier]]\nop = 'latent_tail'\nvariant = 'tiled'\n", "unknown variant 'tiled' of latent_tail for backend 'nvrtc'"),
+    ("[[tier]]\nop = 'latent_tail'\nvariant = 'fused'\nparams = { max_tokens = 8, warps = 8, unroll = 2, split = 1 }\n",
+     "param 'split' of latent_tail variant 'fused' must be true or false"),
     ("[[tier]]\nop = 'latent_tail'\nvariant = 'fused'\nparams = { max_tokens = 17, warps = 8, unroll = 2 }\n",
      "param 'max_tokens' of latent_tail variant 'fused' must be an integer in [1, 16]"),
     ("[[tier]]\nop = 'latent_tail'\nvariant = 'fused'\nparams = { max_tokens = 8, warps = 8 }\n",
@@ -381,6 +383,165 @@ def test_launch_shape():
         lt.launch_shape(fused(8192, 7168, 16), -1)
     with pytest.raises(kerngen.InputError, match="max_tokens >= 12"):
         lt.kernel(fused(3584, 7168, 16, max_tokens=8), 12, -1)
+
+
+# ---------------------------------------------------------------------------------------------- split builds
+
+# A user tier file sending kimi-k3's fused token counts to split builds of the shipped rules' launch shapes.
+SPLIT_TIERS = """schema = 1
+
+[[tier]]
+op = "latent_tail"
+variant = "fused"
+tokens = [1, 8]
+hidden = [8, 8192]
+params = { max_tokens = 8, warps = 8, unroll = 2, cluster = 8, blocks_per_sm = 2, pdl = true, split = true }
+
+[[tier]]
+op = "latent_tail"
+variant = "fused"
+tokens = [9, 16]
+hidden = [8, 4096]
+params = { max_tokens = 16, warps = 16, unroll = 2, cluster = 8, blocks_per_sm = 1, pdl = true, split = true }
+"""
+
+
+def split_specs():
+    """kimi-k3's rules, the other shapes of fused_specs and their early_weights builds, with split = true."""
+    return [with_params(s, {**dict(s.params), "split": True}) for s in fused_specs() + early_specs()]
+
+
+def _split_id(s):
+    p = dict(s.params)
+    return f"{s.tag}-{p['max_tokens']}" + ("-early" if p.get("early_weights") else "")
+
+
+@pytest.mark.parametrize("spec", split_specs(), ids=_split_id)
+def test_split_builds_compile_without_spills_and_wait_where_they_should(spec):
+    """Both kernels, no spills, no compiler warning; the norm kernel lets its dependent launch (PREEXIT) before it
+    waits (ACQBULK); the projection issues its first item's weight loads (L2 prefetches, and with early_weights its
+    first UNROLL steps, two 16-byte streaming loads a row a step) before its wait, and no other load."""
+    launches = lt.persistent(spec)
+    assert sorted(launches) == [lt.NORM, lt.PROJ] and lt.launch_shape(spec, -1)
+    cubin, log = nvrtc_compile(render.render(spec), "latent_tail_split", spec.arch, "split", None)
+    assert not log, log
+    files = {"kernel.cubin": cubin}
+    assert_no_spills(files)
+    assert sorted(f for f, _ in resources.usage(files)) == sorted(launches)
+    sass = resources.sass(files)
+    p = dict(spec.params)
+    for part in sass.split("Function : ")[1:]:
+        name = part.split()[0]
+        ops = _opcodes(part)
+        before = ops[:ops.index("ACQBULK")]
+        if name == lt.NORM:
+            assert "PREEXIT" in before and not [o for o in before if o.startswith(("LDG", "LDS", "STG", "STS"))]
+        else:
+            assert "PREEXIT" not in before and "CCTL.E.PF2" in before
+            loads = [o for o in before if o.startswith(("LDG", "LDS", "LD."))]
+            assert loads == ["LDG.E.EF.128"] * (4 * p["unroll"] if p.get("early_weights") else 0), loads
+
+
+def _opcodes(sass: str) -> list[str]:
+    import re
+    return [m.group(1) for line in sass.splitlines()
+            for m in [re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", line)] if m]
+
+
+def test_split_builds_of_kimi_k3_fit_their_blocks_per_sm(tmp_path):
+    """The registers and shared memory of the built projection let an SM hold the rule's blocks_per_sm."""
+    t = tiers.load()
+    for s in lt.model_specs(t.model("kimi-k3"), t, "sm_90a"):
+        s = with_params(s, {**dict(s.params), "split": True})
+        rows = warmup.usage(s, jit.build(s, store=DiskCache(tmp_path)).files)
+        proj = next(u for u in rows if u.function == lt.PROJ)
+        assert proj.stack == 0 and proj.resident >= proj.per_sm == dict(s.params)["blocks_per_sm"], proj
+
+
+def test_split_false_renders_the_fused_source():
+    assert render.render(fused(3584, 7168, 16, split=False)) == render.render(fused(3584, 7168, 16))
+    assert "latent_tail_norm(" not in render.render(fused(3584, 7168, 16))
+
+
+def test_python_packing_matches_the_split_params_struct():
+    from tests.test_params_layout import check_layout
+    assert lt.PARAMS_SPLIT.format == "8Q3ifQ" and lt.PARAMS_SPLIT.size == 88
+    for s in (fused(3584, 7168, 16, split=True), fused(64, 64, 2, "bfloat16", cluster=1, warps=2, split=True)):
+        check_layout(f"latent_tail split {s.tag}", render.render(s), lt.PARAMS_SPLIT)
+
+
+def test_split_launch_shapes(monkeypatch):
+    """The projection: a persistent grid of plain CTAs (blocks_per_sm an SM, capped at what an SM holds and at the
+    items, not rounded to clusters); the norm kernel: a cluster of `cluster` CTAs a token, a thread a vector."""
+    s = fused(3584, 7168, 16, max_tokens=8, warps=8, blocks_per_sm=2, split=True)
+    assert lt.launch_shape(s, -1) == ((264, 1, 1), (256, 1, 1), 8 * 3592 * 2)
+    assert lt.norm_shape(s, 5) == ((40, 1, 1), (64, 1, 1))                  # 448 vectors / 8 CTAs: 56 -> 64 threads
+    assert lt.norm_shape(fused(1000, 1224, 4, cluster=1, split=True), 3) == ((3, 1, 1), (128, 1, 1))   # 125 vectors
+    assert lt.launch_shape(fused(64, 16, 2, cluster=8, split=True), -1)[0] == (1, 1, 1)   # one item, one CTA
+    monkeypatch.setattr(lt, "resolve", lambda spec: _Module())
+    monkeypatch.setattr(_common, "sm_count", lambda dev: 132)
+    for fits, grid in ((3, 264), (2, 264), (1, 132)):
+        monkeypatch.setattr(_common, "resident", lambda fn, threads, smem, n=fits: n if fn == lt.PROJ else 0)
+        assert lt.launch_shape(s, 0)[0] == (grid, 1, 1), fits
+    with pytest.raises(kerngen.InputError, match="L / 8 / cluster"):
+        lt.persistent(fused(8200, 64, 2, max_tokens=1, cluster=1, split=True))
+    with pytest.raises(kerngen.InputError, match="shared memory"):
+        lt.persistent(fused(8192, 64, 2, max_tokens=16, split=True))
+
+
+class _Module:
+    def function(self, name, device):
+        return name
+
+
+class _Launcher:
+    """Records each launch: (function, grid, block, smem, pdl, fields)."""
+    log: list = []
+
+    def __init__(self, module, name, device, grid, block, params, smem=0, pdl=False):
+        self.name, self.grid, self.block, self.smem, self.pdl, self.params = name, grid, block, smem, pdl, params
+
+    def __call__(self, stream, *fields):
+        assert len(fields) == len(self.params.names)
+        _Launcher.log.append((self.name, self.grid, self.block, self.smem, self.pdl, dict(zip(self.params.names, fields))))
+
+
+def test_the_dispatch_takes_split_builds_when_the_tiers_ask(tmp_path, monkeypatch):
+    """A tier file with split = true: kerngen.latent_tail runs the norm kernel then the projection (both with PDL) on
+    the same fields, n in one scratch buffer of the stream [max_tokens, L] bf16 shared by the shape's split builds;
+    the shipped rules still take the one-launch fused kernel."""
+    assert not any(dict(lt.spec(3584, 7168, 16, "float32", T, "sm_90a").params).get("split") for T in (1, 8, 9, 16))
+    user = tmp_path / "split.toml"
+    user.write_text(SPLIT_TIERS)
+    monkeypatch.setenv("KERNGEN_TIERS", str(user))
+    tiers.reload()
+    monkeypatch.setattr(_common, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(lt, "resolve", lambda spec: _Module())
+    monkeypatch.setattr(lt, "Launcher", _Launcher)
+    monkeypatch.setattr(lt, "current_stream", lambda dev: 7)
+    _Launcher.log = []
+    try:
+        d = lt.dispatch(256, 512, 4, "float32", -1)
+        assert [(s.variant, dict(s.params).get("split")) for s in d.specs] == [("fused", True), ("fused", True),
+                                                                            ("unfused", None)]
+        scratch = []
+        for T in (1, 5, 9, 5):
+            gemm2, e2p, w, nw, up, sh, res = make(T, 4, 256, 512, seed=T)
+            out = torch.empty(T, 512, dtype=BF)
+            assert kerngen.latent_tail(gemm2, e2p, w, nw, up, shared=sh, residual=res, out=out) is out
+            assert type(d.kernel(T)) is lt.Split
+            (n1, g1, b1, m1, p1, f1), (n2, g2, b2, m2, p2, f2) = _Launcher.log[-2:]
+            assert (n1, n2, p1, p2, f1) == (lt.NORM, lt.PROJ, True, True, f2)
+            assert g1 == (T * 8, 1, 1) and b1 == (32, 1, 1) and m1 == 0                 # 32 vectors a row: 4 a CTA
+            assert g2 == (32, 1, 1) and m2 == (8 if T <= 8 else 16) * 264 * 2         # 512 / 16 items < 264 CTAs
+            assert f1["tokens"] == T and f1["out"] == out.data_ptr() and f1["residual"] == res.data_ptr()
+            scratch.append(f1["n"])
+        buf = d.kernel(1)._scratch[7]
+        assert buf.shape == (16, 256) and buf.dtype == BF and scratch[-1] == buf.data_ptr()
+        assert scratch[0] != scratch[2] and scratch[2] == scratch[3]   # grown once to the 16-token rule's rows
+    finally:
+        monkeypatch.delenv("KERNGEN_TIERS")
+        tiers.reload()
 
 
 # ---------------------------------------------------------------------------------------------- the unfused path

@@ -14,6 +14,9 @@ plain torch; the fused kernel differs from it only in summation order (sum of sq
 The "unfused" variant (the tier table's choice for T > 16) is kerngen.finalize + torch: y rounded to bf16 by
 finalize, the norm in fp32, torch.matmul in bf16 (rounded), the adds in fp32: two more roundings, as the
 four-launch path an engine runs today. Both variants agree with `reference` to a few bf16 steps of the row.
+A fused rule with split = true runs the fused kernel's work as two launches (`Split`): latent_tail_norm writes n
+once into a scratch buffer of the stream, latent_tail_proj (programmatic dependent launch) issues its first weight
+loads before it waits on it; the same arithmetic in the same order as the one-launch kernel of the same params.
 
 Tensor parallelism (group=): each rank holds a partial routed output (its experts' rows); the partial latent
 sums are all-reduced in fp32 before the norm (normalizing partials and adding them is not the tail). up_proj,
@@ -51,6 +54,7 @@ _W = (torch.float32, torch.bfloat16)
 PARAMS = Params(("g", "ptr"), ("idx", "ptr"), ("w", "ptr"), ("nw", "ptr"), ("up", "ptr"), ("shared", "ptr"),
                 ("residual", "ptr"), ("out", "ptr"), ("ld", "int"), ("rows", "int"), ("tokens", "int"),
                 ("eps", "float"))
+PARAMS_SPLIT = Params(*PARAMS.fields, ("n", "ptr"))   # split builds: both kernels, the scratch n last
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -143,11 +147,18 @@ def explain_spec(tbl: tiers.Table, arch_: str, *, hidden: int, top_k: int, token
 # ---------------------------------------------------------------------------------------------- launch objects
 
 FUNCTION = "latent_tail_fused"
+NORM, PROJ = "latent_tail_norm", "latent_tail_proj"   # the split build's two kernels
+
+
+def split(s: plan_mod.KernelSpec) -> bool:
+    """A fused rule with split = true: the norm in a kernel of its own, the projection waiting on it (PDL)."""
+    return s.variant == "fused" and bool(dict(s.params).get("split", False))
 
 
 def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     """The fused kernel's CTA (threads, dynamic shared memory) and the CTAs an SM its rule asks for, its params
-    checked against the template's limits (the same as its static_asserts, as named errors); none for the unfused
+    checked against the template's limits (the same as its static_asserts, as named errors); for a split build the
+    projection's (persistent) and the norm kernel's (a cluster a token, one CTA an SM asked); none for the unfused
     variant (host code)."""
     if s.variant != "fused":
         return {}
@@ -159,7 +170,17 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     vpt = -(-(mt * vs) // nt)
     nb = -(-mt // 8)
     dyn = mt * (L + 8) * 2
-    static = mt * K * 8 + mt * vs * 4 + mt * 8 + max(warps - 1, 1) * nb * 4 * 32 * 4
+    red = max(warps - 1, 1) * nb * 4 * 32 * 4
+    if split(s):
+        norm_threads = -(-vs // 32) * 32
+        if norm_threads > 1024:
+            raise InputError(OP, "tier params", "L / 8 / cluster <= 1024 (a norm CTA's thread a vector)",
+                             f"{s.params} at L = {L}")
+        if red > 48 * 1024 or red + dyn > SMEM_PER_CTA:
+            raise InputError(OP, "tier params", f"shared memory within the CTA's {SMEM_PER_CTA} bytes (static <= 48 KiB)",
+                             f"{red} static + {dyn} dynamic bytes from {s.params} at L = {L}")
+        return {NORM: Launch(norm_threads, 0, 1), PROJ: Launch(nt, dyn, p.get("blocks_per_sm", 1))}
+    static = mt * K * 8 + mt * vs * 4 + mt * 8 + red
     if vpt > 8:
         raise InputError(OP, "tier params", "warps * 32 * 8 >= max_tokens * ceil(L / 8 / cluster) (at most 8 "
                          "(token, vector) pairs a thread)", f"{s.params} at L = {L}")
@@ -170,14 +191,53 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
 
 
 def launch_shape(s: plan_mod.KernelSpec, device: int) -> tuple[tuple, tuple, int]:
-    """(grid, block, dynamic shared memory) of a fused spec on `device`: a persistent grid of the rule's
-    blocks_per_sm CTAs an SM (no more than an SM holds), at most one a work item (16 columns of the projection),
-    in whole clusters."""
-    launch, cl = persistent(s)[FUNCTION], dict(s.params).get("cluster", 1)
+    """(grid, block, dynamic shared memory) of a fused spec's persistent kernel on `device` (a split build's
+    projection): a persistent grid of the rule's blocks_per_sm CTAs an SM (no more than an SM holds), at most one a
+    work item (16 columns of the projection), in whole clusters (the fused kernel's; the projection's CTAs are
+    plain)."""
+    name = PROJ if split(s) else FUNCTION
+    launch, cl = persistent(s)[name], 1 if split(s) else dict(s.params).get("cluster", 1)
     items = -(-dict(s.constants)["H"] // 16)
-    ctas = _common.persistent_ctas(OP, resolve(s) if device >= 0 else None, FUNCTION, device, launch)
+    ctas = _common.persistent_ctas(OP, resolve(s) if device >= 0 else None, name, device, launch)
     grid = max(cl, min(items, ctas) // cl * cl)
     return (grid, 1, 1), (launch.threads, 1, 1), launch.dynamic_smem
+
+
+def norm_shape(s: plan_mod.KernelSpec, tokens: int) -> tuple[tuple, tuple]:
+    """(grid, block) of a split build's norm kernel: a cluster of `cluster` CTAs a token, a thread a vector."""
+    return (tokens * dict(s.params).get("cluster", 1), 1, 1), (persistent(s)[NORM].threads, 1, 1)
+
+
+class Split:
+    """A split build at one token count: latent_tail_norm writes n [tokens, L] into a scratch buffer of the stream
+    (kept per stream, shared by the shape's split kernels through `scratch`), latent_tail_proj streams up_proj and
+    waits on it (PDL: both launched with the programmatic-serialization attribute when the rule says pdl)."""
+    __slots__ = ("spec", "norm", "proj", "_L", "_rows", "_scratch")
+
+    def __init__(self, s: plan_mod.KernelSpec, tokens: int, device: int, scratch: dict | None = None):
+        mod, pdl = resolve(s), bool(dict(s.params).get("pdl", False))
+        grid, block = norm_shape(s, tokens)
+        self.spec, self._L, self._rows = s, dict(s.constants)["L"], dict(s.params)["max_tokens"]
+        self._scratch = {} if scratch is None else scratch
+        self.norm = Launcher(mod, NORM, device, grid, block, PARAMS_SPLIT, pdl=pdl)
+        grid, block, smem = launch_shape(s, device)
+        self.proj = Launcher(mod, PROJ, device, grid, block, PARAMS_SPLIT, smem=smem, pdl=pdl)
+
+    def scratch(self, stream: int, device: torch.device) -> torch.Tensor:
+        """n's buffer on `stream`: [rows, L] bf16, rows the most max_tokens of the shape's split rules seen."""
+        n = self._scratch.get(stream)
+        if n is None or n.shape[0] < self._rows:
+            n = self._scratch[stream] = torch.empty((self._rows, self._L), dtype=torch.bfloat16, device=device)
+        return n
+
+    def run(self, g, e2p, w, nw, up, shared, residual, eps, out) -> torch.Tensor:
+        stream = current_stream(g.get_device())
+        fields = (g.data_ptr(), e2p.data_ptr(), w.data_ptr(), nw.data_ptr(), up.data_ptr(),
+                  0 if shared is None else shared.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                  out.data_ptr(), g.stride(0), g.shape[0], e2p.shape[0], eps, self.scratch(stream, g.device).data_ptr())
+        self.norm(stream, *fields)
+        self.proj(stream, *fields)
+        return out
 
 
 class Unfused:
@@ -201,8 +261,9 @@ class Unfused:
         return out.copy_(h)
 
 
-def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | Unfused:
-    """The launch object of spec `s`: the fused kernel's Launcher, or the unfused host path."""
+def kernel(s: plan_mod.KernelSpec, tokens: int, device: int, scratch: dict | None = None) -> Launcher | Split | Unfused:
+    """The launch object of spec `s` at `tokens`: the fused kernel's Launcher, a split build's two (Split; n's
+    buffers kept in `scratch`, stream -> tensor, else its own), or the unfused host path."""
     if s.variant == "unfused":
         return Unfused(s)
     if s.variant != "fused":
@@ -211,9 +272,22 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | Unfus
     if tokens > mt:
         raise InputError(OP, "tier params", f"max_tokens >= {tokens} for the {tokens} tokens the rule serves",
                          str(s.params))
+    if split(s):
+        return Split(s, max(tokens, 1), device, scratch)
     grid, block, smem = launch_shape(s, device)
     return Launcher(resolve(s), FUNCTION, device, grid, block, PARAMS, smem=smem,
                     pdl=bool(dict(s.params).get("pdl", False)))
+
+
+def run(k, g, e2p, w, nw, up, shared, residual, eps: float, out) -> torch.Tensor:
+    """Launch object `k` (kernel()'s) on checked tensors, on torch's current stream; returns out."""
+    if type(k) is Launcher:
+        k.launch(current_stream(g.get_device()), g=g.data_ptr(), idx=e2p.data_ptr(), w=w.data_ptr(),
+                 nw=nw.data_ptr(), up=up.data_ptr(), shared=0 if shared is None else shared.data_ptr(),
+                 residual=0 if residual is None else residual.data_ptr(), out=out.data_ptr(), ld=g.stride(0),
+                 rows=g.shape[0], tokens=e2p.shape[0], eps=eps)
+        return out
+    return k.run(g, e2p, w, nw, up, shared, residual, eps, out)
 
 
 def clear() -> None:
@@ -225,9 +299,10 @@ def clear() -> None:
 def dispatch(L: int, H: int, top_k: int, weights_dtype: str, device: int) -> Dispatch:
     """The latent_tail launch objects of this shape on `device`, per token bucket of the tier table."""
     def build() -> Dispatch:
-        a = arch(device)
+        a, scratch = arch(device), {}   # split builds' n buffers, per stream: the shape's, held by its dispatch
         return Dispatch(OP, {"hidden": L, "top_k": top_k},
-                        lambda rule: rule_spec(rule, L, H, top_k, weights_dtype, a), kernel, device, arch=a)
+                        lambda rule: rule_spec(rule, L, H, top_k, weights_dtype, a),
+                        lambda s, tokens, dev: kernel(s, tokens, dev, scratch), device, arch=a)
 
     return lookup((OP, L, H, top_k, weights_dtype, device), build)
 
@@ -279,13 +354,7 @@ def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, top
         check_buffer(OP, "out", out, torch.bfloat16, (T, H), g.device)
     if not T:
         return out
-    if type(k) is Launcher:
-        k.launch(current_stream(dev), g=g.data_ptr(), idx=e2p.data_ptr(), w=w.data_ptr(), nw=nw.data_ptr(),
-                 up=up.data_ptr(), shared=0 if shared is None else shared.data_ptr(),
-                 residual=0 if residual is None else residual.data_ptr(), out=out.data_ptr(), ld=g.stride(0),
-                 rows=g.shape[0], tokens=T, eps=eps)
-        return out
-    return k.run(g, e2p, w, nw, up, shared, residual, eps, out)
+    return run(k, g, e2p, w, nw, up, shared, residual, eps, out)
 
 
 def _prepare(g, e2p, w, nw, up, shared, residual, eps) -> tuple:

@@ -1,6 +1,9 @@
 """latent_tail on the GPU against the torch reference: the fused kernel (T <= 16) and the unfused path (T > 16),
 -1 rows, shared / residual on and off, CUDA graphs, and the signature fast path after the first call. The fused
-tests also run the tier rule's build with params a rule may add (early_weights), launched directly.
+tests also run the tier rule's build with params a rule may add (early_weights; split: the norm kernel, then the
+projection waiting on it through PDL), launched directly; split builds also through dispatch (a user tier file),
+in CUDA graphs, back to back on one scratch buffer, after a producer that lets them start early, and bitwise
+against the one-launch kernel of the same params.
 
 Tolerance: the fused kernel computes y bitwise as finalize does, the sum of squares and the projection's dot
 products in another order than the reference (fp32 either way), and rounds n and the output to bf16 at the
@@ -13,7 +16,6 @@ import torch
 
 import kerngen
 from kerngen import tiers
-from kerngen.launch import current_stream
 from kerngen.ops import latent_tail as lt
 from kerngen.ops._common import DTYPE_NAMES
 from kerngen.plan import spec_for, target_arch
@@ -21,7 +23,8 @@ from kerngen.plan import spec_for, target_arch
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
 BF = torch.bfloat16
 KIMI = (16, 3584, 7168)   # K, L, H of kimi-k3 (H assumed: Kimi K2's hidden size)
-VARIANTS = [None, {"early_weights": True}]   # None: kerngen.latent_tail (dispatch); else over the tier rule's params
+VARIANTS = [None, {"early_weights": True}, {"split": True}, {"split": True, "early_weights": True}]
+# None: kerngen.latent_tail (dispatch); else laid over the tier rule's params
 
 
 def variant_id(over):
@@ -63,12 +66,7 @@ def run_fused(over, gemm2, e2p, w, nw, up, sh, res, out, eps=1e-6):
     rule = lt.spec(L, H, K, wd, T, arch)
     assert rule.variant == "fused", T
     s = spec_for(tiers.Rule(lt.OP, "fused", {}, {**dict(rule.params), **over}), *lt.tag_constants(L, H, K, wd), arch)
-    dev = torch.cuda.current_device()
-    lt.kernel(s, T, dev).launch(current_stream(dev), g=gemm2.data_ptr(), idx=e2p.data_ptr(), w=w.data_ptr(),
-                                nw=nw.data_ptr(), up=up.data_ptr(), shared=0 if sh is None else sh.data_ptr(),
-                                residual=0 if res is None else res.data_ptr(), out=out.data_ptr(),
-                                ld=gemm2.stride(0), rows=gemm2.shape[0], tokens=T, eps=eps)
-    return out
+    return lt.run(lt.kernel(s, T, torch.cuda.current_device()), gemm2, e2p, w, nw, up, sh, res, eps, out)
 
 
 def check(T, K, L, H, over=None, **kw):
@@ -159,3 +157,125 @@ def test_after_the_first_call_the_signature_serves():
         g = torch.empty(args[0].numel() + 8, dtype=BF, device="cuda")[1:1 + args[0].numel()].view_as(args[0])
         kerngen.latent_tail(g, *args[1:5])
     assert e.value.arg == "gemm2_out"
+
+
+# ---------------------------------------------------------------------------------------------- split builds
+
+@pytest.fixture
+def split_tiers(tmp_path, monkeypatch):
+    """kerngen.latent_tail dispatching kimi-k3's fused token counts to split builds (tests/test_latent_tail_cpu.py's
+    tier file: the shipped rules' launch shapes with split = true)."""
+    from tests.test_latent_tail_cpu import SPLIT_TIERS
+    user = tmp_path / "split.toml"
+    user.write_text(SPLIT_TIERS)
+    monkeypatch.setenv("KERNGEN_TIERS", str(user))
+    tiers.reload()
+    yield
+    monkeypatch.delenv("KERNGEN_TIERS")
+    tiers.reload()
+
+
+def dispatched_split(T, K=16, L=3584, H=7168):
+    k = lt.dispatch(L, H, K, "float32", torch.cuda.current_device()).kernel(T)
+    assert type(k) is lt.Split, T
+    return k
+
+
+@pytest.mark.parametrize("T", range(1, 17))
+def test_split_is_bitwise_the_fused_kernel(T):
+    """The same params with and without split: n is computed in the same order (the same cluster), the projection
+    is the same code: the same bits."""
+    args = make(T, *KIMI, seed=40 + T)
+    one = run_fused({}, *args, torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
+    two = run_fused({"split": True}, *args, torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("T", [1, 3, 8, 9, 16])
+def test_split_through_dispatch(T, split_tiers):
+    check(T, *KIMI, seed=50 + T)
+    dispatched_split(T)
+
+
+@pytest.mark.parametrize("T", [1, 8, 16])
+def test_split_inside_cuda_graph(T, split_tiers):
+    args = make(T, *KIMI, seed=7)
+    out = torch.empty(T, KIMI[2], dtype=BF, device="cuda")
+    kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6], out=out)   # first call: build, outside
+    dispatched_split(T)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6], out=out)
+    for seed in (8, 9):   # replayed twice: the scratch buffer the graph holds is written and read again
+        fresh = make(T, *KIMI, seed=seed)
+        for dst, src in zip(args, fresh):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        close(out, reference(*fresh), 1e-2)
+
+
+def test_split_back_to_back_on_one_scratch_buffer(split_tiers):
+    """Calls of different inputs and token counts in a row, no sync between: each norm kernel overwrites n only after
+    the projection before it has finished (its wait), and each projection reads its own call's n."""
+    calls = [make(T, *KIMI, seed=60 + i) for i, T in enumerate((8, 3, 16, 1, 8))]
+    outs = [kerngen.latent_tail(*a[:5], shared=a[5], residual=a[6]) for a in calls]
+    torch.cuda.synchronize()
+    for a, got in zip(calls, outs):
+        close(got, reference(*a), 1e-2)
+
+
+def test_split_after_a_producer_that_lets_it_start_early(split_tiers):
+    """gemm2_out written by kerngen.finalize (a PDL kernel that lets its dependents launch at its start), after a
+    long sleep: the norm kernel lets the projection launch before its own wait, yet reads gemm2_out after it."""
+    T, K, L, H = 8, *KIMI
+    g = torch.Generator(device="cuda").manual_seed(70)
+    src = torch.randn(T * K * 2, L, device="cuda", generator=g).to(BF)
+    e2p0 = torch.arange(T * K * 2, device="cuda", dtype=torch.int32).view(T * K, 2)
+    w0 = torch.rand(T * K, 2, device="cuda", generator=g)
+    _, e2p, w, nw, up, sh, res = make(T, K, L, H, seed=71)
+    rows = torch.zeros(T * K, L, dtype=BF, device="cuda")
+    kerngen.finalize(src, e2p0, w0, out=rows)
+    kerngen.latent_tail(rows, e2p, w, nw, up, shared=sh, residual=res)   # build both outside the timed chain
+    torch.cuda.synchronize()
+    rows.zero_()
+    torch.cuda._sleep(50_000_000)
+    kerngen.finalize(src, e2p0, w0, out=rows)
+    got = kerngen.latent_tail(rows, e2p, w, nw, up, shared=sh, residual=res)
+    torch.cuda.synchronize()
+    close(got, reference(rows, e2p, w, nw, up, sh, res), 1e-2)
+
+
+def test_split_in_place_residual(split_tiers):
+    gemm2, e2p, w, nw, up, sh, res = make(12, *KIMI)
+    want = reference(gemm2, e2p, w, nw, up, sh, res)
+    got = kerngen.latent_tail(gemm2, e2p, w, nw, up, shared=sh, residual=res, out=res)
+    assert got is res
+    close(got, want, 1e-2)
+
+
+def test_split_bad_inputs_are_named(split_tiers):
+    gemm2, e2p, w, nw, up, sh, res = make(4, *KIMI)
+    kerngen.latent_tail(gemm2, e2p, w, nw, up, shared=sh, residual=res)
+    cases = [
+        (dict(norm_weight=nw[:-8].contiguous()), "norm_weight"),                 # a norm weight of the wrong length
+        (dict(up_proj=up[:, :-8].contiguous()), "up_proj"),                       # widths that do not match
+        (dict(shared=sh[:, :-8].contiguous()), "shared"),
+        (dict(gemm2_out=torch.empty(gemm2.numel() + 8, dtype=BF, device="cuda")[1:1 + gemm2.numel()].view_as(gemm2)),
+         "gemm2_out"),                                                           # misaligned
+        (dict(expanded_to_permuted=e2p.cpu()), "expanded_to_permuted"),          # devices that do not match
+        (dict(expanded_to_permuted=e2p.long()), "expanded_to_permuted"),
+    ]
+    base = dict(gemm2_out=gemm2, expanded_to_permuted=e2p, topk_weights=w, norm_weight=nw, up_proj=up, shared=sh,
+                residual=res)
+    for over, arg in cases:
+        with pytest.raises(kerngen.InputError) as e:
+            kerngen.latent_tail(**{**base, **over})
+        assert e.value.arg == arg, (over.keys(), e.value)
+    far = torch.where(e2p >= 0, e2p + gemm2.shape[0], e2p).int()    # indices past the rows: skipped, as documented
+    got = kerngen.latent_tail(gemm2, far, w, nw, up, shared=sh, residual=res)
+    torch.cuda.synchronize()
+    assert torch.equal(got, (sh.float() + res.float()).to(BF))

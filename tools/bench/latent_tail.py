@@ -3,7 +3,7 @@
 (finalize in the latent width, RMSNorm, the up projection, the shared + residual add), CUDA graphs.
 
     python3 -m tools.bench.latent_tail [--tokens 1,2,4,8,16,32,64] [--shape 16,3584,7168] [--layers 4]
-                                       [--chained] [--rule early_weights=true | max_tokens=16,warps=16,...]
+                                       [--chained] [--rule early_weights=true | split=true | max_tokens=16,...]
                                        [--json FILE]
 
 Peers, on the same inputs in the same process: "unfused" is what an engine runs today (kerngen.finalize, torch
@@ -14,8 +14,8 @@ Consecutive steps use `--layers` different up_proj copies, as consecutive layers
 from memory and not L2. The floor is the up projection's weights, L * H * 2 bytes, at the measured copy
 bandwidth (the streaming-read rate the experts bench uses). Every result is checked against the reference
 before it is timed. --rule times fused params beside the tier rule's: laid over the tier rule's params at each T
-it serves with the fused kernel (e.g. early_weights=true), or, when they name max_tokens, one launch shape on its
-own at every T <= its max_tokens.
+it serves with the fused kernel (e.g. early_weights=true, or split=true: the norm kernel and the projection waiting
+on it), or, when they name max_tokens, one launch shape on its own at every T <= its max_tokens.
 """
 from __future__ import annotations
 
@@ -112,15 +112,10 @@ def case(T, K, L, H, bw, args, compiled):
     params = rule_params(args.rule, lt.spec(L, H, K, "float32", T, target_arch()), T)
     if params:
         s = spec_for(Rule(lt.OP, "fused", {}, params), *lt.tag_constants(L, H, K, "float32"), target_arch())
-        k = lt.kernel(s, T, torch.cuda.current_device())
-        from kerngen.launch import current_stream
-        dev = torch.cuda.current_device()
+        k = lt.kernel(s, T, torch.cuda.current_device())   # a Launcher, or a split build's two (lt.Split)
 
         def rule_step(up):
-            k.launch(current_stream(dev), g=gemm2.data_ptr(), idx=e2p.data_ptr(), w=w.data_ptr(), nw=nw.data_ptr(),
-                     up=up.data_ptr(), shared=sh.data_ptr(), residual=res.data_ptr(), out=out.data_ptr(),
-                     ld=gemm2.stride(0), rows=gemm2.shape[0], tokens=T, eps=1e-6)
-            return out
+            return lt.run(k, gemm2, e2p, w, nw, up, sh, res, 1e-6, out)
         check(rule_step(ups[0]), ref, f"T={T} rule {params}")
         row["rule_us"] = timed(cycle(rule_step), producer, args.chained)
     row["variant"] = lt.dispatch(L, H, K, "float32", torch.cuda.current_device()).spec(T).variant
