@@ -12,6 +12,7 @@ from kerngen.compile import nvrtc_compile
 from kerngen.errors import CompileError
 from kerngen.launch import Params
 from kerngen.ops import experts as ex
+from kerngen.plan import spec_for
 from kerngen.ops import finalize as fin
 from kerngen.ops import permute as pm
 from kerngen.ops import routing as rt
@@ -39,8 +40,15 @@ def families():
     yield "permute histogram", pm.spec(m.num_experts, m.top_k, 4096, "sm_90a", t), pm.PARAMS
     yield "permute onepass", pm.spec(m.num_experts, m.top_k, 1, "sm_90a", t), pm.PARAMS
     yield "experts mma", ex.spec(7168, 2048, 8, "silu", 1, "sm_90a", t), ex.PARAMS
-    yield "experts mma fp8", ex.spec(7168, 2048, 8, "silu", 1, "sm_90a", t, "fp8"), ex.PARAMS_SCALED
-    yield "experts mma mxfp4", ex.spec(2880, 2880, 8, "gpt_oss", 1, "sm_90a", t, "mxfp4"), ex.PARAMS_SCALED
+    for fmt, H, I, act in (("fp8", 7168, 2048, "silu"), ("mxfp4", 2880, 2880, "gpt_oss")):
+        s = ex.spec(H, I, 8, act, 1, "sm_90a", t, fmt)
+        yield f"experts mma {fmt}", s, ex.params_struct(s)
+        for f16x in (False, True):   # the weight-only struct and the one with quantized activations' buffers
+            x = spec_for(tiers.Rule("experts", "mma", {}, dict(warps=4, unroll=1, f16x=f16x)),
+                         *ex.tag_constants(H, I, 8, act, fmt), "sm_90a")
+            yield f"experts mma {fmt} f16x={f16x}", x, ex.PARAMS_A8 if f16x else ex.PARAMS_SCALED
+    s = ex.spec(7168, 2048, 8, "silu", 1, "sm_90a", t, "fp8", a8=True)
+    yield "experts mma fp8 a8", s, ex.PARAMS_A8
 
 
 def check_layout(name, src, params: Params):

@@ -387,7 +387,7 @@ class Kernels:
             block = (32 * self._warps, 1, 1)
             grid1 = (min(self._ctas["experts_gemm1"], tiles * -(-self._I // self._cols[0])), 1, 1)
             grid2 = (min(self._ctas["experts_gemm2"], tiles * -(-self._H // self._cols[1])), 1, 1)
-            params = PARAMS_A8 if self.a8 or self.x16 else PARAMS_SCALED if self.scaled else PARAMS
+            params = params_struct(self.spec)
             pair = (Launcher(self._mod, "experts_gemm1", self.device, grid1, block, params, pdl=self._pdl),
                     Launcher(self._mod, "experts_gemm2", self.device, grid2, block, params, pdl=self._pdl))
             if self.a8 or self.x16:   # a warp per 128 values; grids striding over the rows (x: at most tiles * tile)
@@ -450,6 +450,14 @@ class Kernels:
 
 
 persistent = Kernels.persistent   # the ops' seam (kerngen.ops): what explain, warmup and the tests size from
+
+
+def params_struct(s: plan_mod.KernelSpec) -> Params:
+    """The launch fields of spec `s`'s struct Params: bf16 weights PARAMS, quantized ones their scales too
+    (PARAMS_SCALED), and with fp8 or f16 activations (A8, f16x) the quantized activations' buffers (PARAMS_A8)."""
+    if dict(s.constants).get("A8") or dict(s.params).get("f16x"):
+        return PARAMS_A8
+    return PARAMS_SCALED if dict(s.constants).get("FORMAT", "bf16") != "bf16" else PARAMS
 
 
 def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Kernels:
