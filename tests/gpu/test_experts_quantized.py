@@ -434,3 +434,16 @@ def test_f16x_mxfp4_scale_bytes_and_subnormal_codes(top):
     ref = ex.reference(x, r, *w, **s)
     assert ref[r.permuted_to_token >= 0].float().abs().max() > 0
     check_rows(run_f16x(k, x, r, w, s), ref, r)
+
+
+@pytest.mark.parametrize("prefetch_x", [False, True])
+def test_f16x_tiles_with_padding_rows_under_a_register_bound(prefetch_x):
+    """Tiles of 16 rows, many of them padding (null B rows), in a build bound to 64 registers (8 CTAs of 4 warps,
+    spilling): the activation loads of a null row are never issued (an earlier build dereferenced one here)."""
+    H, I, E, K, T = 7168, 2048, 32, 8, 256
+    x, logits, w, s = make("fp8", T, K, E, H, I, seed=21)
+    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=16)
+    k = f16x_kernels("fp8", H, I, 16, blocks_per_sm=8, min_blocks=8, prefetch_x=prefetch_x)
+    out = run_f16x(k, x, r, w, s)
+    torch.cuda.synchronize()
+    check_rows(out, ex.reference(x, r, *w, **s), r)
