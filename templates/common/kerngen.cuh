@@ -118,3 +118,30 @@ __device__ __forceinline__ int kg_warp_inclusive_sum(int v) {
     }
     return v;
 }
+
+// Split-K partial sums of W warps: each warp's R accumulator rows (4 values a lane) added into warp 0's, through
+// shared memory; true in warp 0's lanes (which then hold the sums and write the item). Two barriers: the buffer is
+// free again when it returns.
+template <int W, int R>
+__device__ __forceinline__ bool kg_reduce_warps(float (&acc)[R][4]) {
+    if (W == 1) return true;
+    __shared__ float red[W > 1 ? W - 1 : 1][R][4][32];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (w > 0) {
+#pragma unroll
+        for (int n = 0; n < R; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[w - 1][n][i][lane] = acc[n][i];
+    }
+    __syncthreads();
+    if (w == 0) {
+#pragma unroll
+        for (int v = 0; v < W - 1; ++v)
+#pragma unroll
+            for (int n = 0; n < R; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[n][i] += red[v][n][i][lane];
+    }
+    __syncthreads();
+    return w == 0;
+}

@@ -34,6 +34,19 @@ def check(x, r, w, s, **kw):
     check_rows(kerngen.experts(x, r, *w, **s, **kw), ex.reference(x, r, *w, **s, **kw), r)
 
 
+def replay_on_new_logits(run, logits, out):
+    """run() once, captured in a CUDA graph, replayed on new logits into a zeroed out."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    logits.copy_(torch.randn_like(logits))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("T", [1, 3, 8, 16, 17, 64, 256])
 @pytest.mark.parametrize("H,I", [(1024, 256), (2048, 768)])
@@ -124,10 +137,12 @@ def _codes(shape, allowed, seed):
     return torch.tensor(allowed, dtype=torch.uint8)[pick]
 
 
+@pytest.mark.parametrize("f16x", [False, True])
 @pytest.mark.parametrize("codes", ["all", "subnormal"])
-def test_fp8_every_code(codes):
-    """Every e4m3 code (NaN excepted) or only the subnormal ones (exponent 0): the kernels' bit placement is exact
-    for each, subnormals included (a flush to zero would leave these rows 0)."""
+def test_fp8_every_code(codes, f16x):
+    """Every e4m3 code (NaN excepted) or only the subnormal ones (exponent 0): the kernels' widening is exact for
+    each, subnormals included (a flush to zero would leave these rows 0), by bit placement into bf16 and (f16x)
+    by cvt.rn.f16x2.e4m3x2."""
     E, K, H, I = 8, 2, 1024, 256
     allowed = ([b for b in range(256) if b & 0x7F != 0x7F] if codes == "all"
                else [b | s for b in range(8) for s in (0, 0x80)])
@@ -142,7 +157,8 @@ def test_fp8_every_code(codes):
     x = (torch.randn(5, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))).to(torch.bfloat16)
     r = _route(x, E, K, 5)
     s = dict(w13_scale=s13, w2_scale=s2)
-    got, ref = kerngen.experts(x, r, w13, w2, **s), ex.reference(x, r, w13, w2, **s)
+    got = run_f16x(f16x_kernels("fp8", H, I, 8, f16x=f16x), x, r, (w13, w2), s)
+    ref = ex.reference(x, r, w13, w2, **s)
     rows = r.permuted_to_token >= 0
     assert ref[rows].float().abs().max() > 0
     check_rows(got, ref, r)
@@ -270,15 +286,7 @@ def test_fp8_activations_inside_a_cuda_graph_and_with_input_weights():
     out = torch.zeros(T * K + E * 7, H, dtype=torch.bfloat16, device="cuda")
     run = lambda: kerngen.experts(x, kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, workspace=ws),  # noqa: E731
                                   *w, **s, out=out, input_weights=inw, fp8_activations=True)
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    logits.copy_(torch.randn_like(logits))
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_on_new_logits(run, logits, out)
     r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
     check_a8(out, ex.reference(x, r, *w, **s, input_weights=inw, fp8_activations=True), r)
 
@@ -305,14 +313,15 @@ def test_fp8_activations_launch_shapes(params, local):
     check_a8(out, ex.reference(x, r, w13, w2, **s, fp8_activations=True), r)
 
 
-def f16x_kernels(fmt, H, I, tile, act="silu", **params):
-    """The kernels of a launch shape with f16x (activations carried as f16), built for routing tile `tile`."""
+def f16x_kernels(fmt, H, I, tile, act="silu", f16x=True, **params):
+    """The kernels of a launch shape with f16x (activations carried as f16; f16x=False: bf16), built for routing
+    tile `tile`."""
     from kerngen import tiers
     from kerngen.plan import spec_for, target_arch
-    p = {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True), **params, "f16x": True}
+    p = {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True), **params, "f16x": f16x}
     k = ex.Kernels(spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),
                             *ex.tag_constants(H, I, tile, act, fmt), target_arch(0)), 0)
-    assert k.x16 and not k.a8
+    assert k.x16 == f16x and not k.a8
     return k
 
 
@@ -380,37 +389,10 @@ def test_f16x_inside_a_cuda_graph_with_input_weights_and_a_local_range(fmt):
                                   workspace=ws)
     out = torch.zeros(route().permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
     run = lambda: k(x, route(), w13, w2, out, input_weights=inw, **s)  # noqa: E731
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    logits.copy_(torch.randn_like(logits))
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_on_new_logits(run, logits, out)
     r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, local_experts=(lo, n))
     rows = r.permuted_to_token.shape[0]
     check_rows(out[:rows], ex.reference(x, r, w13, w2, **s, input_weights=inw), r)
-
-
-@pytest.mark.parametrize("codes", ["all", "subnormal"])
-def test_f16x_fp8_every_code(codes):
-    """Every e4m3 code (NaN excepted), or the subnormal ones alone: cvt.rn.f16x2.e4m3x2 is exact for each."""
-    E, K, H, I = 8, 2, 1024, 256
-    allowed = ([b for b in range(256) if b & 0x7F != 0x7F] if codes == "all"
-               else [b | sg for b in range(8) for sg in (0, 0x80)])
-    w13 = _codes((E, 2 * I, H), allowed, 1).view(torch.float8_e4m3fn).cuda()
-    w2 = _codes((E, H, I), allowed, 2).view(torch.float8_e4m3fn).cuda()
-    g = torch.Generator().manual_seed(3)
-    big = 64.0 if codes == "subnormal" else 1 / 448
-    s = dict(w13_scale=(torch.rand(E, 2 * I // 128, H // 128, generator=g) * 0.02 + 1e-3).cuda() * big,
-             w2_scale=(torch.rand(E, H // 128, I // 128, generator=g) * 0.02 + 1e-3).cuda() * big)
-    x = torch.randn(5, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)).to(torch.bfloat16)
-    r = _route(x, E, K, 5)
-    ref = ex.reference(x, r, w13, w2, **s)
-    assert ref[r.permuted_to_token >= 0].float().abs().max() > 0
-    check_rows(run_f16x(f16x_kernels("fp8", H, I, 8), x, r, (w13, w2), s), ref, r)
 
 
 @pytest.mark.parametrize("top", [24, 127, 160, 230])
