@@ -12,13 +12,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 GPU_TOOLS = ["tools.bench.__main__", "tools.bench.routing", "tools.bench.routing_peers", "tools.bench.tail_tp",
              "tools.bench.moe_layer_demo", "tools.bench.moe_block", "tools.diagnose.routing_phases",
-             "tools.diagnose.sanitize_run"]
+             "tools.diagnose.sanitize_run", "tools.bench.experts", "tools.bench.latent_tail", "tools.sweep.finalize",
+             "tools.sweep.tail", "tools.sweep.experts fp8 deepseek-v3 1"]
 
 
-@pytest.mark.parametrize("module", GPU_TOOLS)
-def test_a_gpu_tool_without_a_gpu_says_so_in_one_line(module, monkeypatch, capsys):
+@pytest.mark.parametrize("command", GPU_TOOLS)
+def test_a_gpu_tool_without_a_gpu_says_so_in_one_line(command, monkeypatch, capsys):
+    module, *args = command.split()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(sys, "argv", [module])
+    monkeypatch.setattr(sys, "argv", [module, *args])
     with pytest.raises(SystemExit) as e:
         importlib.import_module(module).main()
     err = capsys.readouterr().err
@@ -36,3 +38,10 @@ def test_python_m_prints_no_traceback_without_a_gpu(args):
         assert r.returncode == 0 and "compute-sanitizer" in r.stdout
     else:
         assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
+
+
+def test_the_experts_sweep_without_arguments_prints_its_usage(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["tools.sweep.experts"])
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module("tools.sweep.experts").main()
+    assert e.value.code == 2 and "FORMAT MODELS TOKENS" in capsys.readouterr().err

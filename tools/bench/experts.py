@@ -43,7 +43,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 import kerngen
-from .lib import graph_time_us, read_bandwidth_tbs
+from .lib import graph_time_us, read_bandwidth_tbs, require_gpu
 from kerngen import jit
 from kerngen.errors import TierError
 from kerngen.ops import experts as ex
@@ -481,6 +481,7 @@ def summary(b: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    require_gpu("python3 -m tools.bench.experts")
     dev = torch.cuda.current_device()
     arch = target_arch(dev)
     models, tokens = args.models, args.tokens

@@ -25,7 +25,7 @@ import json
 import torch
 
 import kerngen
-from .lib import copy_bandwidth_tbs, graph_time_us
+from .lib import copy_bandwidth_tbs, graph_time_us, require_gpu
 from kerngen.ops import latent_tail as lt
 from kerngen.plan import spec_for, target_arch
 from kerngen.tiers import Rule
@@ -136,6 +136,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.rule = parse_rule(args.rule) if args.rule else None
     K, L, H = (int(v) for v in args.shape.split(","))
+    require_gpu("python3 -m tools.bench.latent_tail")
     bw = copy_bandwidth_tbs()
     compiled = torch.compile(unfused_rest, dynamic=False)
     print(f"latent_tail K={K} L={L} H={H}; copy bandwidth {bw:.2f} TB/s; "

@@ -26,7 +26,7 @@ from kerngen import tiers
 from kerngen.launch import _drv
 from kerngen.ops import experts as ex
 from kerngen.plan import spec_for, target_arch
-from tools.bench.lib import graph_time_us, read_bandwidth_tbs
+from tools.bench.lib import graph_time_us, read_bandwidth_tbs, require_gpu
 
 SHAPES = {"deepseek-v3": (7168, 2048, 256, 8, "silu", False), "kimi-k2": (7168, 2048, 384, 8, "silu", False),
           "gpt-oss-120b": (2880, 2880, 128, 4, "gpt_oss", True), "kimi-k3": (3584, 2048, 896, 16, "situglu", False)}
@@ -55,6 +55,10 @@ def prebuild(specs):
 
 
 def main():
+    if len(sys.argv) < 4 or sys.argv[1] in ("-h", "--help"):
+        print("\n\n".join(__doc__.strip().split("\n\n")[:2]), file=sys.stderr)
+        raise SystemExit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
+    require_gpu("python3 -m tools.sweep.experts")
     fmt, models, tokens = sys.argv[1], sys.argv[2].split(","), [int(t) for t in sys.argv[3].split(",")]
     a8 = fmt == "fp8-a8"   # fp8 weights with fp8 activations (experts(..., fp8_activations=True))
     x16 = fmt.endswith("-x16")   # the f16x launch shapes

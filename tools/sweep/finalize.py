@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from ..bench.lib import graph_time_us
+from ..bench.lib import graph_time_us, require_gpu
 from kerngen.launch import current_stream
 from kerngen.ops import finalize as fin
 from kerngen.plan import spec_for, target_arch
@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--cases", default="3584x16,7168x8,2048x22")
     ap.add_argument("--tokens", default="1,8,32,64,128,256,512,4096")
     args = ap.parse_args()
+    require_gpu("python3 -m tools.sweep.finalize")
     dev = torch.cuda.current_device()
     arch = target_arch(dev)
     for case in args.cases.split(","):

@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from ..bench.tail import TAIL_CASES, tail_inputs
-from ..bench.lib import add_tail_config_args, copy_bandwidth_tbs, graph_time_us, tail_configs
+from ..bench.lib import add_tail_config_args, copy_bandwidth_tbs, graph_time_us, require_gpu, tail_configs
 from kerngen.ops import tail
 from kerngen.plan import target_arch
 
@@ -24,6 +24,7 @@ def main():
     ap.add_argument("--clusters", default="1,2,4,8")
     add_tail_config_args(ap)
     a = ap.parse_args()
+    require_gpu("python3 -m tools.sweep.tail")
     bw = copy_bandwidth_tbs()
     print(f"copy bandwidth {bw:.2f} TB/s")
     for name, H, K in TAIL_CASES:
