@@ -103,13 +103,15 @@ def visible_sm_count(arch: str, device: int | None = None) -> dict:
     index = torch.cuda.current_device() if device is None or device < 0 else device
     if _arch_of_device(index) != arch:
         return {}
-    return {"sm_count": _sm_count_of_device(index)}
+    return {"sm_count": sm_count(index)}
 
 
 @lru_cache(maxsize=None)
-def _sm_count_of_device(index: int) -> int:
+def sm_count(device: int) -> int:
+    """The streaming multiprocessors of CUDA device `device`: the one place kerngen asks the driver (persistent
+    grids and sm_count tier ranges read it here). Without a GPU, tiers.SMS stands in."""
     import torch
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @lru_cache(maxsize=None)

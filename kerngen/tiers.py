@@ -7,6 +7,7 @@ tried before the shipped rules.
 from __future__ import annotations
 
 import math
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -49,7 +50,9 @@ BACKENDS = {"nvrtc": Backend(".cu.j2", True, "source.cu", "kernel.cubin", "compi
 UNTEMPLATED = {"tail_tp": ("allreduce",)}            # ops whose variants are host code, not templates
 HOST_VARIANTS = {"latent_tail": ("unfused",)}        # host-code variants of ops that also have templates
 INT32_MAX = 2**31 - 1                                 # every shape and param is a 32-bit int in the kernels
-SMS = 132                                             # the grid bound the routing/permute launchers check
+# The SM count where no GPU is asked: the H200's 132. The single stand-in for plan.sm_count(device) on CPU paths
+# and stub launchers (device -1), and the grid bound the routing/permute tier params are checked against.
+SMS = 132
 
 
 @dataclass(frozen=True)
@@ -507,8 +510,16 @@ def load(user: Path | str | None = None) -> Table:
     files = [str(env.shipped_tiers())]
     extra = user if user is not None else env.user_tiers()
     if extra is not None:
-        files.append(str(Path(extra).resolve()))
+        extra = str(extra)
+        files.append(_resolved(extra, "" if os.path.isabs(extra) else os.getcwd()))
     return _load(tuple(files))
+
+
+@lru_cache(maxsize=8)
+def _resolved(path: str, cwd: str) -> str:
+    """`path` made absolute with its links followed; remembered per (path, working directory) so that a
+    repeated load() stats nothing, while a changed KERNGEN_TIERS (or cwd, for a relative one) is seen."""
+    return str(Path(path).resolve())
 
 
 _reload_hooks: list = []
@@ -522,5 +533,6 @@ def on_reload(fn) -> None:
 def reload() -> None:
     """Read the tier files again on the next load(), and forget every dispatch resolved from the old table."""
     _load.cache_clear()
+    _resolved.cache_clear()
     for fn in _reload_hooks:
         fn()

@@ -9,7 +9,7 @@ from .. import jit, tiers
 from ..errors import DeviceError, InputError
 from ..launch import resident
 from ..occupancy import Launch
-from ..plan import KernelSpec, target_arch
+from ..plan import KernelSpec, sm_count, target_arch   # sm_count: re-exported for the ops
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "f32"}
@@ -132,15 +132,6 @@ def table() -> tiers.Table:
 
 def arch(device: int) -> str:
     return target_arch(device)
-
-
-def sm_count(device: int) -> int:
-    """The streaming multiprocessors of a CUDA device (persistent grids are sized from it)."""
-    return _sm_counts.get(device) or _sm_counts.setdefault(
-        device, torch.cuda.get_device_properties(device).multi_processor_count)
-
-
-_sm_counts: dict[int, int] = {}
 
 
 def persistent_ctas(op: str, module, name: str, device: int, launch: Launch) -> int:
