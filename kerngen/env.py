@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from functools import lru_cache
 from pathlib import Path
 
 from .errors import EnvError, InputError
@@ -21,7 +22,9 @@ PACKAGE = Path(__file__).resolve().parent
 CHECKOUT = PACKAGE.parent   # a source checkout keeps tiers.toml, templates/ and cache/ beside the package
 
 
+@lru_cache(maxsize=1)
 def _in_checkout() -> bool:
+    # asked once a process: a checkout does not become an installed copy (or back) while kerngen runs
     return all((CHECKOUT / name).exists() for name in ("pyproject.toml", "tiers.toml", "templates"))
 
 

@@ -159,6 +159,34 @@ params = { vectors_per_thread = 1, unroll = 2, early_read = false }
     assert "small_batch" == shipped.variant
 
 
+def test_repeated_models_calls_stat_nothing_and_see_a_changed_kerngen_tiers(tmp_path, monkeypatch):
+    import os
+
+    import kerngen
+    one = write(tmp_path, MODEL.replace("models.m", "models.one"), "one.toml")
+    two = write(tmp_path, MODEL.replace("models.m", "models.two"), "two.toml")
+    stats = []
+    for name in ("stat", "lstat"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, _real=real, **kw: stats.append(a[0]) or _real(*a, **kw))
+
+    monkeypatch.setenv("KERNGEN_TIERS", str(one))
+    assert "one" in kerngen.models() and "deepseek-v3" in kerngen.models()
+    stats.clear()
+    for _ in range(3):
+        assert "one" in kerngen.models()
+    assert stats == []
+
+    monkeypatch.setenv("KERNGEN_TIERS", str(two))
+    assert {"two"} <= set(kerngen.models()) and "one" not in kerngen.models()
+    stats.clear()
+    kerngen.models()
+    assert stats == []
+
+    monkeypatch.delenv("KERNGEN_TIERS")
+    assert not {"one", "two"} & set(kerngen.models())
+
+
 def test_no_matching_rule_says_how_to_fix(tmp_path):
     p = write(tmp_path, "schema = 1\n")
     t = tiers.Table(models={}, rules=(), files=(str(p),))
