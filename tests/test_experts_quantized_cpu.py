@@ -216,3 +216,21 @@ def test_mtiles_needs_f16x():
     rule = tiers.Rule("experts", "mma", {"tokens": (1, 8)}, dict(tile=8, warps=4, unroll=1, mtiles=2))
     with pytest.raises(kerngen.TierError, match="mtiles"):
         ex.rule_spec(rule, 7168, 2048, "silu", "sm_90a", "fp8")
+
+
+def test_with_a_callers_scratch_the_quantized_activations_are_the_calls_own(monkeypatch):
+    """scratch= (memory that must not outlive the call, e.g. in torch.compile's CUDA-graph pool): an f16x build
+    allocates its quantized activations per call instead of keeping them per stream."""
+    from kerngen.plan import spec_for
+    launches = stub_launches(monkeypatch)
+    a = FORMATS["fp8"][1]()
+    H, I = a["x"].shape[1], a["w2"].shape[-1]
+    s = spec_for(tiers.Rule("experts", "mma", {}, dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True, f16x=True)),
+                 *ex.tag_constants(H, I, 8, "silu", "fp8"), "sm_90a")
+    k = ex.Kernels(s, -1)
+    r, out = a["routing"], ex.reference(**a)
+    act = torch.empty(r.tile_to_expert.shape[0] * 8, I, dtype=torch.bfloat16)
+    k(a["x"], r, a["w13"], a["w2"], out, act, w13_scale=a["w13_scale"], w2_scale=a["w2_scale"])
+    assert not k._q and all(f["act"] == act.data_ptr() for _, _, f in launches)
+    k(a["x"], r, a["w13"], a["w2"], out, w13_scale=a["w13_scale"], w2_scale=a["w2_scale"])
+    assert len(k._q) == 1 and launches[-1][2]["xq"] == k._q[0][1][0]

@@ -405,13 +405,18 @@ class Kernels:
         if q is None or q[0][0].shape[0] < T or q[0][2].shape[0] < tiles * self.tile:
             T = max(T, 0 if q is None else q[0][0].shape[0])
             rows = max(tiles * self.tile, 0 if q is None else q[0][2].shape[0])
-            H, I, dt = self._H, self._I, torch.float16 if self.x16 else torch.uint8
-            bufs = (torch.empty((T, H), dtype=dt, device=device),
-                    torch.empty((T, -(-H // QBLOCK)), dtype=torch.float32, device=device),
-                    torch.empty((rows, I), dtype=dt, device=device),
-                    torch.empty((rows, -(-I // QBLOCK)), dtype=torch.float32, device=device))
-            q = self._q[stream] = (bufs, tuple(t.data_ptr() for t in bufs))
+            q = self._q[stream] = self.quant_buffers(T, rows, device)
         return q
+
+    def quant_buffers(self, T: int, rows: int, device: torch.device) -> tuple[tuple, tuple]:
+        """New buffers for x [T, H] and the intermediate [rows, I] quantized (e4m3 bytes or f16) and their scales
+        per 128 columns, with their launch fields."""
+        H, I, dt = self._H, self._I, torch.float16 if self.x16 else torch.uint8
+        bufs = (torch.empty((T, H), dtype=dt, device=device),
+                torch.empty((T, -(-H // QBLOCK)), dtype=torch.float32, device=device),
+                torch.empty((rows, I), dtype=dt, device=device),
+                torch.empty((rows, -(-I // QBLOCK)), dtype=torch.float32, device=device))
+        return bufs, tuple(t.data_ptr() for t in bufs)
 
     def scratch(self, stream: int, tiles: int, device: torch.device) -> torch.Tensor:
         """The intermediate (at least [tiles * tile, I]; the kernels read its first rows), one buffer per stream,
@@ -432,7 +437,8 @@ class Kernels:
             tiles, experts_, act=None) -> torch.Tensor:
         """__call__ with the counts experts() already knows: the launch fields packed in order, no keywords."""
         stream = current_stream(self.device)
-        if act is None:
+        own = act is None   # the caller's scratch: its quantized activations are this call's too, not kept
+        if own:
             act = self.scratch(stream, tiles, x.device)
         pair = self.launchers(tiles)
         inw = 0 if input_weights is None else input_weights.float().reshape(T).contiguous().data_ptr()
@@ -443,7 +449,9 @@ class Kernels:
         if self.scaled:
             fields += (w13_scale.data_ptr(), w2_scale.data_ptr())
         if self.a8 or self.x16:
-            fields += self.quant_scratch(stream, T, tiles, x.device)[1]
+            q = (self.quant_scratch(stream, T, tiles, x.device) if own
+                 else self.quant_buffers(T, tiles * self.tile, x.device))   # (alive until the launches are queued)
+            fields += q[1]
         for launch in pair:
             launch(stream, *fields)
         return out
@@ -576,7 +584,8 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     which experts were hit on the host).
     scratch: the kernels' intermediate, bf16 contiguous [rows, I] or longer (rows = the routing's permuted
     rows); by default one buffer kept per stream. Pass one per call where memory the call leaves behind must
-    not persist: inside a CUDA-graph pool that something else manages (torch.compile's CUDA graphs).
+    not persist: inside a CUDA-graph pool that something else manages (torch.compile's CUDA graphs); the
+    quantized activations of the builds that take them (f16x, fp8_activations) are then allocated per call too.
     CUDA tensors take the kernels; CPU tensors run `reference`.
     """
     try:   # kerngen-built routings carry their checked layout; the signature pins what check_args establishes
