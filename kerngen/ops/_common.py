@@ -6,6 +6,7 @@ from importlib import import_module
 import torch
 
 from .. import jit, tiers
+from ..dispatch import on_clear
 from ..errors import DeviceError, InputError
 from ..launch import resident
 from ..occupancy import Launch
@@ -124,6 +125,20 @@ def resolve(spec: KernelSpec):
 
 
 _modules: dict[KernelSpec, object] = {}
+
+
+def identity_rows(T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """finalize's arguments for T rows already summed (the TP tails' all-reduced rows): expanded_to_permuted
+    arange(T) [T, 1] int32 and weights ones [T, 1] fp32, kept per (T, device)."""
+    hit = _identity.get((T, device))
+    if hit is None:
+        hit = _identity[(T, device)] = (torch.arange(T, dtype=torch.int32, device=device).view(T, 1),
+                                        torch.ones((T, 1), dtype=torch.float32, device=device))
+    return hit
+
+
+_identity: dict[tuple, tuple] = {}   # (T, device) -> identity_rows(T, device)
+on_clear(_identity.clear)
 
 
 def table() -> tiers.Table:

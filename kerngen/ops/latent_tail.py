@@ -293,7 +293,6 @@ def run(k, g, e2p, w, nw, up, shared, residual, eps: float, out) -> torch.Tensor
 def clear() -> None:
     """Forget the input signatures (the dispatch objects are kerngen.dispatch.clear()'s)."""
     _fast.clear()
-    _identity.clear()
 
 
 def dispatch(L: int, H: int, top_k: int, weights_dtype: str, device: int) -> Dispatch:
@@ -397,17 +396,6 @@ def check_args(g, e2p, w, nw, up, shared, residual, eps, *, cuda: bool = True) -
 
 # ---------------------------------------------------------------------------------------------- tensor parallel
 
-_identity: dict[tuple, tuple] = {}   # (T, device) -> (arange(T) [T, 1] int32, ones [T, 1] fp32)
-
-
-def _rows(T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    hit = _identity.get((T, device))
-    if hit is None:
-        hit = _identity[(T, device)] = (torch.arange(T, dtype=torch.int32, device=device).view(T, 1),
-                                        torch.ones((T, 1), dtype=torch.float32, device=device))
-    return hit
-
-
 def _tp(g, e2p, w, nw, up, shared, residual, eps, out, group) -> torch.Tensor:
     """latent_tail over a tensor-parallel group: partial sums all-reduced in fp32 before the norm."""
     import torch.distributed as dist
@@ -420,7 +408,7 @@ def _tp(g, e2p, w, nw, up, shared, residual, eps, out, group) -> torch.Tensor:
         check_buffer(OP, "out", out, torch.bfloat16, (T, H), g.device)
     y = finalize(g, e2p, w, hidden=L).float()
     dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
-    ident, ones = _rows(T, g.device)
+    ident, ones = _common.identity_rows(T, g.device)
     return latent_tail(y.to(torch.bfloat16), ident, ones, nw, up, shared=shared, residual=residual, eps=eps, out=out)
 
 on_clear(clear)

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import InputError
 from ..tiers import Table
+from . import _common
 from ._common import check_tensor, table
 from .finalize import finalize
 
@@ -50,13 +51,11 @@ def model_specs(model, tbl: Table, arch_: str) -> list:
 
 
 def clear() -> None:
-    """Forget the symmetric buffers and identity rows (the symmetric buffers are exchanged again on next use)."""
+    """Forget the symmetric buffers (exchanged again on next use)."""
     _symm.clear()
-    _identity.clear()
 
 
 _symm: dict[tuple, torch.Tensor] = {}        # (group name, H, dtype, device) -> symmetric [max_tokens, H] buffer
-_identity: dict[tuple, tuple] = {}           # (T, device) -> (arange(T) [T, 1] int32, ones [T, 1] fp32)
 
 
 def _partial_buffer(group, p: dict, T: int, H: int, dtype, device) -> torch.Tensor:
@@ -78,15 +77,6 @@ def _all_reduce(partial: torch.Tensor, group, p: dict) -> torch.Tensor:
         dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
         return partial
     return torch.ops.symm_mem.one_shot_all_reduce(partial, "sum", group.group_name)
-
-
-def _rows(T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    hit = _identity.get((T, device))
-    if hit is None:
-        hit = (torch.arange(T, dtype=torch.int32, device=device).view(T, 1),
-               torch.ones((T, 1), dtype=torch.float32, device=device))
-        _identity[(T, device)] = hit
-    return hit
 
 
 def moe_tail_tp(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, *, group, local_tail, eps=1e-6,
@@ -114,6 +104,6 @@ def moe_tail_tp(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, *, g
     if shared is not None:
         partial.add_(shared)
     z = _all_reduce(partial, group, p)
-    ident, ones = _rows(T, gemm2_out.device)
+    ident, ones = _common.identity_rows(T, gemm2_out.device)
     return local_tail(z, ident, ones, norm_weight, eps=eps, residual=residual, residual_out=residual_out, out=out,
                       out_dtype=out_dtype, out_scales=out_scales)
