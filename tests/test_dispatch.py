@@ -382,8 +382,6 @@ def test_experts_take_the_callers_scratch_and_keep_none(stub_gpu):
 
 def test_identity_rows_are_kept_per_shape_and_forgotten_by_clear():
     """The TP tails' finalize arguments for summed rows: one cache for both, cleared with every op's."""
-    import torch
-    from kerngen.ops import _common
     cpu = torch.device("cpu")
     idx, ones = _common.identity_rows(4, cpu)
     assert idx.dtype == torch.int32 and idx.flatten().tolist() == [0, 1, 2, 3] and ones.shape == (4, 1)
