@@ -71,6 +71,13 @@ def test_fp8_activation_builds_compile_without_spills(spec, tmp_path):
     assert_no_spills(built.files)
 
 
+def shape_spec(fmt, H, I, tile=8, **params):
+    """The spec of one f16x launch shape (4 warps, one step a batch, 4 CTAs an SM, PDL unless `params` say
+    otherwise) for sm_90a, as a tier rule gives it."""
+    p = {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True, f16x=True), **params, "tile": tile}
+    return ex.rule_spec(tiers.Rule("experts", "mma", {}, p), H, I, "silu", "sm_90a", fmt)
+
+
 def stub_launches(monkeypatch) -> list:
     """kerngen.experts on CPU tensors through stub launchers: the list they append (kernel name, spec, fields by
     name) to, a launch each."""
@@ -128,14 +135,14 @@ def test_fp8_activations_dispatch_four_launches_with_their_buffers(monkeypatch):
 
 def f16x_specs():
     """The shipped fp8 and MXFP4 rules' builds with f16x (activations carried as f16)."""
-    from kerngen.plan import spec_for
     out = []
     for s in specs("fp8") + specs("mxfp4"):
         c = dict(s.constants)
         if c.get("A8"):
             continue   # fp8 activations: no f16x
-        x = spec_for(tiers.Rule("experts", "mma", {}, {**dict(s.params), "f16x": True, "backend": s.backend}),
-                     *ex.tag_constants(c["H"], c["I"], c["TILE"], c["ACT"], c["FORMAT"]), "sm_90a")
+        rule = tiers.Rule("experts", "mma", {}, {**dict(s.params), "f16x": True, "tile": c["TILE"],
+                                                 "backend": s.backend})
+        x = ex.rule_spec(rule, c["H"], c["I"], c["ACT"], "sm_90a", c["FORMAT"])
         if x not in out:
             out.append(x)
     return out
@@ -152,12 +159,10 @@ def test_f16x_builds_compile_without_spills(spec, tmp_path):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_f16x_dispatches_four_launches_with_f16_buffers(monkeypatch, fmt):
-    from kerngen.plan import spec_for
     launches = stub_launches(monkeypatch)
     a = FORMATS[fmt][1]()
     H, I = a["x"].shape[1], a["w2"].shape[-1] * (32 if fmt == "mxfp4" else 1)
-    s = spec_for(tiers.Rule("experts", "mma", {}, dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True, f16x=True)),
-                 *ex.tag_constants(H, I, 8, "silu", fmt), "sm_90a")
+    s = shape_spec(fmt, H, I)
     k = ex.Kernels(s, -1)
     assert k.x16 and not k.a8 and set(ex.persistent(s)) == {"experts_gemm1", "experts_gemm2", "experts_quant_x",
                                                              "experts_quant_act"}
@@ -200,10 +205,7 @@ def test_quantize_f16_is_exact_within_its_range_with_power_of_two_scales():
 def test_two_tiles_an_item_compile_without_spills_and_halve_the_grid(fmt, H, I, params, tmp_path, monkeypatch):
     """mtiles=2 (f16x builds): items of two m16 tiles of weight rows, so an item covers 16 intermediate / 32 output
     columns and the grid sizes from that; without spills at 4 CTAs of 4 warps."""
-    from kerngen.plan import spec_for
-    p = {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True, f16x=True, mtiles=2), **params}
-    tile = p.pop("tile", 8)
-    s = spec_for(tiers.Rule("experts", "mma", {}, p), *ex.tag_constants(H, I, tile, "silu", fmt), "sm_90a")
+    s = shape_spec(fmt, H, I, mtiles=2, **params)
     built = jit.build(s, store=DiskCache(tmp_path))
     assert_no_spills(built.files)
     stub_launches(monkeypatch)
@@ -221,12 +223,10 @@ def test_mtiles_needs_f16x():
 def test_with_a_callers_scratch_the_quantized_activations_are_the_calls_own(monkeypatch):
     """scratch= (memory that must not outlive the call, e.g. in torch.compile's CUDA-graph pool): an f16x build
     allocates its quantized activations per call instead of keeping them per stream."""
-    from kerngen.plan import spec_for
     launches = stub_launches(monkeypatch)
     a = FORMATS["fp8"][1]()
     H, I = a["x"].shape[1], a["w2"].shape[-1]
-    s = spec_for(tiers.Rule("experts", "mma", {}, dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True, f16x=True)),
-                 *ex.tag_constants(H, I, 8, "silu", "fp8"), "sm_90a")
+    s = shape_spec("fp8", H, I)
     k = ex.Kernels(s, -1)
     r, out = a["routing"], ex.reference(**a)
     act = torch.empty(r.tile_to_expert.shape[0] * 8, I, dtype=torch.bfloat16)

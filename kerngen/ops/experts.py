@@ -346,7 +346,7 @@ class Kernels:
     SM (no more than an SM holds of each kernel, and at most one per work item) looping over the used tiles' items.
     The grid follows the routing's tile count, so the launchers are kept per tile count; the intermediate scratch
     per stream."""
-    __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I",
+    __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "qx", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I",
                  "_grids", "_act", "_cols", "_q")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
@@ -357,6 +357,7 @@ class Kernels:
         self.scaled = c.get("FORMAT", "bf16") != "bf16"   # a quantized build: its scales are launch fields
         self.a8 = bool(c.get("A8"))   # fp8 activations: two quantizing launches and their buffers besides
         self.x16 = bool(p.get("f16x"))   # f16 activations: the same, f16 buffers
+        self.qx = quantizes_activations(s)   # either
         self._warps, self._H, self._I = p["warps"], c["H"], c["I"]
         mt = p.get("mtiles", 1) if self.x16 else 1   # m16 tiles of weight rows an item takes
         self._cols = (16, 32) if c.get("KN") else (8 * mt, 16 * mt)   # an item's columns: GEMM1, GEMM2
@@ -376,7 +377,7 @@ class Kernels:
         p = dict(s.params)
         launch = Launch(32 * p["warps"], 0, p.get("blocks_per_sm", 4))
         out = {"experts_gemm1": launch, "experts_gemm2": launch}
-        if dict(s.constants).get("A8") or p.get("f16x"):
+        if quantizes_activations(s):
             out.update(dict.fromkeys(("experts_quant_x", "experts_quant_act"), Launch(256, 0, QUANT_CTAS)))
         return out
 
@@ -390,7 +391,7 @@ class Kernels:
             params = params_struct(self.spec)
             pair = (Launcher(self._mod, "experts_gemm1", self.device, grid1, block, params, pdl=self._pdl),
                     Launcher(self._mod, "experts_gemm2", self.device, grid2, block, params, pdl=self._pdl))
-            if self.a8 or self.x16:   # a warp per 128 values; grids striding over the rows (x: at most tiles * tile)
+            if self.qx:   # a warp per 128 values; grids striding over the rows (x: at most tiles * tile)
                 def quant(name, cols):
                     grid = (max(1, min(self._ctas[name], -(-tiles * self.tile * -(-cols // QBLOCK) // 8))), 1, 1)
                     return Launcher(self._mod, name, self.device, grid, (256, 1, 1), params, pdl=self._pdl)
@@ -448,7 +449,7 @@ class Kernels:
                   out.data_ptr(), T, experts_, int(interleaved), tiles, a0, a1)
         if self.scaled:
             fields += (w13_scale.data_ptr(), w2_scale.data_ptr())
-        if self.a8 or self.x16:
+        if self.qx:
             q = (self.quant_scratch(stream, T, tiles, x.device) if own
                  else self.quant_buffers(T, tiles * self.tile, x.device))   # (alive until the launches are queued)
             fields += q[1]
@@ -460,10 +461,15 @@ class Kernels:
 persistent = Kernels.persistent   # the ops' seam (kerngen.ops): what explain, warmup and the tests size from
 
 
+def quantizes_activations(s: plan_mod.KernelSpec) -> bool:
+    """Does spec `s` take its activations quantized by two launches of its own: fp8 (A8) or f16 (the rule's f16x)?"""
+    return bool(dict(s.constants).get("A8") or dict(s.params).get("f16x"))
+
+
 def params_struct(s: plan_mod.KernelSpec) -> Params:
     """The launch fields of spec `s`'s struct Params: bf16 weights PARAMS, quantized ones their scales too
-    (PARAMS_SCALED), and with fp8 or f16 activations (A8, f16x) the quantized activations' buffers (PARAMS_A8)."""
-    if dict(s.constants).get("A8") or dict(s.params).get("f16x"):
+    (PARAMS_SCALED), and with quantized activations (A8, f16x) their buffers (PARAMS_A8)."""
+    if quantizes_activations(s):
         return PARAMS_A8
     return PARAMS_SCALED if dict(s.constants).get("FORMAT", "bf16") != "bf16" else PARAMS
 

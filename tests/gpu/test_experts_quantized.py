@@ -34,6 +34,16 @@ def check(x, r, w, s, **kw):
     check_rows(kerngen.experts(x, r, *w, **s, **kw), ex.reference(x, r, *w, **s, **kw), r)
 
 
+def shape_kernels(fmt, H, I, tile, act="silu", a8=False, **params):
+    """The kernels of one launch shape (4 warps, one step a batch, 4 CTAs an SM, PDL, unless `params` say otherwise)
+    for routing tile `tile`, as a tier rule gives them (a8: fp8 activations)."""
+    from kerngen import tiers
+    from kerngen.plan import target_arch
+    rule = tiers.Rule("experts", "mma", {}, {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True), **params,
+                                             "tile": tile})
+    return ex.Kernels(ex.rule_spec(rule, H, I, act, target_arch(0), fmt, "nk", a8), 0)
+
+
 def replay_on_new_logits(run, logits, out):
     """run() once, captured in a CUDA graph, replayed on new logits into a zeroed out."""
     run()
@@ -215,17 +225,13 @@ def test_gpt_oss_and_kimi_shapes(fmt, T):
 def test_launch_shapes_the_sweep_tries(fmt, params):
     """The quantized loop's variants (no prefetch, activations prefetched too, two steps a load batch, 8 warps, tiles
     of 8 and 16 rows) give the reference's rows: the tier rules may pick any of them."""
-    from kerngen import tiers
-    from kerngen.plan import spec_for, target_arch
     H, I, T = 2880 if fmt == "mxfp4" else 3584, 2048, 6
     x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=11)
-    p = {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True), **params}
+    p = dict(params)
     tile = p.pop("tile", 8)
     r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=tile)
-    spec = spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),
-                    *ex.tag_constants(H, I, tile, "silu", fmt), target_arch(0))
     out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
-    ex.Kernels(spec, 0)(x, r, *w, out, w13_scale=s["w13_scale"], w2_scale=s["w2_scale"])
+    shape_kernels(fmt, H, I, tile, **p)(x, r, *w, out, w13_scale=s["w13_scale"], w2_scale=s["w2_scale"])
     check_rows(out, ex.reference(x, r, *w, **s), r)
 
 
@@ -296,31 +302,23 @@ def test_fp8_activations_inside_a_cuda_graph_and_with_input_weights():
 @pytest.mark.parametrize("local", [None, (4, 12)])
 def test_fp8_activations_launch_shapes(params, local):
     """Each launch shape the w8a8 rules may pick, over many items a CTA (across tiles of no local expert too)."""
-    from kerngen import tiers
-    from kerngen.plan import spec_for, target_arch
     H, I, T = 3584, 2048, 6
     x, logits, (w13, w2), s = make("fp8", T, 4, 16, H, I, seed=12)
-    p = {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True), **params}
+    p = dict(params)
     tile = p.pop("tile", 8)
     r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=tile, local_experts=local)
     if local:
         w13, w2 = w13[local[0]:local[0] + local[1]].contiguous(), w2[local[0]:local[0] + local[1]].contiguous()
         s = {k: v[local[0]:local[0] + local[1]].contiguous() for k, v in s.items()}
-    spec = spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),
-                    *ex.tag_constants(H, I, tile, "silu", "fp8", "nk", True), target_arch(0))
     out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
-    ex.Kernels(spec, 0)(x, r, w13, w2, out, **s)
+    shape_kernels("fp8", H, I, tile, a8=True, **p)(x, r, w13, w2, out, **s)
     check_a8(out, ex.reference(x, r, w13, w2, **s, fp8_activations=True), r)
 
 
 def f16x_kernels(fmt, H, I, tile, act="silu", f16x=True, **params):
     """The kernels of a launch shape with f16x (activations carried as f16; f16x=False: bf16), built for routing
     tile `tile`."""
-    from kerngen import tiers
-    from kerngen.plan import spec_for, target_arch
-    p = {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True), **params, "f16x": f16x}
-    k = ex.Kernels(spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),
-                            *ex.tag_constants(H, I, tile, act, fmt), target_arch(0)), 0)
+    k = shape_kernels(fmt, H, I, tile, act, f16x=f16x, **params)
     assert k.x16 == f16x and not k.a8
     return k
 
