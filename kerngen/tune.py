@@ -161,28 +161,28 @@ def experts_candidates(fmt: str = "bf16"):
 _expert_weights: dict[tuple, tuple] = {}   # (model, format) -> w13, w2, w13_scale, w2_scale (one layer, random)
 
 
+def random_expert_weights(E: int, N: int, K: int, fmt: str):
+    """Random CUDA weights [E, N, K] of one projection in `fmt` and their scales (None for bf16): bf16 N(0, 0.02);
+    fp8 every e4m3 code but NaN with block scales below 1e-2 / 448; MXFP4 every byte with scale bytes 118..123."""
+    if fmt == "bf16":
+        return (torch.randn(E, N, K, device="cuda") * 0.02).to(torch.bfloat16), None
+    if fmt == "fp8":
+        w = torch.randint(0, 256, (E, N, K), dtype=torch.uint8, device="cuda")
+        w[(w & 0x7F) == 0x7F] = 0
+        return w.view(torch.float8_e4m3fn), torch.rand(E, N // 128, K // 128, device="cuda") * 1e-2 / 448
+    return (torch.randint(0, 256, (E, N, K // 32, 16), dtype=torch.uint8, device="cuda"),
+            torch.randint(118, 124, (E, N, K // 32), dtype=torch.uint8, device="cuda"))
+
+
 def _expert_inputs(model: tiers.Model, wfmt: str):
-    """One layer of random expert weights of `model` in `wfmt` (every code but NaN; MXFP4 scale bytes 118..123),
-    kept while one format is tuned."""
+    """One layer of random expert weights of `model` in `wfmt` (random_expert_weights): w13, w2, their scales, kept
+    while one format is tuned."""
     key = (model.name, wfmt)
     if key not in _expert_weights:
         _expert_weights.clear()
-        E, H, I, dev = model.num_experts, model.hidden, model.intermediate, "cuda"
-        if wfmt == "bf16":
-            w = [(torch.randn(E, n, k, device=dev) * 0.02).to(torch.bfloat16) for n, k in ((2 * I, H), (H, I))]
-            _expert_weights[key] = (*w, None, None)
-        elif wfmt == "fp8":
-            w = [torch.randint(0, 256, (E, n, k), dtype=torch.uint8, device=dev) for n, k in ((2 * I, H), (H, I))]
-            for t in w:
-                t[(t & 0x7F) == 0x7F] = 0
-            sc = [torch.rand(E, n // 128, k // 128, device=dev) * 1e-2 / 448 for n, k in ((2 * I, H), (H, I))]
-            _expert_weights[key] = (w[0].view(torch.float8_e4m3fn), w[1].view(torch.float8_e4m3fn), *sc)
-        else:
-            w = [torch.randint(0, 256, (E, n, k // 32, 16), dtype=torch.uint8, device=dev) for n, k in
-                 ((2 * I, H), (H, I))]
-            sc = [torch.randint(118, 124, (E, n, k // 32), dtype=torch.uint8, device=dev) for n, k in
-                  ((2 * I, H), (H, I))]
-            _expert_weights[key] = (*w, *sc)
+        H, I = model.hidden, model.intermediate
+        (w13, s13), (w2, s2) = (random_expert_weights(model.num_experts, n, k, wfmt) for n, k in ((2 * I, H), (H, I)))
+        _expert_weights[key] = (w13, w2, s13, s2)
     return _expert_weights[key]
 
 

@@ -6,14 +6,14 @@
     python3 -m tools.sweep.experts fp8 deepseek-v3,kimi-k2 1,8,64 sweep
     python3 -m tools.sweep.experts mxfp4-x16 gpt-oss-120b,kimi-k3 1,8,64 sweep
 
-Random quantized weights (every code but NaN; scale bytes 116..123 for MXFP4) of up to 4 layers cycled, a routing per
-call, CUDA graphs, each step after a 4 MB producer kernel (its time taken off); the floor is the active experts'
-quantized weight and scale bytes at the streaming-read bandwidth. Prints the tier rule's time, its variant without
-prefetch, and with `sweep` the six fastest of 4 warps x unroll x blocks_per_sm x prefetch_x, each launched at
-most as many CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). A -x16 format
-times the rule with f16x (activations carried as f16) beside it, and sweeps the f16x shapes. Every candidate is built
-first by a pool of processes. Correctness is the GPU tests' job (tests/gpu/test_experts_quantized.py): the weights
-here are random bytes.
+Random quantized weights (kerngen.tune.random_expert_weights: every code but NaN; scale bytes 118..123 for MXFP4) of
+up to 4 layers cycled, a routing per call, CUDA graphs, each step after a 4 MB producer kernel (its time taken off);
+the floor is the active experts' quantized weight and scale bytes at the streaming-read bandwidth. Prints the tier
+rule's time, its variant without prefetch, and with `sweep` the six fastest of 4 warps x unroll x blocks_per_sm x
+prefetch_x, each launched at most as many CTAs an SM as the driver's occupancy query allows (a shape asking for more
+is skipped). A -x16 format times the rule with f16x (activations carried as f16) beside it, and sweeps the f16x
+shapes. Every candidate is built first by a pool of processes. Correctness is the GPU tests' job
+(tests/gpu/test_experts_quantized.py): the weights here are random bytes.
 """
 import itertools
 import os
@@ -25,19 +25,12 @@ import kerngen
 from kerngen import tiers
 from kerngen.launch import _drv
 from kerngen.ops import experts as ex
-from kerngen.plan import spec_for, target_arch
+from kerngen.plan import target_arch
+from kerngen.tune import random_expert_weights
 from tools.bench.lib import graph_time_us, read_bandwidth_tbs, require_gpu
 
 SHAPES = {"deepseek-v3": (7168, 2048, 256, 8, "silu", False), "kimi-k2": (7168, 2048, 384, 8, "silu", False),
           "gpt-oss-120b": (2880, 2880, 128, 4, "gpt_oss", True), "kimi-k3": (3584, 2048, 896, 16, "situglu", False)}
-
-def rand_weights(E, N, K, fmt):
-    if fmt == "fp8":
-        w = torch.randint(0, 256, (E, N, K), dtype=torch.uint8, device="cuda")
-        w[(w & 0x7F) == 0x7F] = 0
-        return w.view(torch.float8_e4m3fn), torch.rand(E, N // 128, K // 128, device="cuda") * 1e-3 + 1e-4
-    return (torch.randint(0, 256, (E, N, K // 32, 16), dtype=torch.uint8, device="cuda"),
-            torch.randint(116, 124, (E, N, K // 32), dtype=torch.uint8, device="cuda"))
 
 def occupancy(k):
     drv = _drv()
@@ -72,7 +65,7 @@ def main():
     for m in models:
         H, I, E, K, act, gpt = SHAPES[m]
         layers = max(1, min(4, int(60e9 // (3 * E * H * I * per_weight))))
-        W = [(rand_weights(E, 2 * I, H, fmt), rand_weights(E, H, I, fmt)) for _ in range(layers)]
+        W = [(random_expert_weights(E, 2 * I, H, fmt), random_expert_weights(E, H, I, fmt)) for _ in range(layers)]
         for T in tokens:
             calls = 20
             gen = torch.Generator(device="cuda").manual_seed(T)
@@ -86,8 +79,8 @@ def main():
             acts = [torch.empty(r.tile_to_expert.shape[0] * tile, I, dtype=torch.bfloat16, device="cuda") for r in rt]
             pbuf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
             rule = ex.spec(H, I, tile, act, T, arch, fmt=fmt, a8=a8)
-            build = lambda p: spec_for(tiers.Rule(op="experts", variant="mma", ranges={}, params=p),  # noqa: E731
-                                       *ex.tag_constants(H, I, tile, act, fmt, "nk", a8), arch)
+            build = lambda p: ex.rule_spec(tiers.Rule("experts", "mma", {}, {**p, "tile": tile}),  # noqa: E731
+                                           H, I, act, arch, fmt, "nk", a8)
             cands = [("rule", rule)]
             if a8:   # the weight-only rule beside it
                 cands.append(("bf16-act", ex.spec(H, I, tile, act, T, arch, fmt=fmt)))
