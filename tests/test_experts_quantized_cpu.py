@@ -234,3 +234,18 @@ def test_with_a_callers_scratch_the_quantized_activations_are_the_calls_own(monk
     assert not k._q and all(f["act"] == act.data_ptr() for _, _, f in launches)
     k(a["x"], r, a["w13"], a["w2"], out, w13_scale=a["w13_scale"], w2_scale=a["w2_scale"])
     assert len(k._q) == 1 and launches[-1][2]["xq"] == k._q[0][1][0]
+
+
+@pytest.mark.parametrize("f16x", [False, True])
+def test_quantized_activation_buffers_are_one_allocation_in_aligned_pieces(monkeypatch, f16x):
+    stub_launches(monkeypatch)
+    k = ex.Kernels(shape_spec("mxfp4", 2880, 2880, f16x=f16x) if f16x else
+                   ex.spec(7168, 2048, 8, "silu", 8, "sm_90a", fmt="fp8", a8=True), -1)
+    (xq, xs, aq, asc), ptrs = k.quant_buffers(5, 24, torch.device("cpu"))
+    H, I = (2880, 2880) if f16x else (7168, 2048)
+    assert xq.dtype == aq.dtype == (torch.float16 if f16x else torch.uint8) and xs.dtype == asc.dtype == torch.float32
+    assert [t.shape for t in (xq, xs, aq, asc)] == [(5, H), (5, -(-H // 128)), (24, I), (24, -(-I // 128))]
+    assert all(t.is_contiguous() and p % 16 == 0 for t, p in zip((xq, xs, aq, asc), ptrs))
+    ends = sorted((p, p + t.numel() * t.element_size()) for t, p in zip((xq, xs, aq, asc), ptrs))
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))   # no overlap
+    assert len({t.untyped_storage().data_ptr() for t in (xq, xs, aq, asc)}) == 1

@@ -413,10 +413,13 @@ class Kernels:
         """New buffers for x [T, H] and the intermediate [rows, I] quantized (e4m3 bytes or f16) and their scales
         per 128 columns, with their launch fields."""
         H, I, dt = self._H, self._I, torch.float16 if self.x16 else torch.uint8
-        bufs = (torch.empty((T, H), dtype=dt, device=device),
-                torch.empty((T, -(-H // QBLOCK)), dtype=torch.float32, device=device),
-                torch.empty((rows, I), dtype=dt, device=device),
-                torch.empty((rows, -(-I // QBLOCK)), dtype=torch.float32, device=device))
+        shapes = (((T, H), dt), ((T, -(-H // QBLOCK)), torch.float32), ((rows, I), dt),
+                  ((rows, -(-I // QBLOCK)), torch.float32))
+        sizes = [-(-math.prod(shape) * d.itemsize // 16) * 16 for shape, d in shapes]   # 16-byte aligned pieces
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)   # one allocation (a per-call cost)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        bufs = tuple(flat[o:o + math.prod(shape) * d.itemsize].view(d).view(shape)
+                     for o, (shape, d) in zip(offsets, shapes))
         return bufs, tuple(t.data_ptr() for t in bufs)
 
     def scratch(self, stream: int, tiles: int, device: torch.device) -> torch.Tensor:
