@@ -194,6 +194,8 @@ def _args(**over):
     (dict(norm_weight=torch.ones(60, dtype=BF)), "norm_weight"),                 # L not a multiple of 8
     (dict(norm_weight=torch.ones(72, dtype=BF)), "norm_weight"),                 # L wider than gemm2_out
     (dict(norm_weight=torch.ones(64)), "norm_weight"),
+    (dict(norm_weight=torch.ones(56, dtype=BF)), "norm_weight"),                 # shorter than up_proj and gemm2_out
+    (dict(up_proj=torch.zeros(32, 56, dtype=BF)), "up_proj"),                   # narrower than norm_weight
     (dict(up_proj=torch.zeros(32, 72, dtype=BF)), "up_proj"),                   # not [H, L]
     (dict(up_proj=torch.zeros(36, 64, dtype=BF), shared=None, residual=None), "up_proj"),   # H not a multiple of 8
     (dict(up_proj=torch.zeros(32, 64, dtype=torch.float16)), "up_proj"),

@@ -377,6 +377,9 @@ def check_args(g, e2p, w, nw, up, shared, residual, eps, *, cuda: bool = True) -
     check_rows(OP, g, L)
     check_tensor(OP, "up_proj", up, dtypes=_BF16, ndim=2, device=dev, contiguous=True)
     H = up.shape[0]
+    if up.shape[1] != L and up.shape[1] == g.shape[1]:   # up_proj spans gemm2_out's rows: the norm weight is off
+        raise InputError(OP, "norm_weight", f"of length {up.shape[1]} (up_proj's and gemm2_out's width)",
+                         f"length {L}")
     if up.shape[1] != L or H < 8 or H % 8:
         raise InputError(OP, "up_proj", f"[H, {L}] with H a multiple of 8 (L = {L}, norm_weight's length)",
                          f"shape {tuple(up.shape)}")
