@@ -117,6 +117,7 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                                "cluster": _n(1, 8), "blocks_per_sm": _n(1, 32), "pdl": FLAG,
                                "early_weights": FLAG,   # the first weight steps loaded into registers before the wait
                                "split": FLAG},   # the norm in a first kernel of its own, the projection waiting on it
+    ("latent_tail", "norm_gemm"): {"backend": NVRTC, "cluster": _n(1, 8), "pdl": FLAG},   # norm kernel + torch.addmm
     ("latent_tail", "unfused"): {},   # kerngen.finalize + torch (host code)
     ("tail_tp", "allreduce"): {"allreduce": Param(str, required=True, choices=("nccl", "symm_mem")),
                                "max_tokens": _n()},

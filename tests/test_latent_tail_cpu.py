@@ -254,17 +254,17 @@ def test_a_group_without_torch_distributed_is_rejected():
 
 # ---------------------------------------------------------------------------------------------- tiers, warmup
 
-def test_kimi_k3_is_latent_and_its_rules_pick_fused_then_unfused():
+def test_kimi_k3_is_latent_and_its_rules_pick_split_fused_then_norm_gemm():
     t = tiers.load()
     m = t.model("kimi-k3")
     assert (m.hidden, m.model_hidden) == (3584, 7168)
     assert all(not o.model_hidden for name, o in t.models.items() if name != "kimi-k3")
-    for T, variant, mt in ((1, "fused", 8), (8, "fused", 8), (9, "fused", 16), (16, "fused", 16), (17, "unfused", 0),
-                           (8192, "unfused", 0)):
+    for T, variant, mt in ((1, "fused", 8), (8, "fused", 8), (9, "norm_gemm", 0), (16, "norm_gemm", 0),
+                           (8192, "norm_gemm", 0), (8193, "unfused", 0)):
         s = lt.spec(m.hidden, m.model_hidden, m.top_k, m.weights_dtype, T, "sm_90a", t)
         assert s.variant == variant and dict(s.params).get("max_tokens", 0) == mt, T
     specs = lt.model_specs(m, t, "sm_90a")
-    assert [dict(s.params)["max_tokens"] for s in specs] == [8, 16]
+    assert [s.variant for s in specs] == ["fused", "norm_gemm"] and lt.split(specs[0])
     assert set(specs) <= set(warmup.model_specs(m, t, "sm_90a"))
     assert not lt.model_specs(t.model("deepseek-v3"), t, "sm_90a")
 
@@ -273,13 +273,14 @@ def test_explain_names_the_fused_kernel_and_says_when_there_is_none():
     t = tiers.load()
     s = lt.explain_spec(t, "sm_90a", hidden=3584, top_k=16, tokens=4, model="kimi-k3")
     assert dict(s.constants)["H"] == 7168 and s.variant == "fused"
+    assert lt.explain_spec(t, "sm_90a", hidden=3584, top_k=16, tokens=64, model="kimi-k3").variant == "norm_gemm"
     with pytest.raises(kerngen.InputError, match="unfused"):
-        lt.explain_spec(t, "sm_90a", hidden=3584, top_k=16, tokens=64, model="kimi-k3")
+        lt.explain_spec(t, "sm_90a", hidden=9000, top_k=16, tokens=64)
 
 
 def test_the_dispatch_buckets(monkeypatch):
     d = lt.dispatch(3584, 7168, 16, "float32", -1)
-    assert d.starts == [1, 9, 17] and [s.variant for s in d.specs] == ["fused", "fused", "unfused"]
+    assert d.starts == [1, 9, 8193] and [s.variant for s in d.specs] == ["fused", "norm_gemm", "unfused"]
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -304,7 +305,7 @@ def test_bad_rules_are_named(tmp_path, text, needle):
 
 
 def test_variants_list_the_template_and_the_host_path():
-    assert tiers.variants("latent_tail") == ["fused", "unfused"]
+    assert tiers.variants("latent_tail") == ["fused", "norm_gemm", "unfused"]
 
 
 # ---------------------------------------------------------------------------------------------- the fused kernel
@@ -314,11 +315,16 @@ def fused(L, H, K, wdtype="float32", **params):
     return spec_for(tiers.Rule("latent_tail", "fused", {}, p), *lt.tag_constants(L, H, K, wdtype), "sm_90a")
 
 
+def with_params(s, params):
+    return spec_for(tiers.Rule("latent_tail", "fused", {}, params), s.tag, dict(s.constants), s.arch)
+
+
 def fused_specs():
     """kimi-k3's (warmup's list), a square deepseek-width projection at 8 tokens, and odd widths: L not a multiple
     of 64 (a partial last k step) nor of 8 * cluster, H not of 16, plain CTAs, K = 64, bf16 weights."""
     t = tiers.load()
-    specs = lt.model_specs(t.model("kimi-k3"), t, "sm_90a")
+    specs = [with_params(s, {k: v for k, v in s.params if k not in ("split", "early_weights")})   # one launch
+             for s in lt.model_specs(t.model("kimi-k3"), t, "sm_90a") if s.variant == "fused"]
     specs += [fused(7168, 7168, 8, max_tokens=8), fused(2048, 4096, 10, "bfloat16", warps=8, unroll=4, cluster=4),
               fused(1000, 1224, 64, max_tokens=4, warps=8, cluster=1, pdl=False), fused(136, 8, 1, max_tokens=1,
                                                                                        warps=1, unroll=1, cluster=2)]
@@ -334,15 +340,11 @@ def test_the_fused_kernel_compiles_without_spills(spec, tmp_path):
     assert_no_spills(built.files)
 
 
-def with_params(s, params):
-    return spec_for(tiers.Rule("latent_tail", "fused", {}, params), s.tag, dict(s.constants), s.arch)
-
-
 def early_specs():
     """kimi-k3's rules and the other shapes of fused_specs with early_weights, and the tier rules at L = 136, H = 8
     (the warps load every step of a row early, nothing is left to the L2 prefetch; CTAs of a cluster without an
     item)."""
-    rules = [lt.spec(136, 8, 2, "float32", T, "sm_90a") for T in (1, 16)]
+    rules = [lt.spec(136, 8, 2, "float32", T, "sm_90a") for T in (1, 8)]
     return [with_params(s, {**dict(s.params), "early_weights": True}) for s in fused_specs() + rules]
 
 
@@ -453,7 +455,7 @@ def _opcodes(sass: str) -> list[str]:
 def test_split_builds_of_kimi_k3_fit_their_blocks_per_sm(tmp_path):
     """The registers and shared memory of the built projection let an SM hold the rule's blocks_per_sm."""
     t = tiers.load()
-    for s in lt.model_specs(t.model("kimi-k3"), t, "sm_90a"):
+    for s in [s for s in lt.model_specs(t.model("kimi-k3"), t, "sm_90a") if s.variant == "fused"]:
         s = with_params(s, {**dict(s.params), "split": True})
         rows = warmup.usage(s, jit.build(s, store=DiskCache(tmp_path)).files)
         proj = next(u for u in rows if u.function == lt.PROJ)
@@ -511,8 +513,8 @@ class _Launcher:
 def test_the_dispatch_takes_split_builds_when_the_tiers_ask(tmp_path, monkeypatch):
     """A tier file with split = true: kerngen.latent_tail runs the norm kernel then the projection (both with PDL) on
     the same fields, n in one scratch buffer of the stream [max_tokens, L] bf16 shared by the shape's split builds;
-    the shipped rules still take the one-launch fused kernel."""
-    assert not any(dict(lt.spec(3584, 7168, 16, "float32", T, "sm_90a").params).get("split") for T in (1, 8, 9, 16))
+    the shipped rule up to 8 tokens is a split build too."""
+    assert all(lt.split(lt.spec(3584, 7168, 16, "float32", T, "sm_90a")) for T in (1, 8))
     user = tmp_path / "split.toml"
     user.write_text(SPLIT_TIERS)
     monkeypatch.setenv("KERNGEN_TIERS", str(user))
@@ -525,7 +527,7 @@ def test_the_dispatch_takes_split_builds_when_the_tiers_ask(tmp_path, monkeypatc
     try:
         d = lt.dispatch(256, 512, 4, "float32", -1)
         assert [(s.variant, dict(s.params).get("split")) for s in d.specs] == [("fused", True), ("fused", True),
-                                                                            ("unfused", None)]
+                                                                            ("norm_gemm", None), ("unfused", None)]
         scratch = []
         for T in (1, 5, 9, 5):
             gemm2, e2p, w, nw, up, sh, res = make(T, 4, 256, 512, seed=T)
@@ -554,14 +556,15 @@ def _finalize_reference(g, e2p, w, *, hidden=None, out=None):
 
 
 def test_the_unfused_variant_is_finalize_and_torch(monkeypatch):
-    """T > 16 dispatches to the unfused variant: finalize (its reference standing in for the kernel) + torch."""
+    """Latents wider than the norm kernel's 8192 dispatch to the unfused variant: finalize (its reference standing in
+    for the kernel) + torch."""
     monkeypatch.setattr(_common, "KERNEL_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(lt, "finalize", _finalize_reference)
     kerngen.clear()
     try:
-        args = make(20, 16, 256, 512, seed=3)
+        args = make(20, 16, 8200, 16, seed=3)
         got = kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6])
-        assert type(lt.dispatch(256, 512, 16, "float32", -1).kernel(20)) is lt.Unfused
+        assert type(lt.dispatch(8200, 16, 16, "float32", -1).kernel(20)) is lt.Unfused
         assert_close_to(got, fp64(*args), "unfused", rel=2e-2)
         plain = kerngen.latent_tail(*args[:5])   # no adds: the matmul's own bf16 output
         assert_close_to(plain, fp64(*args[:5], None, None), "unfused, no adds", rel=2e-2)
@@ -663,3 +666,38 @@ def test_normalizing_partials_would_be_detected():
 def test_bad_tp_arguments_name_the_argument(tp_results):
     for rank in range(WORLD):
         assert tp_results[rank][4] == [True, True, True]
+
+
+def norm_gemm(L, H, K, wdtype="float32", **params):
+    p = {"cluster": 8, "pdl": True, **params}
+    return spec_for(tiers.Rule("latent_tail", "norm_gemm", {}, p), *lt.tag_constants(L, H, K, wdtype), "sm_90a")
+
+
+@pytest.mark.parametrize("L,H,K,wdtype,cluster", [(3584, 7168, 16, "float32", 8), (1000, 1224, 64, "bfloat16", 1),
+                                                  (136, 8, 1, "float32", 2)])
+def test_norm_gemm_builds_the_split_norm_kernel_alone(L, H, K, wdtype, cluster):
+    """A norm_gemm build is latent_tail_norm, instruction for instruction the split build's of the same cluster,
+    and latent_tail_add (the projection runs in torch.mm between them), without spills; the norm's launch is a
+    cluster a token."""
+    s = norm_gemm(L, H, K, wdtype, cluster=cluster)
+    assert list(lt.persistent(s)) == [lt.NORM, lt.ADD]
+    assert lt.norm_shape(s, 5)[0] == (5 * cluster, 1, 1)
+    cubin, log = nvrtc_compile(render.render(s), "latent_tail_norm_gemm", s.arch, "norm_gemm", None)
+    assert not log, log
+    files = {"kernel.cubin": cubin}
+    assert_no_spills(files)
+    assert sorted(f for f, _ in resources.usage(files)) == sorted([lt.NORM, lt.ADD])
+    sp = fused(L, H, K, wdtype, cluster=cluster, max_tokens=8, warps=8, split=True)
+    split_cubin, _ = nvrtc_compile(render.render(sp), "latent_tail_split", sp.arch, "split", None)
+
+    def norm_sass(cb):
+        part = next(p for p in resources.sass({"kernel.cubin": cb}).split("Function : ")[1:] if p.startswith(lt.NORM))
+        return _opcodes(part)
+    assert norm_sass(cubin) == norm_sass(split_cubin)
+
+
+def test_norm_gemm_rules_are_checked(tmp_path):
+    p = tmp_path / "t.toml"
+    p.write_text('schema = 1\n[[tier]]\nop = "latent_tail"\nvariant = "norm_gemm"\nparams = { cluster = 9 }\n')
+    with pytest.raises(kerngen.TierError, match="cluster"):
+        tiers.parse(p)

@@ -44,7 +44,7 @@ from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, che
 from .finalize import finalize
 
 OP = "latent_tail"
-VARIANTS = ("fused", "unfused")
+VARIANTS = ("fused", "norm_gemm", "unfused")
 MAX_K = 64
 MAX_FUSED_TOKENS = 16          # the mma n-blocks of the fused kernel: two of 8 tokens
 SMEM_PER_CTA = 227 * 1024      # sm_90 / sm_100: the most shared memory one CTA may use
@@ -55,6 +55,8 @@ PARAMS = Params(("g", "ptr"), ("idx", "ptr"), ("w", "ptr"), ("nw", "ptr"), ("up"
                 ("residual", "ptr"), ("out", "ptr"), ("ld", "int"), ("rows", "int"), ("tokens", "int"),
                 ("eps", "float"))
 PARAMS_SPLIT = Params(*PARAMS.fields, ("n", "ptr"))   # split builds: both kernels, the scratch n last
+# struct AddParams of templates/latent_tail/norm_gemm.cu.j2
+PARAMS_ADD = Params(("h", "ptr"), ("shared", "ptr"), ("residual", "ptr"), ("out", "ptr"), ("vectors", "int"))
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -148,6 +150,7 @@ def explain_spec(tbl: tiers.Table, arch_: str, *, hidden: int, top_k: int, token
 
 FUNCTION = "latent_tail_fused"
 NORM, PROJ = "latent_tail_norm", "latent_tail_proj"   # the split build's two kernels
+ADD = "latent_tail_add"   # a norm_gemm build's second kernel (the first is NORM)
 
 
 def split(s: plan_mod.KernelSpec) -> bool:
@@ -160,6 +163,12 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     checked against the template's limits (the same as its static_asserts, as named errors); for a split build the
     projection's (persistent) and the norm kernel's (a cluster a token, one CTA an SM asked); none for the unfused
     variant (host code)."""
+    if s.variant == "norm_gemm":
+        vs = -(-(dict(s.constants)["L"] // 8) // dict(s.params).get("cluster", 1))
+        if vs > 1024:
+            raise InputError(OP, "tier params", "L / 8 / cluster <= 1024 (a norm CTA's thread a vector)",
+                             f"{s.params} at L = {dict(s.constants)['L']}")
+        return {NORM: Launch(-(-vs // 32) * 32, 0, 1), ADD: Launch(256, 0, 1)}
     if s.variant != "fused":
         return {}
     c, p = dict(s.constants), dict(s.params)
@@ -240,6 +249,49 @@ class Split:
         return out
 
 
+class NormGemm:
+    """The norm_gemm variant at one token count: latent_tail_norm (the split builds' first kernel) writes n
+    [tokens, L] into a scratch buffer of the stream; the library GEMM (torch.mm, cuBLAS) writes h = n . up^T in
+    fp32 into another; latent_tail_add writes bf16((h + shared) + residual): the fused kernel's arithmetic, its dot
+    products summed in the library's order. With neither shared nor residual the GEMM writes bf16 out itself."""
+    __slots__ = ("spec", "norm", "add", "_L", "_H", "_scratch")
+
+    def __init__(self, s: plan_mod.KernelSpec, tokens: int, device: int, scratch: dict | None = None):
+        grid, block = norm_shape(s, tokens)
+        c, mod = dict(s.constants), resolve(s)
+        self.spec, self._L, self._H = s, c["L"], c["H"]
+        self._scratch = {} if scratch is None else scratch
+        self.norm = Launcher(mod, NORM, device, grid, block, PARAMS_SPLIT, pdl=bool(dict(s.params).get("pdl", False)))
+        self.add = Launcher(mod, ADD, device, (-(-(tokens * self._H // 8) // 256), 1, 1), (256, 1, 1), PARAMS_ADD)
+
+    def _buffer(self, what: str, stream: int, rows: int, cols: int, dtype, device) -> torch.Tensor:
+        """A scratch buffer of the stream, rows a power of two (at least 64): few regrowths."""
+        t = self._scratch.get((what, stream))
+        if t is None or t.shape[0] < rows:
+            t = self._scratch[(what, stream)] = torch.empty((max(64, 1 << (rows - 1).bit_length()), cols),
+                                                            dtype=dtype, device=device)
+        return t[:rows]
+
+    def run(self, g, e2p, w, nw, up, shared, residual, eps, out) -> torch.Tensor:
+        stream, T = current_stream(g.get_device()), e2p.shape[0]
+        n = self._buffer("n", stream, T, self._L, torch.bfloat16, g.device)
+        self.norm(stream, g.data_ptr(), e2p.data_ptr(), w.data_ptr(), nw.data_ptr(), up.data_ptr(), 0, 0,
+                  out.data_ptr(), g.stride(0), g.shape[0], T, eps, n.data_ptr())
+        if shared is None and residual is None:
+            return torch.mm(n, up.T, out=out)
+        h = self._buffer("h", stream, T, self._H, torch.float32, g.device)
+        torch.mm(n, up.T, out_dtype=torch.float32, out=h)
+        if (out.data_ptr() | (shared.data_ptr() if shared is not None else 0)
+                | (residual.data_ptr() if residual is not None else 0)) % 16:   # not 16-byte vectors: torch, same adds
+            for t in (shared, residual):
+                if t is not None:
+                    h = h + t.float()
+            return out.copy_(h)
+        self.add(stream, h.data_ptr(), 0 if shared is None else shared.data_ptr(),
+                 0 if residual is None else residual.data_ptr(), out.data_ptr(), T * self._H // 8)
+        return out
+
+
 class Unfused:
     """The unfused variant: kerngen.finalize, then the norm, torch.matmul and the adds in torch."""
     __slots__ = ("spec",)
@@ -266,6 +318,8 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int, scratch: dict | Non
     buffers kept in `scratch`, stream -> tensor, else its own), or the unfused host path."""
     if s.variant == "unfused":
         return Unfused(s)
+    if s.variant == "norm_gemm":
+        return NormGemm(s, max(tokens, 1), device, scratch)
     if s.variant != "fused":
         raise InputError(OP, "tier variant", " or ".join(VARIANTS), s.variant)
     mt = dict(s.params)["max_tokens"]

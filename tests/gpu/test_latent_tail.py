@@ -1,4 +1,5 @@
-"""latent_tail on the GPU against the torch reference: the fused kernel (T <= 16) and the unfused path (T > 16),
+"""latent_tail on the GPU against the torch reference: the fused kernel (T <= 16), norm_gemm (the tier table's from
+9 tokens) and the unfused path,
 -1 rows, shared / residual on and off, CUDA graphs, and the signature fast path after the first call. The fused
 tests also run the tier rule's build with params a rule may add (early_weights; split: the norm kernel, then the
 projection waiting on it through PDL), launched directly; split builds also through dispatch (a user tier file),
@@ -59,13 +60,17 @@ def close(got, ref, rel):
     assert torch.isfinite(got).all()
 
 
+FUSED16 = {"max_tokens": 16, "warps": 16, "unroll": 2, "cluster": 8, "blocks_per_sm": 1, "pdl": True}
+
+
 def run_fused(over, gemm2, e2p, w, nw, up, sh, res, out, eps=1e-6):
-    """The tier rule's fused build at this shape and T with `over` laid over its params, launched directly."""
+    """The one-launch fused build of the tier rule at this shape and T (FUSED16 where the rule is not fused: 9-16
+    tokens) with `over` laid over its params, launched directly."""
     T, K = e2p.shape
     L, H, wd, arch = nw.shape[0], up.shape[0], DTYPE_NAMES[w.dtype], target_arch()
     rule = lt.spec(L, H, K, wd, T, arch)
-    assert rule.variant == "fused", T
-    s = spec_for(tiers.Rule(lt.OP, "fused", {}, {**dict(rule.params), **over}), *lt.tag_constants(L, H, K, wd), arch)
+    base = {k: v for k, v in rule.params if k not in ("split", "early_weights")} if rule.variant == "fused" else FUSED16
+    s = spec_for(tiers.Rule(lt.OP, "fused", {}, {**base, **over}), *lt.tag_constants(L, H, K, wd), arch)
     return lt.run(lt.kernel(s, T, torch.cuda.current_device()), gemm2, e2p, w, nw, up, sh, res, eps, out)
 
 
@@ -78,7 +83,8 @@ def check(T, K, L, H, over=None, **kw):
         got = run_fused(over, *args, out)
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr()
-    close(got, reference(*args), 1e-2 if T <= lt.MAX_FUSED_TOKENS else 2e-2)
+    fused = over is not None or lt.spec(L, H, K, DTYPE_NAMES[args[2].dtype], T, target_arch()).variant == "fused"
+    close(got, reference(*args), 1e-2 if fused else 2e-2)
 
 
 @pytest.mark.parametrize("over", VARIANTS, ids=variant_id)
@@ -87,9 +93,15 @@ def test_fused_kimi_k3(T, over):
     check(T, *KIMI, over, seed=T)
 
 
-@pytest.mark.parametrize("T", [17, 24, 33, 64])
-def test_unfused_kimi_k3(T):
+@pytest.mark.parametrize("T", [17, 24, 33, 64, 200])
+def test_norm_gemm_dispatched_kimi_k3(T):
     check(T, *KIMI, seed=T)
+
+
+def test_unfused_past_the_norm_kernels_width():
+    """Latents wider than 8192: the unfused variant (kerngen.finalize + torch)."""
+    assert type(lt.dispatch(8200, 64, 4, "float32", torch.cuda.current_device()).kernel(3)) is lt.Unfused
+    check(3, 4, 8200, 64, seed=9)
 
 
 @pytest.mark.parametrize("over", VARIANTS, ids=variant_id)
@@ -138,7 +150,7 @@ def test_inside_cuda_graph(T):
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    close(out, reference(*fresh), 1e-2 if T <= 16 else 2e-2)
+    close(out, reference(*fresh), 1e-2 if T <= 8 else 2e-2)
 
 
 def test_after_the_first_call_the_signature_serves():
@@ -279,3 +291,88 @@ def test_split_bad_inputs_are_named(split_tiers):
     got = kerngen.latent_tail(gemm2, far, w, nw, up, shared=sh, residual=res)
     torch.cuda.synchronize()
     assert torch.equal(got, (sh.float() + res.float()).to(BF))
+
+
+# ---------------------------------------------------------------------------------------------- norm_gemm
+# latent_tail_norm, torch.mm into fp32, latent_tail_add: the fused kernel's arithmetic but the dot products' (the
+# library's, which under torch's default allow_bf16_reduced_precision_reduction may add split-K partials in bf16):
+# the unfused tolerance, 2e-2 of the RMS.
+
+NORM_GEMM_TIERS = """schema = 1
+[[tier]]
+op = "latent_tail"
+variant = "norm_gemm"
+tokens = [1, 512]
+params = { cluster = 8, pdl = true }
+"""
+
+
+def norm_gemm_spec(L, H, K, wd="float32", cluster=8):
+    return spec_for(tiers.Rule(lt.OP, "norm_gemm", {}, {"cluster": cluster, "pdl": True}),
+                    *lt.tag_constants(L, H, K, wd), target_arch())
+
+
+@pytest.mark.parametrize("shared,residual", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("T", [1, 9, 17, 64, 300])
+def test_norm_gemm_kimi_k3(T, shared, residual):
+    args = make(T, *KIMI, shared=shared, residual=residual, seed=T)
+    out = torch.full((T, KIMI[2]), float("nan"), dtype=BF, device="cuda")
+    k = lt.kernel(norm_gemm_spec(*KIMI[1:], KIMI[0]), T, torch.cuda.current_device())
+    assert type(k) is lt.NormGemm
+    got = lt.run(k, *args, 1e-6, out)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr()
+    close(got, reference(*args), 2e-2)
+
+
+@pytest.mark.parametrize("T", [1, 33])
+@pytest.mark.parametrize("K,L,H,pad,wdtype,cluster", [(8, 1024, 2048, 8, torch.float32, 4), (4, 1000, 1224, 0, BF, 1)])
+def test_norm_gemm_other_shapes(T, K, L, H, pad, wdtype, cluster):
+    args = make(T, K, L, H, pad=pad, wdtype=wdtype, seed=3)
+    out = torch.empty(T, H, dtype=BF, device="cuda")
+    k = lt.kernel(norm_gemm_spec(L, H, K, DTYPE_NAMES[wdtype], cluster), T, torch.cuda.current_device())
+    close(lt.run(k, *args, 1e-6, out), reference(*args), 2e-2)
+
+
+def test_norm_gemm_unaligned_outputs_take_the_same_adds():
+    gemm2, e2p, w, nw, up, sh, res = make(5, *KIMI, seed=5)
+    k = lt.kernel(norm_gemm_spec(*KIMI[1:], KIMI[0]), 5, torch.cuda.current_device())
+    out = torch.empty(5 * KIMI[2] + 4, dtype=BF, device="cuda")[4:].view(5, KIMI[2])   # 8 bytes off
+    aligned = lt.run(k, gemm2, e2p, w, nw, up, sh, res, 1e-6, torch.empty(5, KIMI[2], dtype=BF, device="cuda"))
+    assert torch.equal(lt.run(k, gemm2, e2p, w, nw, up, sh, res, 1e-6, out), aligned)
+
+
+@pytest.fixture
+def norm_gemm_tiers(tmp_path, monkeypatch):
+    user = tmp_path / "norm_gemm.toml"
+    user.write_text(NORM_GEMM_TIERS)
+    monkeypatch.setenv("KERNGEN_TIERS", str(user))
+    tiers.reload()
+    yield
+    monkeypatch.delenv("KERNGEN_TIERS")
+    tiers.reload()
+
+
+@pytest.mark.parametrize("T", [4, 40, 512])
+def test_norm_gemm_through_dispatch_in_place_and_in_a_graph(T, norm_gemm_tiers):
+    gemm2, e2p, w, nw, up, sh, res = make(T, *KIMI, seed=11)
+    want = reference(gemm2, e2p, w, nw, up, sh, res)
+    assert type(lt.dispatch(*KIMI[1:], KIMI[0], "float32", torch.cuda.current_device()).kernel(T)) is lt.NormGemm
+    got = kerngen.latent_tail(gemm2, e2p, w, nw, up, shared=sh, residual=res, out=res)   # residual in place
+    torch.cuda.synchronize()
+    assert got is res
+    close(got, want, 2e-2)
+    args = make(T, *KIMI, seed=12)
+    out = torch.empty(T, KIMI[2], dtype=BF, device="cuda")
+    kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6], out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6], out=out)
+    fresh = make(T, *KIMI, seed=13)
+    for dst, src in zip(args, fresh):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    close(out, reference(*fresh), 2e-2)

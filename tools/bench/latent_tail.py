@@ -3,19 +3,21 @@
 (finalize in the latent width, RMSNorm, the up projection, the shared + residual add), CUDA graphs.
 
     python3 -m tools.bench.latent_tail [--tokens 1,2,4,8,16,32,64] [--shape 16,3584,7168] [--layers 4]
-                                       [--chained] [--rule early_weights=true | split=true | max_tokens=16,...]
-                                       [--json FILE]
+                                       [--chained] [--rule early_weights=true | split=true | max_tokens=16,...
+                                                    | variant=norm_gemm,cluster=8,pdl=true] [--json FILE]
 
 Peers, on the same inputs in the same process: "unfused" is what an engine runs today (kerngen.finalize, torch
 RMSNorm in fp32, torch.matmul in bf16, the adds: four launches and more); "compiled" is the same after
-finalize under torch.compile (the norm, matmul and adds fused where Inductor can). Each step follows a producer
-kernel (an elementwise write of 4 MB that does not trigger early) unless --chained; its time is taken off.
-Consecutive steps use `--layers` different up_proj copies, as consecutive layers do, so the weights are read
-from memory and not L2. The floor is the up projection's weights, L * H * 2 bytes, at the measured copy
-bandwidth (the streaming-read rate the experts bench uses). Every result is checked against the reference
-before it is timed. --rule times fused params beside the tier rule's: laid over the tier rule's params at each T
-it serves with the fused kernel (e.g. early_weights=true, or split=true: the norm kernel and the projection waiting
-on it), or, when they name max_tokens, one launch shape on its own at every T <= its max_tokens.
+finalize under torch.compile (the norm, matmul and adds fused where Inductor can); "all comp" is torch.compile of
+the whole unfused tail, the finalize's gather and weighted sum included. Both are compiled afresh at each T.
+Each step follows a producer kernel (an elementwise write of 4 MB that does not trigger early) unless --chained;
+its time is taken off. Consecutive steps use `--layers` different up_proj copies, as consecutive layers do, so the
+weights are read from memory and not L2. The floor is the up projection's weights, L * H * 2 bytes, at the
+measured copy bandwidth (the streaming-read rate the experts bench uses). Every result is checked against the
+reference before it is timed. --rule times params beside the tier rule's: laid over the tier rule's params at
+each T it serves with the fused kernel (e.g. early_weights=true, or split=true: the norm kernel and the projection
+waiting on it); when they name max_tokens, one fused launch shape on its own at every T <= its max_tokens; when
+they name a variant (variant=norm_gemm: the norm kernel, then torch.addmm), that variant at every T.
 """
 from __future__ import annotations
 
@@ -53,6 +55,15 @@ def unfused_rest(y, nw, up, sh, res, eps: float = 1e-6):
     return (torch.matmul(n, up.T).float() + sh.float() + res.float()).to(BF)
 
 
+def unfused_all(g, e2p, w, nw, up, sh, res, eps: float = 1e-6):
+    """The whole tail in torch, finalize included (the rows gathered, weighted and summed in fp32)."""
+    L = nw.shape[0]
+    ok = (e2p >= 0) & (e2p < g.shape[0])
+    rows = g[torch.where(ok, e2p, 0).long(), :L].float()
+    y = (rows * torch.where(ok, w.float(), 0.0).unsqueeze(-1)).sum(1)
+    return unfused_rest(y, nw, up, sh, res, eps)
+
+
 def timed(step, producer, chained: bool) -> float:
     if chained:
         return graph_time_us(step, calls=20)
@@ -67,21 +78,25 @@ def check(got, ref, what):
 
 
 def parse_rule(text: str) -> dict:
-    """"early_weights=true,unroll=4" -> {"early_weights": True, "unroll": 4}."""
+    """"early_weights=true,unroll=4" -> {"early_weights": True, "unroll": 4}; "variant=norm_gemm" stays a name."""
     pairs = (kv.split("=") for kv in text.split(","))
-    return {k: (v == "true" if v in ("true", "false") else int(v)) for k, v in pairs}
+    return {k: (v == "true" if v in ("true", "false") else v if k == "variant" else int(v)) for k, v in pairs}
 
 
 def rule_params(rule: dict | None, tier, T: int) -> dict | None:
-    """The fused params --rule times at T beside the tier rule's spec `tier` (None: nothing to time at T)."""
+    """The params --rule times at T beside the tier rule's spec `tier` (None: nothing to time at T): a variant
+    named (variant=norm_gemm,...) at every T, a whole fused launch shape up to its max_tokens, or fused params laid
+    over the tier rule's where it is fused."""
     if not rule:
         return None
+    if "variant" in rule:
+        return rule
     if "max_tokens" in rule:
         return rule if T <= rule["max_tokens"] else None
     return {**dict(tier.params), **rule} if tier.variant == "fused" else None
 
 
-def case(T, K, L, H, bw, args, compiled):
+def case(T, K, L, H, bw, args):
     gemm2, e2p, w, nw, ups, sh, res = inputs(T, K, L, H, args.layers, seed=T)
     ref = lt.reference(gemm2, e2p, w, nw, ups[0], shared=sh, residual=res)
     producer_buf = torch.empty(2 << 20, dtype=BF, device="cuda")
@@ -102,16 +117,26 @@ def case(T, K, L, H, bw, args, compiled):
         kerngen.finalize(gemm2, e2p, w, out=y)
         return unfused_rest(y, nw, up, sh, res)
 
+    torch._dynamo.reset()   # compiled afresh for each T (no recompile limit reached, no dynamic shapes)
+    compiled = torch.compile(unfused_rest, dynamic=False)
+    compiled_all = torch.compile(unfused_all, dynamic=False)
+
     def unfused_compiled(up):
         kerngen.finalize(gemm2, e2p, w, out=y)
         return compiled(y, nw, up, sh, res)
 
-    for name, fn in (("kerngen", ours), ("unfused", unfused), ("compiled", unfused_compiled)):
+    def all_compiled(up):
+        return compiled_all(gemm2, e2p, w, nw, up, sh, res)
+
+    for name, fn in (("kerngen", ours), ("unfused", unfused), ("compiled", unfused_compiled),
+                     ("compiled_all", all_compiled)):
         check(fn(ups[0]), ref, f"T={T} {name}")
         row[f"{name}_us"] = timed(cycle(fn), producer, args.chained)
     params = rule_params(args.rule, lt.spec(L, H, K, "float32", T, target_arch()), T)
     if params:
-        s = spec_for(Rule(lt.OP, "fused", {}, params), *lt.tag_constants(L, H, K, "float32"), target_arch())
+        params = dict(params)
+        variant = params.pop("variant", "fused")
+        s = spec_for(Rule(lt.OP, variant, {}, params), *lt.tag_constants(L, H, K, "float32"), target_arch())
         k = lt.kernel(s, T, torch.cuda.current_device())   # a Launcher, or a split build's two (lt.Split)
 
         def rule_step(up):
@@ -138,18 +163,18 @@ def main(argv=None) -> int:
     K, L, H = (int(v) for v in args.shape.split(","))
     require_gpu("python3 -m tools.bench.latent_tail")
     bw = copy_bandwidth_tbs()
-    compiled = torch.compile(unfused_rest, dynamic=False)
     print(f"latent_tail K={K} L={L} H={H}; copy bandwidth {bw:.2f} TB/s; "
           f"{'chained' if args.chained else 'after a producer kernel'}; floor = L*H*2 bytes at that bandwidth"
           + (f"; rule: {args.rule}" if args.rule else ""))
-    print(f"{'T':>4s} {'variant':>8s} {'kerngen':>9s} {'unfused':>9s} {'compiled':>9s} {'floor':>7s} "
+    print(f"{'T':>4s} {'variant':>9s} {'kerngen':>9s} {'unfused':>9s} {'compiled':>9s} {'all comp':>9s} {'floor':>7s} "
           f"{'% floor':>8s} {'vs best peer':>12s}" + ("  rule" if args.rule else ""))
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
-        r = case(T, K, L, H, bw, args, compiled)
+        r = case(T, K, L, H, bw, args)
         rows.append(r)
-        peer = min(r["unfused_us"], r["compiled_us"])
-        print(f"{T:4d} {r['variant']:>8s} {r['kerngen_us']:9.2f} {r['unfused_us']:9.2f} {r['compiled_us']:9.2f} "
+        peer = min(r["unfused_us"], r["compiled_us"], r["compiled_all_us"])
+        print(f"{T:4d} {r['variant']:>9s} {r['kerngen_us']:9.2f} {r['unfused_us']:9.2f} {r['compiled_us']:9.2f} "
+              f"{r['compiled_all_us']:9.2f} "
               f"{r['floor_us']:7.2f} {100 * r['floor_us'] / r['kerngen_us']:7.1f}% {peer / r['kerngen_us']:11.2f}x"
               + (f"  {r['rule_us']:.2f} ({r['kerngen_us'] / r['rule_us']:.2f}x)" if "rule_us" in r else ""))
     if args.json:
