@@ -11,12 +11,16 @@ projection, as an engine's RMSNorm output is; the projection accumulates in fp32
 added to it in fp32 (in that order) before the one rounding of the result to bf16. `reference` is this in
 plain torch; the fused kernel differs from it only in summation order (sum of squares, dot products).
 
-The "unfused" variant (the tier table's choice for T > 16) is kerngen.finalize + torch: y rounded to bf16 by
-finalize, the norm in fp32, torch.matmul in bf16 (rounded), the adds in fp32: two more roundings, as the
-four-launch path an engine runs today. Both variants agree with `reference` to a few bf16 steps of the row.
-A fused rule with split = true runs the fused kernel's work as two launches (`Split`): latent_tail_norm writes n
-once into a scratch buffer of the stream, latent_tail_proj (programmatic dependent launch) issues its first weight
-loads before it waits on it; the same arithmetic in the same order as the one-launch kernel of the same params.
+A fused rule with split = true runs the fused kernel's work as two launches (`Split`, the tier table's choice up
+to 8 tokens): latent_tail_norm writes n once into a scratch buffer of the stream, latent_tail_proj (programmatic
+dependent launch) issues its first weight loads before it waits on it; the same arithmetic in the same order as the
+one-launch kernel of the same params. The "norm_gemm" variant (`NormGemm`, the tier table's choice from 9 tokens)
+runs the same latent_tail_norm, torch.mm with fp32 output (cuBLAS; under torch's default
+allow_bf16_reduced_precision_reduction it may add split-K partials in bf16) and latent_tail_add (the adds in
+fp32, one rounding). The "unfused" variant (latents wider than the norm kernel's 8192) is kerngen.finalize + torch:
+y rounded to bf16 by finalize, the norm in fp32, torch.matmul in bf16 (rounded), the adds in fp32: two more
+roundings, as the four-launch path an engine runs today. Every variant agrees with `reference` to a few bf16 steps
+of the row.
 
 Tensor parallelism (group=): each rank holds a partial routed output (its experts' rows); the partial latent
 sums are all-reduced in fp32 before the norm (normalizing partials and adding them is not the tail). up_proj,
@@ -119,8 +123,8 @@ def spec(L: int, H: int, top_k: int, weights_dtype: str, tokens: int, arch_: str
 
 
 def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_mod.KernelSpec]:
-    """The fused kernels of a latent model (model_hidden set) over its token range; the unfused variant runs
-    kerngen.finalize (its kernels are finalize's model_specs) and torch."""
+    """The fused and norm_gemm builds of a latent model (model_hidden set) over its token range; the unfused variant
+    runs kerngen.finalize (its kernels are finalize's model_specs) and torch."""
     if not model.model_hidden:
         return []
     shape = {"hidden": model.hidden, "top_k": model.top_k, "num_experts": model.num_experts, "arch": arch_}
@@ -161,7 +165,8 @@ def split(s: plan_mod.KernelSpec) -> bool:
 def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     """The fused kernel's CTA (threads, dynamic shared memory) and the CTAs an SM its rule asks for, its params
     checked against the template's limits (the same as its static_asserts, as named errors); for a split build the
-    projection's (persistent) and the norm kernel's (a cluster a token, one CTA an SM asked); none for the unfused
+    projection's (persistent) and the norm kernel's (a cluster a token, one CTA an SM asked); for norm_gemm the norm
+    kernel's and the add kernel's; none for the unfused
     variant (host code)."""
     if s.variant == "norm_gemm":
         vs = -(-(dict(s.constants)["L"] // 8) // dict(s.params).get("cluster", 1))
@@ -383,8 +388,8 @@ def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, top
     out: optional [T, H] bf16 contiguous buffer, returned as given; it may be `residual` (updated in place).
     group: a torch.distributed ProcessGroup: gemm2_out / expanded_to_permuted / topk_weights are this rank's
     partial, summed over the group (fp32) before the norm; every rank gets `out`.
-    CUDA tensors only, like every op that launches kernels: the tier table's variant (the fused kernel up to 16
-    tokens; CUDA-graph capturable, on torch's current stream). On the CPU: torch.ops.kerngen.latent_tail (the same
+    CUDA tensors only, like every op that launches kernels: the tier table's variant (the split fused kernel up to
+    8 tokens, norm_gemm beyond; CUDA-graph capturable, on torch's current stream). On the CPU: torch.ops.kerngen.latent_tail (the same
     checks, then `reference`), or `reference` itself.
     """
     if group is not None:
