@@ -135,22 +135,27 @@ def test_in_place_residual():
     close(got, want, 1e-2)
 
 
-@pytest.mark.parametrize("T", [1, 8, 16, 32])
-def test_inside_cuda_graph(T):
-    args = make(T, *KIMI, seed=7)
+def check_in_a_graph(T, seed, rel):
+    """kerngen.latent_tail captured in a CUDA graph (its first call outside), replayed on fresh inputs."""
+    args = make(T, *KIMI, seed=seed)
     out = torch.empty(T, KIMI[2], dtype=BF, device="cuda")
     kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6], out=out)   # first call: build, outside
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6], out=out)
-    fresh = make(T, *KIMI, seed=8)
+    fresh = make(T, *KIMI, seed=seed + 1)
     for dst, src in zip(args, fresh):
         dst.copy_(src)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    close(out, reference(*fresh), 1e-2 if T <= 8 else 2e-2)
+    close(out, reference(*fresh), rel)
+
+
+@pytest.mark.parametrize("T", [1, 8, 16, 32])
+def test_inside_cuda_graph(T):
+    check_in_a_graph(T, 7, 1e-2 if T <= 8 else 2e-2)
 
 
 def test_after_the_first_call_the_signature_serves():
@@ -179,8 +184,13 @@ def split_tiers(tmp_path, monkeypatch):
     """kerngen.latent_tail dispatching kimi-k3's fused token counts to split builds (tests/test_latent_tail_cpu.py's
     tier file: the shipped rules' launch shapes with split = true)."""
     from tests.test_latent_tail_cpu import SPLIT_TIERS
-    user = tmp_path / "split.toml"
-    user.write_text(SPLIT_TIERS)
+    yield from user_tiers(tmp_path, monkeypatch, SPLIT_TIERS)
+
+
+def user_tiers(tmp_path, monkeypatch, text):
+    """A fixture's body: `text` as the user tier file (KERNGEN_TIERS) while the test runs."""
+    user = tmp_path / "user_tiers.toml"
+    user.write_text(text)
     monkeypatch.setenv("KERNGEN_TIERS", str(user))
     tiers.reload()
     yield
@@ -345,13 +355,7 @@ def test_norm_gemm_unaligned_outputs_take_the_same_adds():
 
 @pytest.fixture
 def norm_gemm_tiers(tmp_path, monkeypatch):
-    user = tmp_path / "norm_gemm.toml"
-    user.write_text(NORM_GEMM_TIERS)
-    monkeypatch.setenv("KERNGEN_TIERS", str(user))
-    tiers.reload()
-    yield
-    monkeypatch.delenv("KERNGEN_TIERS")
-    tiers.reload()
+    yield from user_tiers(tmp_path, monkeypatch, NORM_GEMM_TIERS)
 
 
 @pytest.mark.parametrize("T", [4, 40, 512])
@@ -363,17 +367,4 @@ def test_norm_gemm_through_dispatch_in_place_and_in_a_graph(T, norm_gemm_tiers):
     torch.cuda.synchronize()
     assert got is res
     close(got, want, 2e-2)
-    args = make(T, *KIMI, seed=12)
-    out = torch.empty(T, KIMI[2], dtype=BF, device="cuda")
-    kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6], out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6], out=out)
-    fresh = make(T, *KIMI, seed=13)
-    for dst, src in zip(args, fresh):
-        dst.copy_(src)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    close(out, reference(*fresh), 2e-2)
+    check_in_a_graph(T, 12, 2e-2)
