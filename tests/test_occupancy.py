@@ -71,7 +71,9 @@ def persistent_specs():
 
 
 def _id(s):
-    return s.tag + (f"-max_tokens{dict(s.params)['max_tokens']}" if s.op == "latent_tail" else "")
+    p = dict(s.params)
+    return s.tag + (f"-{s.variant}" + (f"-max_tokens{p['max_tokens']}" if "max_tokens" in p else "")
+                    if s.op == "latent_tail" else "")
 
 
 @pytest.mark.parametrize("spec", persistent_specs(), ids=_id)
