@@ -138,3 +138,57 @@ def test_schedule_option_and_its_table_columns():
     assert len(cells) == len(names) == both.split("\n")[1].count("---")
     assert cells[names.index("3-stream saves µs")] == "7.5" and cells[names.index("vs torch")] == "2.00x"
     assert cells[-1] == "yes |"
+
+
+# ---------------------------------------------------------------------------------------------- the latent layer
+
+LATENT = Model("tiny-latent", 8, 2, 64, "sigmoid_bias", (1, 64), routed_scaling_factor=2.5, model_hidden=96)
+
+
+def latent_loop_layer(m, w, x, residual):
+    """The latent layer one token and one slot at a time: experts on x @ down.T (width L), the weighted sum and
+    RMSNorm in L, then up to the model's width and the shared + residual add."""
+    ids, weights = routing.reference(x.float() @ w.router.T, m.top_k, m.routing, w.bias, m.n_group, m.topk_group,
+                                     m.routed_scaling_factor, m.renormalize)
+    out = torch.empty_like(x)
+    for t in range(x.shape[0]):
+        xl = (w.down.float() @ x[t].float()).to(x.dtype)
+        y = sum(weights[t, k] * expert(xl, w.w1[int(ids[t, k])], w.w2[int(ids[t, k])]) for k in range(m.top_k))
+        n = (y * torch.rsqrt(y.pow(2).mean() + demo.EPS) * w.norm.float()).to(x.dtype)
+        h = (w.up.float() @ n.float()).to(x.dtype).float()
+        out[t] = (h + expert(x[t], w.shared1, w.shared2) + residual[t].float()).to(x.dtype)
+    return out, ids
+
+
+def latent_case(T, seed=0):
+    w = demo.make_weights(LATENT, INTER, device="cpu", seed=seed)
+    x, residual = demo.make_inputs(T, demo.model_width(LATENT), device="cpu", seed=seed + 1)
+    return w, x, residual
+
+
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_latent_torch_layer_matches_per_token_loop(T):
+    w, x, residual = latent_case(T)
+    assert (w.down.shape, w.up.shape, w.norm.shape, w.router.shape) == ((64, 96), (96, 64), (64,), (8, 96))
+    out, ids = demo.torch_layer(LATENT, w)(x, residual)
+    ref, ref_ids = latent_loop_layer(LATENT, w, x, residual)
+    assert out.shape == (T, 96) and demo.ids_agreement(ids, ref_ids) == 1.0
+    assert demo.output_error(out, ref)[1] <= CPU_TOL
+    w.up.neg_()   # the projection matters
+    assert demo.output_error(demo.torch_layer(LATENT, w)(x, residual)[0], ref)[1] > demo.TOL
+
+
+@pytest.mark.parametrize("T,tile", [(1, 4), (3, 16), (16, 4)])
+def test_latent_permuted_experts_and_tail_match_torch_layer(T, tile):
+    """The kerngen path of a latent layer with route, the experts and latent_tail replaced by torch references."""
+    from kerngen.ops import latent_tail as lt
+    w, x, residual = latent_case(T)
+    ids, weights = routing.reference(x.float() @ w.router.T, LATENT.top_k, LATENT.routing, w.bias,
+                                     routed_scaling_factor=LATENT.routed_scaling_factor)
+    p = pm.permute_reference(ids, LATENT.num_experts, tile)
+    rows = demo.permuted_rows_bound(T, LATENT.top_k, LATENT.num_experts, tile)
+    g = demo.permuted_experts(demo.experts_input(x, w), p["permuted_to_token"], p["tile_to_expert"], w, tile, rows)
+    out = lt.reference(g, p["expanded_to_permuted"], weights, w.norm, w.up, shared=demo.mlp(x, w.shared1, w.shared2),
+                       residual=residual, eps=demo.EPS)
+    ref, _ = demo.torch_layer(LATENT, w)(x, residual)
+    assert demo.output_error(out, ref)[1] <= CPU_TOL

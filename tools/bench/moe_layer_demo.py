@@ -10,9 +10,14 @@ The layer, for hidden states x [T, H] bf16 and a residual [T, H] bf16 (E, K, H a
     expert_e = down_e(silu(gate_e(x)) * up_e(x))                  bf16 weights, intermediate size I
     y        = sum_k w[t, k] * expert_{ids[t, k]}(x[t]) + shared(x) + residual            fp32
     out      = y * rsqrt(mean(y^2) + eps) * norm_weight           bf16
+A latent model (`model_hidden` in tiers.toml: kimi-k3) has hidden states of the model's width Hm and experts in the
+latent width L = `hidden`: the experts read x_lat = x @ down.T (down [L, Hm]); the tail is the latent one
+(kerngen.latent_tail):
+    y        = sum_k w[t, k] * expert_{ids[t, k]}(x_lat[t])      fp32 [T, L]
+    out      = (rmsnorm(y) * norm_weight) @ up.T + shared(x) + residual   bf16 [T, Hm]; up [Hm, L], norm [L]
 kerngen path: kerngen.route (ids, weights and the permutation) -> the experts over the permuted rows
 (kerngen.experts, or with --experts torch one batched matmul per tile over gathered weights) ->
-kerngen.moe_tail (finalize + shared + residual + RMSNorm). torch path: the routing math of
+kerngen.moe_tail (finalize + shared + residual + RMSNorm), or kerngen.latent_tail in a latent layer. torch path: the routing math of
 tools/bench/routing.py, each (token, slot) gathers its expert's weights, fp32 weighted sum, RMSNorm. Neither
 path reads a device value on the host, so both run inside CUDA graphs.
 
@@ -58,9 +63,10 @@ BF16 = torch.bfloat16
 
 @dataclass
 class Weights:
-    """One MoE layer: router [E, H] fp32, correction bias [E] fp32 (None unless a sigmoid_bias method); bf16
-    experts w1 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], shared expert shared1 [2I, H] and
-    shared2 [H, I], RMSNorm weight norm [H]."""
+    """One MoE layer: router [E, Hm] fp32, correction bias [E] fp32 (None unless a sigmoid_bias method); bf16
+    experts w1 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], shared expert shared1 [2I, Hm] and
+    shared2 [Hm, I], RMSNorm weight norm [H]. Hm = H, except in a latent layer (H = L): down [L, Hm] and up
+    [Hm, L] project to and from the experts' width (None otherwise)."""
     router: torch.Tensor
     bias: torch.Tensor | None
     w1: torch.Tensor
@@ -68,21 +74,29 @@ class Weights:
     shared1: torch.Tensor
     shared2: torch.Tensor
     norm: torch.Tensor
+    down: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+
+
+def model_width(m) -> int:
+    """The width of the layer's hidden states: the model's (model_hidden) for a latent model, else `hidden`."""
+    return m.model_hidden or m.hidden
 
 
 def make_weights(m, inter: int, device="cuda", seed: int = 0) -> Weights:
     """Random weights for model m (a kerngen.tiers.Model), scaled so logits and activations are O(1)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    E, H, Inter = m.num_experts, m.hidden, inter
+    E, H, Hm, Inter = m.num_experts, m.hidden, model_width(m), inter
 
     def randn(*shape, scale, dtype=BF16):
         return torch.randn(*shape, generator=gen, device=device, dtype=dtype).mul_(scale)
 
-    return Weights(router=randn(E, H, scale=H ** -0.5, dtype=torch.float32),
+    latent = {} if not m.model_hidden else dict(down=randn(H, Hm, scale=Hm ** -0.5), up=randn(Hm, H, scale=H ** -0.5))
+    return Weights(router=randn(E, Hm, scale=Hm ** -0.5, dtype=torch.float32),
                    bias=randn(E, scale=0.05, dtype=torch.float32) if "sigmoid_bias" in m.routing else None,
                    w1=randn(E, 2 * Inter, H, scale=H ** -0.5), w2=randn(E, H, Inter, scale=Inter ** -0.5),
-                   shared1=randn(2 * Inter, H, scale=H ** -0.5), shared2=randn(H, Inter, scale=Inter ** -0.5),
-                   norm=randn(H, scale=0.1).add_(1.0))
+                   shared1=randn(2 * Inter, Hm, scale=Hm ** -0.5), shared2=randn(Hm, Inter, scale=Inter ** -0.5),
+                   norm=randn(H, scale=0.1).add_(1.0), **latent)
 
 
 def make_inputs(tokens: int, hidden: int, device="cuda", seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,14 +124,18 @@ def torch_layer(m, w: Weights):
     bias = w.bias if w.bias is not None else torch.zeros(m.num_experts, device=w.router.device)
 
     def fn(x, residual):
-        T, H = x.shape
         ids, weights = route(x.float() @ w.router.T, bias)
+        xe = x if w.down is None else x @ w.down.T   # the experts' input: latent rows in a latent layer
+        T, H = xe.shape
         e = ids.flatten().long()
-        xk = x.unsqueeze(1).expand(T, m.top_k, H).reshape(T * m.top_k, 1, H)   # one row per (token, slot)
+        xk = xe.unsqueeze(1).expand(T, m.top_k, H).reshape(T * m.top_k, 1, H)   # one row per (token, slot)
         if m.weight_on_input:   # Llama-4: the router weight scales the expert's input, outputs add up as they are
             xk = xk * weights.reshape(T * m.top_k, 1, 1).to(x.dtype)
         ye = mlp(xk, w.w1[e], w.w2[e]).view(T, m.top_k, H)
         yw = ye.float() if m.weight_on_input else ye.float() * weights.unsqueeze(-1)
+        if w.up is not None:   # the latent tail: norm in L, then up to the model's width, the adds
+            n = rmsnorm(yw.sum(1), w.norm)
+            return ((n @ w.up.T).float() + mlp(x, w.shared1, w.shared2).float() + residual.float()).to(x.dtype), ids
         y = yw.sum(1) + mlp(x, w.shared1, w.shared2).float() + residual.float()
         return rmsnorm(y, w.norm), ids
 
@@ -158,6 +176,21 @@ def expert_rows(experts: str, x, r, w: Weights, tile: int, rows: int, input_weig
     return permuted_experts(x, r.permuted_to_token, r.tile_to_expert, w, tile, rows, input_weights)
 
 
+def experts_input(x, w: Weights):
+    """The routed experts' input rows: x, or in a latent layer x @ down.T."""
+    return x if w.down is None else x @ w.down.T
+
+
+def tail(m, w: Weights, g, r, ones, shared, residual):
+    """kerngen's tail of the layer: kerngen.moe_tail (finalize + shared + residual + RMSNorm), or in a latent layer
+    kerngen.latent_tail (finalize and RMSNorm in L, the up projection, shared + residual)."""
+    if w.up is not None:
+        return kerngen.latent_tail(g, r.expanded_to_permuted, r.topk_weights, w.norm, w.up, shared=shared,
+                                   residual=residual, eps=EPS)
+    weights = ones[:r.topk_weights.shape[0]] if m.weight_on_input else r.topk_weights
+    return kerngen.moe_tail(g, r.expanded_to_permuted, weights, w.norm, shared=shared, residual=residual, eps=EPS)
+
+
 def kerngen_layer(m, w: Weights, tokens: int, tile: int, experts: str = "kerngen"):
     """The layer on kerngen's routing and tail: fn(x, residual) -> (out [T, H] bf16, topk_ids [T, K] int32)."""
     ws = kerngen.RoutingWorkspace(tokens, m.num_experts, m.top_k, tile)
@@ -167,11 +200,8 @@ def kerngen_layer(m, w: Weights, tokens: int, tile: int, experts: str = "kerngen
     def fn(x, residual):
         r = kerngen.route(x.float() @ w.router.T, bias=w.bias, model=m.name, tile=tile, workspace=ws)
         on_input = r.topk_weights[:, 0] if m.weight_on_input else None
-        g = expert_rows(experts, x, r, w, tile, rows, on_input)
-        out = kerngen.moe_tail(g, r.expanded_to_permuted, ones[:x.shape[0]] if m.weight_on_input else r.topk_weights,
-                               w.norm,
-                               shared=mlp(x, w.shared1, w.shared2), residual=residual, eps=EPS)
-        return out, r.topk_ids
+        g = expert_rows(experts, experts_input(x, w), r, w, tile, rows, on_input)
+        return tail(m, w, g, r, ones, mlp(x, w.shared1, w.shared2), residual), r.topk_ids
 
     return fn
 
@@ -196,11 +226,9 @@ def three_stream_layer(m, w: Weights, tokens: int, tile: int, max_tokens: int = 
             shared = mlp(x, w.shared1, w.shared2)
         r = pre.take(logits, w.bias)   # joins the router stream
         on_input = r.topk_weights[:, 0] if m.weight_on_input else None
-        g = expert_rows(experts, x, r, w, tile, rows, on_input)
+        g = expert_rows(experts, experts_input(x, w), r, w, tile, rows, on_input)
         main.wait_stream(side)         # joins the shared stream
-        out = kerngen.moe_tail(g, r.expanded_to_permuted, ones[:x.shape[0]] if m.weight_on_input else r.topk_weights,
-                               w.norm, shared=shared, residual=residual, eps=EPS)
-        return out, r.topk_ids
+        return tail(m, w, g, r, ones, shared, residual), r.topk_ids
 
     return fn
 
@@ -241,10 +269,11 @@ def run_case(m, w: Weights, tokens: int, tile: int = 16, compiled=None, timed: b
              schedules=("one",), pre_tokens: int = 8, experts: str = "kerngen") -> dict:
     """One (model, T): errors and id agreement of each kerngen schedule against torch (the worst of them), and
     µs per layer when timed; with both schedules, `same_bits`: three-stream outputs and ids equal one-stream's."""
-    x, residual = make_inputs(tokens, m.hidden)
+    x, residual = make_inputs(tokens, model_width(m))
     ref = torch_layer(m, w)
     g_ref, (ref_out, ref_ids) = graphed(ref, x, residual)
-    row = {"model": m.name, "E": m.num_experts, "K": m.top_k, "H": m.hidden, "I": w.w2.shape[-1], "T": tokens,
+    H = m.hidden if not m.model_hidden else f"{m.model_hidden} (L {m.hidden})"
+    row = {"model": m.name, "E": m.num_experts, "K": m.top_k, "H": H, "I": w.w2.shape[-1], "T": tokens,
            "tile": tile, "schedules": tuple(schedules), "max_abs": 0.0, "max_rel": 0.0, "ids_equal": 1.0}
     layers, outs = {}, {}
     for s in schedules:
