@@ -178,7 +178,7 @@ def latent_tail(gemm2_out: Tensor, expanded_to_permuted: Tensor, topk_weights: T
                 up_proj: Tensor, eps: float = 1e-6, shared: Tensor | None = None,
                 residual: Tensor | None = None) -> Tensor:
     return _lt.latent_tail(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, eps=eps, shared=shared,
-                           residual=residual)
+                           residual=residual, own_scratch=True)
 
 
 @latent_tail.register_kernel("cpu")

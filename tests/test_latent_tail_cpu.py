@@ -543,6 +543,9 @@ def test_the_dispatch_takes_split_builds_when_the_tiers_ask(tmp_path, monkeypatc
         buf = d.kernel(1)._scratch[7]
         assert buf.shape == (16, 256) and buf.dtype == BF and scratch[-1] == buf.data_ptr()
         assert scratch[0] != scratch[2] and scratch[2] == scratch[3]   # grown once to the 16-token rule's rows
+        gemm2, e2p, w, nw, up, sh, res = make(5, 4, 256, 512, seed=5)
+        kerngen.latent_tail(gemm2, e2p, w, nw, up, shared=sh, residual=res, own_scratch=True)
+        assert _Launcher.log[-2][5]["n"] != buf.data_ptr()   # this call's own n (the torch op's)
     finally:
         monkeypatch.delenv("KERNGEN_TIERS")
         tiers.reload()
@@ -701,3 +704,13 @@ def test_norm_gemm_rules_are_checked(tmp_path):
     p.write_text('schema = 1\n[[tier]]\nop = "latent_tail"\nvariant = "norm_gemm"\nparams = { cluster = 9 }\n')
     with pytest.raises(kerngen.TierError, match="cluster"):
         tiers.parse(p)
+
+
+def test_the_torch_op_gives_each_call_its_own_scratch(monkeypatch):
+    """torch.ops.kerngen.latent_tail's CUDA implementation asks for buffers of its own (CUDA graphs own a call's
+    memory under torch.compile)."""
+    from kerngen import torch_ops
+    seen = {}
+    monkeypatch.setattr(lt, "latent_tail", lambda *a, **kw: seen.update(kw) or a[0])
+    torch_ops.latent_tail._init_fn(*make(2, 4, 64, 32)[:5])
+    assert seen["own_scratch"] is True

@@ -244,11 +244,13 @@ class Split:
             n = self._scratch[stream] = torch.empty((self._rows, self._L), dtype=torch.bfloat16, device=device)
         return n
 
-    def run(self, g, e2p, w, nw, up, shared, residual, eps, out) -> torch.Tensor:
+    def run(self, g, e2p, w, nw, up, shared, residual, eps, out, fresh: bool = False) -> torch.Tensor:
         stream = current_stream(g.get_device())
+        n = (torch.empty((e2p.shape[0], self._L), dtype=torch.bfloat16, device=g.device) if fresh
+             else self.scratch(stream, g.device))
         fields = (g.data_ptr(), e2p.data_ptr(), w.data_ptr(), nw.data_ptr(), up.data_ptr(),
                   0 if shared is None else shared.data_ptr(), 0 if residual is None else residual.data_ptr(),
-                  out.data_ptr(), g.stride(0), g.shape[0], e2p.shape[0], eps, self.scratch(stream, g.device).data_ptr())
+                  out.data_ptr(), g.stride(0), g.shape[0], e2p.shape[0], eps, n.data_ptr())
         self.norm(stream, *fields)
         self.proj(stream, *fields)
         return out
@@ -269,22 +271,24 @@ class NormGemm:
         self.norm = Launcher(mod, NORM, device, grid, block, PARAMS_SPLIT, pdl=bool(dict(s.params).get("pdl", False)))
         self.add = Launcher(mod, ADD, device, (-(-(tokens * self._H // 8) // 256), 1, 1), (256, 1, 1), PARAMS_ADD)
 
-    def _buffer(self, what: str, stream: int, rows: int, cols: int, dtype, device) -> torch.Tensor:
-        """A scratch buffer of the stream, rows a power of two (at least 64): few regrowths."""
+    def _buffer(self, what: str, stream: int, rows: int, cols: int, dtype, device, fresh: bool) -> torch.Tensor:
+        """A scratch buffer of the stream, rows a power of two (at least 64): few regrowths; fresh: this call's."""
+        if fresh:
+            return torch.empty((rows, cols), dtype=dtype, device=device)
         t = self._scratch.get((what, stream))
         if t is None or t.shape[0] < rows:
             t = self._scratch[(what, stream)] = torch.empty((max(64, 1 << (rows - 1).bit_length()), cols),
                                                             dtype=dtype, device=device)
         return t[:rows]
 
-    def run(self, g, e2p, w, nw, up, shared, residual, eps, out) -> torch.Tensor:
+    def run(self, g, e2p, w, nw, up, shared, residual, eps, out, fresh: bool = False) -> torch.Tensor:
         stream, T = current_stream(g.get_device()), e2p.shape[0]
-        n = self._buffer("n", stream, T, self._L, torch.bfloat16, g.device)
+        n = self._buffer("n", stream, T, self._L, torch.bfloat16, g.device, fresh)
         self.norm(stream, g.data_ptr(), e2p.data_ptr(), w.data_ptr(), nw.data_ptr(), up.data_ptr(), 0, 0,
                   out.data_ptr(), g.stride(0), g.shape[0], T, eps, n.data_ptr())
         if shared is None and residual is None:
             return torch.mm(n, up.T, out=out)
-        h = self._buffer("h", stream, T, self._H, torch.float32, g.device)
+        h = self._buffer("h", stream, T, self._H, torch.float32, g.device, fresh)
         torch.mm(n, up.T, out_dtype=torch.float32, out=h)
         if (out.data_ptr() | (shared.data_ptr() if shared is not None else 0)
                 | (residual.data_ptr() if residual is not None else 0)) % 16:   # not 16-byte vectors: torch, same adds
@@ -304,7 +308,7 @@ class Unfused:
     def __init__(self, s: plan_mod.KernelSpec):
         self.spec = s
 
-    def run(self, g, e2p, w, nw, up, shared, residual, eps, out) -> torch.Tensor:
+    def run(self, g, e2p, w, nw, up, shared, residual, eps, out, fresh: bool = False) -> torch.Tensor:
         y = finalize(g, e2p, w, hidden=nw.shape[0]).float()
         n = normalize(y, nw, eps)
         h = torch.matmul(n, up.T)
@@ -338,15 +342,16 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int, scratch: dict | Non
                     pdl=bool(dict(s.params).get("pdl", False)))
 
 
-def run(k, g, e2p, w, nw, up, shared, residual, eps: float, out) -> torch.Tensor:
-    """Launch object `k` (kernel()'s) on checked tensors, on torch's current stream; returns out."""
+def run(k, g, e2p, w, nw, up, shared, residual, eps: float, out, fresh: bool = False) -> torch.Tensor:
+    """Launch object `k` (kernel()'s) on checked tensors, on torch's current stream; returns out. fresh: scratch
+    buffers (split and norm_gemm builds) allocated for this call, not kept per stream."""
     if type(k) is Launcher:
         k.launch(current_stream(g.get_device()), g=g.data_ptr(), idx=e2p.data_ptr(), w=w.data_ptr(),
                  nw=nw.data_ptr(), up=up.data_ptr(), shared=0 if shared is None else shared.data_ptr(),
                  residual=0 if residual is None else residual.data_ptr(), out=out.data_ptr(), ld=g.stride(0),
                  rows=g.shape[0], tokens=e2p.shape[0], eps=eps)
         return out
-    return k.run(g, e2p, w, nw, up, shared, residual, eps, out)
+    return k.run(g, e2p, w, nw, up, shared, residual, eps, out, fresh)
 
 
 def clear() -> None:
@@ -377,7 +382,7 @@ _fast: dict[tuple, tuple] = {}   # input signature -> (launch object, T, L, H, d
 def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_weights: torch.Tensor,
                 norm_weight: torch.Tensor, up_proj: torch.Tensor, *, shared: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
-                group=None) -> torch.Tensor:
+                group=None, own_scratch: bool = False) -> torch.Tensor:
     """The latent-MoE tail: finalize in the latent width, RMSNorm, the up projection and the shared-expert (and
     residual) add; returns out [T, H] bf16 (semantics and rounding points: the module docstring).
 
@@ -388,13 +393,15 @@ def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, top
     out: optional [T, H] bf16 contiguous buffer, returned as given; it may be `residual` (updated in place).
     group: a torch.distributed ProcessGroup: gemm2_out / expanded_to_permuted / topk_weights are this rank's
     partial, summed over the group (fp32) before the norm; every rank gets `out`.
+    own_scratch: the split and norm_gemm builds' scratch buffers allocated for this call (torch.ops.kerngen.latent_tail:
+    under torch.compile's CUDA graphs a call's memory is the graph's), not kept per stream.
     CUDA tensors only, like every op that launches kernels: the tier table's variant (the split fused kernel up to
-    8 tokens, norm_gemm beyond; CUDA-graph capturable, on torch's current stream). On the CPU: torch.ops.kerngen.latent_tail (the same
-    checks, then `reference`), or `reference` itself.
+    8 tokens, norm_gemm beyond; CUDA-graph capturable, on torch's current stream). On the CPU:
+    torch.ops.kerngen.latent_tail (the same checks, then `reference`), or `reference` itself.
     """
     if group is not None:
         return _tp(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, shared, residual, eps, out,
-                   group)
+                   group, own_scratch)
     g, e2p, w, nw, up = gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj
     try:  # the signature pins everything the full checks establish, except the alignment (checked below)
         sig = (g.dtype, g.shape, g.stride(), g.device, e2p.dtype, e2p.shape, e2p.stride(), e2p.device,
@@ -412,7 +419,7 @@ def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, top
         check_buffer(OP, "out", out, torch.bfloat16, (T, H), g.device)
     if not T:
         return out
-    return run(k, g, e2p, w, nw, up, shared, residual, eps, out)
+    return run(k, g, e2p, w, nw, up, shared, residual, eps, out, own_scratch)
 
 
 def _prepare(g, e2p, w, nw, up, shared, residual, eps) -> tuple:
@@ -458,7 +465,7 @@ def check_args(g, e2p, w, nw, up, shared, residual, eps, *, cuda: bool = True) -
 
 # ---------------------------------------------------------------------------------------------- tensor parallel
 
-def _tp(g, e2p, w, nw, up, shared, residual, eps, out, group) -> torch.Tensor:
+def _tp(g, e2p, w, nw, up, shared, residual, eps, out, group, own_scratch: bool = False) -> torch.Tensor:
     """latent_tail over a tensor-parallel group: partial sums all-reduced in fp32 before the norm."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
@@ -471,6 +478,7 @@ def _tp(g, e2p, w, nw, up, shared, residual, eps, out, group) -> torch.Tensor:
     y = finalize(g, e2p, w, hidden=L).float()
     dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
     ident, ones = _common.identity_rows(T, g.device)
-    return latent_tail(y.to(torch.bfloat16), ident, ones, nw, up, shared=shared, residual=residual, eps=eps, out=out)
+    return latent_tail(y.to(torch.bfloat16), ident, ones, nw, up, shared=shared, residual=residual, eps=eps, out=out,
+                       own_scratch=own_scratch)
 
 on_clear(clear)

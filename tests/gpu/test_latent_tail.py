@@ -368,3 +368,13 @@ def test_norm_gemm_through_dispatch_in_place_and_in_a_graph(T, norm_gemm_tiers):
     assert got is res
     close(got, want, 2e-2)
     check_in_a_graph(T, 12, 2e-2)
+
+
+@pytest.mark.parametrize("T", [4, 40])
+def test_own_scratch_gives_the_same_bits(T):
+    """Buffers of the call's own (the torch op's) instead of the stream's: the same kernels, the same bits."""
+    gemm2, e2p, w, nw, up, sh, res = make(T, *KIMI, seed=21)
+    kept = kerngen.latent_tail(gemm2, e2p, w, nw, up, shared=sh, residual=res)
+    own = kerngen.latent_tail(gemm2, e2p, w, nw, up, shared=sh, residual=res, own_scratch=True)
+    torch.cuda.synchronize()
+    assert torch.equal(kept, own)
