@@ -59,3 +59,11 @@ def test_the_whole_unfused_tail_is_the_reference_within_its_roundings():
     want = lt.reference(g, e2p, w, nw, up, shared=sh, residual=res)
     assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=0.05)
     assert not torch.equal(bench.unfused_all(g, e2p.clamp(min=0), w, nw, up, sh, res), got)   # the skips matter
+
+
+def test_several_rules_each_a_column():
+    rules = bench.parse_rules("split=true;variant=norm_gemm,cluster=1;max_tokens=8,warps=8,unroll=2")
+    assert rules == [{"split": True}, {"variant": "norm_gemm", "cluster": 1},
+                     {"max_tokens": 8, "warps": 8, "unroll": 2}]
+    assert bench.parse_rules(None) == [] and bench.parse_rules("") == []
+    assert [bench.rule_params(r, tier_spec(12), 12) is None for r in rules] == [True, False, True]

@@ -4,7 +4,7 @@
 
     python3 -m tools.bench.latent_tail [--tokens 1,2,4,8,16,32,64] [--shape 16,3584,7168] [--layers 4]
                                        [--chained] [--rule early_weights=true | split=true | max_tokens=16,...
-                                                    | variant=norm_gemm,cluster=8,pdl=true] [--json FILE]
+                                                    | variant=norm_gemm,cluster=8,pdl=true [;...]] [--json FILE]
 
 Peers, on the same inputs in the same process: "unfused" is what an engine runs today (kerngen.finalize, torch
 RMSNorm in fp32, torch.matmul in bf16, the adds: four launches and more); "compiled" is the same after
@@ -17,7 +17,8 @@ measured copy bandwidth (the streaming-read rate the experts bench uses). Every 
 reference before it is timed. --rule times params beside the tier rule's: laid over the tier rule's params at
 each T it serves with the fused kernel (e.g. early_weights=true, or split=true: the norm kernel and the projection
 waiting on it); when they name max_tokens, one fused launch shape on its own at every T <= its max_tokens; when
-they name a variant (variant=norm_gemm: the norm kernel, then torch.addmm), that variant at every T.
+they name a variant (variant=norm_gemm: the norm kernel, torch.mm and the adds), that variant at every T.
+Several rules separated by ';' each get a column ("-" where one times nothing at that T).
 """
 from __future__ import annotations
 
@@ -83,6 +84,11 @@ def parse_rule(text: str) -> dict:
     return {k: (v == "true" if v in ("true", "false") else v if k == "variant" else int(v)) for k, v in pairs}
 
 
+def parse_rules(text: str | None) -> list[dict]:
+    """--rule: rules separated by ';', each parse_rule's."""
+    return [parse_rule(r) for r in text.split(";")] if text else []
+
+
 def rule_params(rule: dict | None, tier, T: int) -> dict | None:
     """The params --rule times at T beside the tier rule's spec `tier` (None: nothing to time at T): a variant
     named (variant=norm_gemm,...) at every T, a whole fused launch shape up to its max_tokens, or fused params laid
@@ -132,17 +138,21 @@ def case(T, K, L, H, bw, args):
                      ("compiled_all", all_compiled)):
         check(fn(ups[0]), ref, f"T={T} {name}")
         row[f"{name}_us"] = timed(cycle(fn), producer, args.chained)
-    params = rule_params(args.rule, lt.spec(L, H, K, "float32", T, target_arch()), T)
-    if params:
+    row["rule_us"] = []   # one entry a --rule (None where it times nothing at this T)
+    for rule in args.rule:
+        params = rule_params(rule, lt.spec(L, H, K, "float32", T, target_arch()), T)
+        if not params:
+            row["rule_us"].append(None)
+            continue
         params = dict(params)
         variant = params.pop("variant", "fused")
         s = spec_for(Rule(lt.OP, variant, {}, params), *lt.tag_constants(L, H, K, "float32"), target_arch())
-        k = lt.kernel(s, T, torch.cuda.current_device())   # a Launcher, or a split build's two (lt.Split)
+        k = lt.kernel(s, T, torch.cuda.current_device())   # a Launcher, a split build's two, or NormGemm
 
-        def rule_step(up):
+        def rule_step(up, k=k):
             return lt.run(k, gemm2, e2p, w, nw, up, sh, res, 1e-6, out)
         check(rule_step(ups[0]), ref, f"T={T} rule {params}")
-        row["rule_us"] = timed(cycle(rule_step), producer, args.chained)
+        row["rule_us"].append(timed(cycle(rule_step), producer, args.chained))
     row["variant"] = lt.dispatch(L, H, K, "float32", torch.cuda.current_device()).spec(T).variant
     del ups
     torch.cuda.empty_cache()
@@ -155,19 +165,20 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="16,3584,7168", help="K,L,H (default kimi-k3: H assumed, Kimi K2's)")
     ap.add_argument("--layers", type=int, default=4, help="up_proj copies cycled through (cold weights)")
     ap.add_argument("--chained", action="store_true", help="back to back, no producer kernel between steps")
-    ap.add_argument("--rule", default=None, help="fused params to time beside the tier rule's: over its params "
-                    "(early_weights=true), or a whole launch shape (max_tokens=16,warps=16,unroll=2,cluster=8)")
+    ap.add_argument("--rule", default=None, help="params to time beside the tier rule's: over its params "
+                    "(early_weights=true), a whole launch shape (max_tokens=16,warps=16,unroll=2,cluster=8), or a "
+                    "variant (variant=norm_gemm,cluster=1); several separated by ';', a column each")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    args.rule = parse_rule(args.rule) if args.rule else None
+    args.rule = parse_rules(args.rule)
     K, L, H = (int(v) for v in args.shape.split(","))
     require_gpu("python3 -m tools.bench.latent_tail")
     bw = copy_bandwidth_tbs()
     print(f"latent_tail K={K} L={L} H={H}; copy bandwidth {bw:.2f} TB/s; "
           f"{'chained' if args.chained else 'after a producer kernel'}; floor = L*H*2 bytes at that bandwidth"
-          + (f"; rule: {args.rule}" if args.rule else ""))
+          + "".join(f"; rule {i + 1}: {r}" for i, r in enumerate(args.rule)))
     print(f"{'T':>4s} {'variant':>9s} {'kerngen':>9s} {'unfused':>9s} {'compiled':>9s} {'all comp':>9s} {'floor':>7s} "
-          f"{'% floor':>8s} {'vs best peer':>12s}" + ("  rule" if args.rule else ""))
+          f"{'% floor':>8s} {'vs best peer':>12s}" + "".join(f"  rule {i + 1}" for i in range(len(args.rule))))
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
         r = case(T, K, L, H, bw, args)
@@ -176,7 +187,7 @@ def main(argv=None) -> int:
         print(f"{T:4d} {r['variant']:>9s} {r['kerngen_us']:9.2f} {r['unfused_us']:9.2f} {r['compiled_us']:9.2f} "
               f"{r['compiled_all_us']:9.2f} "
               f"{r['floor_us']:7.2f} {100 * r['floor_us'] / r['kerngen_us']:7.1f}% {peer / r['kerngen_us']:11.2f}x"
-              + (f"  {r['rule_us']:.2f} ({r['kerngen_us'] / r['rule_us']:.2f}x)" if "rule_us" in r else ""))
+              + "".join("  -" if us is None else f"  {us:.2f} ({r['kerngen_us'] / us:.2f}x)" for us in r["rule_us"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(bandwidth_tbs=bw, chained=args.chained, rows=rows), f, indent=1)
