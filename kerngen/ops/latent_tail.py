@@ -256,6 +256,9 @@ class Split:
         return out
 
 
+KEEP_ROWS = 256   # norm_gemm: token counts whose scratch (n bf16, h fp32) is kept per stream (7.3 MB of h at H 7168)
+
+
 class NormGemm:
     """The norm_gemm variant at one token count: latent_tail_norm (the split builds' first kernel) writes n
     [tokens, L] into a scratch buffer of the stream; the library GEMM (torch.mm, cuBLAS) writes h = n . up^T in
@@ -272,8 +275,9 @@ class NormGemm:
         self.add = Launcher(mod, ADD, device, (-(-(tokens * self._H // 8) // 256), 1, 1), (256, 1, 1), PARAMS_ADD)
 
     def _buffer(self, what: str, stream: int, rows: int, cols: int, dtype, device, fresh: bool) -> torch.Tensor:
-        """A scratch buffer of the stream, rows a power of two (at least 64): few regrowths; fresh: this call's."""
-        if fresh:
+        """A scratch buffer of the stream, rows a power of two (at least 64): few regrowths; fresh (or more than
+        KEEP_ROWS rows: a prefill's buffers are not held for good): this call's."""
+        if fresh or rows > KEEP_ROWS:
             return torch.empty((rows, cols), dtype=dtype, device=device)
         t = self._scratch.get((what, stream))
         if t is None or t.shape[0] < rows:
