@@ -142,7 +142,8 @@ def experts_formats(model: tiers.Model) -> tuple[str, ...]:
 
 def experts_candidates(fmt: str = "bf16"):
     """kerngen.experts' launch shapes for weights in `fmt` (bf16, fp8, mxfp4, or w8a8: fp8 with fp8 activations):
-    routing tiles of 8 and 16 rows; quantized builds also the activation path (fp8: f16x, and mtiles with it)."""
+    routing tiles of 8 and 16 rows; fp8 and MXFP4 also with f16x, two m16 tiles an item (mtiles), and the shapes the
+    shipped rules take with no early weight loads or with early_l2; w8a8 with early_l2."""
     if fmt == "bf16":
         for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
             yield "mma", dict(tile=tile, warps=warps, unroll=unroll, blocks_per_sm=bps, pdl=True)
@@ -150,12 +151,17 @@ def experts_candidates(fmt: str = "bf16"):
     for tile, unroll, bps, px in itertools.product((8, 16), (1, 2), (4, 5, 6), (False, True)):
         base = dict(tile=tile, warps=4, unroll=unroll, blocks_per_sm=bps, pdl=True, prefetch_x=px)
         yield "mma", base
-        if fmt == "fp8":
+        if fmt in ("fp8", "mxfp4"):
             yield "mma", dict(base, f16x=True)
-    if fmt == "fp8":
-        for bps, px in itertools.product((3, 4), (False, True)):
-            yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=bps, pdl=True, prefetch_x=px, f16x=True,
-                              mtiles=2)
+        if fmt == "w8a8" and tile == 8:
+            yield "mma", dict(base, early_l2=True)
+    if fmt in ("fp8", "mxfp4"):
+        for tile, bps, px, early in itertools.product((8, 16), (3, 4), (False, True), (False, True)):
+            yield "mma", dict(tile=tile, warps=4, unroll=1, blocks_per_sm=bps, pdl=True, prefetch_x=px, f16x=True,
+                              mtiles=2, **({"early_l2": True} if early else {}))
+        for early in (False, True):   # two steps a batch, no early weight loads, registers bound to 4 CTAs
+            yield "mma", dict(tile=8, warps=4, unroll=2, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
+                              prefetch_x=True, f16x=True, **({"early_l2": True} if early else {}))
 
 
 _expert_weights: dict[tuple, tuple] = {}   # (model, format) -> w13, w2, w13_scale, w2_scale (one layer, random)

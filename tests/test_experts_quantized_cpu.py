@@ -249,3 +249,40 @@ def test_quantized_activation_buffers_are_one_allocation_in_aligned_pieces(monke
     ends = sorted((p, p + t.numel() * t.element_size()) for t, p in zip((xq, xs, aq, asc), ptrs))
     assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))   # no overlap
     assert len({t.untyped_storage().data_ptr() for t in (xq, xs, aq, asc)}) == 1
+
+
+def _before_the_wait(sass_part: str) -> list[str]:
+    from tests.test_latent_tail_cpu import _opcodes
+    ops = _opcodes(sass_part)
+    return ops[:ops.index("ACQBULK")]
+
+
+@pytest.mark.parametrize("fmt,H,I,params", [("fp8", 7168, 2048, dict(mtiles=2, prefetch_x=True)),
+                                            ("fp8", 7168, 2048, dict(unroll=2, min_blocks=4, prefetch=False)),
+                                            ("mxfp4", 2880, 2880, dict(mtiles=2)),
+                                            ("mxfp4", 3584, 2048, dict())])
+def test_early_l2_prefetches_the_first_weights_before_the_wait_and_fits(fmt, H, I, params, tmp_path):
+    """early_l2: both GEMMs (each after a quantizing launch of the op's own) issue their first item's L2 prefetches
+    before their wait and no weight load; without it nothing is prefetched there; no spills, and the build still
+    fits its CTAs an SM."""
+    from kerngen import resources, warmup
+    for early in (True, False):
+        s = shape_spec(fmt, H, I, early_l2=early, **params)
+        built = jit.build(s, store=DiskCache(tmp_path))
+        assert_no_spills(built.files)
+        sass = resources.sass(built.files)
+        for part in sass.split("Function : ")[1:]:
+            if part.split()[0] in ("experts_gemm1", "experts_gemm2"):
+                before = _before_the_wait(part)
+                assert ("CCTL.E.PF2" in before) == early, (part.split()[0], early)
+                assert not [o for o in before if o.startswith("LDG.E.128")], before   # no weight bytes into registers
+        rows = warmup.usage(s, built.files)
+        assert all(u.resident >= u.per_sm for u in rows), rows
+
+
+def test_early_l2_needs_quantized_activations():
+    rule = tiers.Rule("experts", "mma", {"tokens": (1, 8)}, dict(tile=8, warps=4, unroll=1, early_l2=True))
+    for fmt in ("bf16", "fp8", "mxfp4"):
+        with pytest.raises(kerngen.TierError, match="early_l2"):
+            ex.rule_spec(rule, 7168, 2048, "silu", "sm_90a", fmt)
+    assert dict(ex.rule_spec(rule, 7168, 2048, "silu", "sm_90a", "fp8", "nk", True).params)["early_l2"]   # w8a8

@@ -298,7 +298,8 @@ def test_fp8_activations_inside_a_cuda_graph_and_with_input_weights():
 
 
 @pytest.mark.parametrize("params", [dict(prefetch_x=True), dict(unroll=2), dict(prefetch=False), dict(tile=16),
-                                    dict(tile=16, prefetch_x=True, min_blocks=6), dict(blocks_per_sm=1, warps=8)])
+                                    dict(tile=16, prefetch_x=True, min_blocks=6), dict(blocks_per_sm=1, warps=8),
+                                    dict(early_l2=True)])
 @pytest.mark.parametrize("local", [None, (4, 12)])
 def test_fp8_activations_launch_shapes(params, local):
     """Each launch shape the w8a8 rules may pick, over many items a CTA (across tiles of no local expert too)."""
@@ -333,7 +334,9 @@ def run_f16x(k, x, r, w, s, **kw):
 @pytest.mark.parametrize("params", [dict(), dict(prefetch=False), dict(prefetch_x=True), dict(unroll=2),
                                     dict(tile=16), dict(tile=16, prefetch_x=True),
                                     dict(warps=8, unroll=2, blocks_per_sm=2), dict(mtiles=2),
-                                    dict(mtiles=2, prefetch_x=True), dict(mtiles=2, tile=16)])
+                                    dict(mtiles=2, prefetch_x=True), dict(mtiles=2, tile=16),
+                                    dict(mtiles=2, prefetch_x=True, early_l2=True),
+                                    dict(unroll=2, prefetch=False, min_blocks=4, early_l2=True)])
 @pytest.mark.parametrize("H,I", [(1024, 256), (2880, 2880)])
 def test_f16x_launch_shapes_match_the_dequantized_reference(fmt, params, H, I):
     """f16x builds (the activations as f16 times a power of two per 128 columns, exact for these values) against the
@@ -427,3 +430,19 @@ def test_f16x_tiles_with_padding_rows_under_a_register_bound(prefetch_x):
     out = run_f16x(k, x, r, w, s)
     torch.cuda.synchronize()
     check_rows(out, ex.reference(x, r, *w, **s), r)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("T", [1, 8, 40])
+def test_early_l2_gives_the_same_bits(fmt, T):
+    """early_l2 only moves bytes toward L2 before the wait: the same results, bit for bit, with PDL on (the GEMMs
+    start while the quantizing launch before them runs), over local experts too (tiles of no local expert)."""
+    H, I = (2880, 2880) if fmt == "mxfp4" else (1024, 256)
+    x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=30 + T)
+    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8, local_experts=(4, 8))
+    w = tuple(t[4:12].contiguous() for t in w)
+    s = {k: v[4:12].contiguous() for k, v in s.items()}
+    base = run_f16x(f16x_kernels(fmt, H, I, 8, mtiles=2), x, r, w, s)
+    early = run_f16x(f16x_kernels(fmt, H, I, 8, mtiles=2, early_l2=True), x, r, w, s)
+    torch.cuda.synchronize()
+    assert torch.equal(base, early)

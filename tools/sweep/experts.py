@@ -10,10 +10,12 @@ Random quantized weights (kerngen.tune.random_expert_weights: every code but NaN
 up to 4 layers cycled, a routing per call, CUDA graphs, each step after a 4 MB producer kernel (its time taken off);
 the floor is the active experts' quantized weight and scale bytes at the streaming-read bandwidth. Prints the tier
 rule's time, its variant without prefetch, and with `sweep` the six fastest of 4 warps x unroll x blocks_per_sm x
-prefetch_x (for -x16 formats also two m16 tiles an item, and no early weight loads), each launched at most as many
-CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). A -x16 format times the rule with f16x (activations carried as f16) beside it, and sweeps the f16x
-shapes. Every candidate is built first by a pool of processes. Correctness is the GPU tests' job
-(tests/gpu/test_experts_quantized.py): the weights here are random bytes.
+prefetch_x (for -x16 formats also two m16 tiles an item, no early weight loads, and early_l2: the first weights
+toward L2 before the wait, beside the rule as "rule-early"), each launched at most as many CTAs an SM as the
+driver's occupancy query allows (a shape asking for more is skipped). A -x16 format times the rule with f16x
+(activations carried as f16) beside it, and sweeps the f16x shapes. Every candidate is built first by a pool of
+processes. Correctness is the GPU tests' job (tests/gpu/test_experts_quantized.py): the weights here are random
+bytes.
 """
 import itertools
 import os
@@ -87,6 +89,9 @@ def main():
             if x16:
                 cands.append(("rule-x16", build({**dict(rule.params), "f16x": True})))
             cands.append(("rule-nopf", build({**dict(rule.params), "prefetch": False})))
+            if a8 or x16 or dict(rule.params).get("f16x"):   # the rule with its first weights to L2 before the wait
+                cands.append(("rule-early", build({**dict(rule.params), "early_l2": True,
+                                                   **({} if a8 else {"f16x": True})})))
             if sweep:
                 for w, u, b, px in itertools.product((4,), (1, 2), (4, 5, 6, 8), (False, True)):
                     cands.append((f"w{w} u{u} b{b}" + " x" * px + " h" * x16,
@@ -97,6 +102,14 @@ def main():
                         cands.append((f"w4 u{u} b{b} t2" + " x" * px + " h",
                                       build(dict(warps=4, unroll=u, blocks_per_sm=b, pdl=True, prefetch_x=px,
                                                  f16x=True, mtiles=2))))
+                if x16:   # the shapes the rules take, with early_l2
+                    for u, b, mt, pf, px in ((1, 4, 2, True, True), (1, 4, 2, True, False), (2, 4, 1, False, True),
+                                             (1, 5, 1, True, True), (1, 3, 2, True, True)):
+                        cands.append((f"w4 u{u} b{b} t{mt}" + " nopf" * (not pf) + " x" * px + " h early",
+                                      build(dict(warps=4, unroll=u, blocks_per_sm=b, pdl=True, prefetch=pf,
+                                                 prefetch_x=px, f16x=True, early_l2=True,
+                                                 **({"mtiles": 2} if mt == 2 else {}),
+                                                 **({"min_blocks": 4} if u == 2 else {})))))
                 if x16:   # no early weight loads (prefetch = false), a register bound from 6 CTAs
                     for u, b, mt in itertools.product((1, 2), (4, 6, 8), (1, 2)):
                         cands.append((f"w4 u{u} b{b} t{mt} nopf h",
@@ -131,7 +144,7 @@ def main():
             res.sort()
             rr = next(r for r in res if r[1] == "rule")
             print(f"{fmt}{'-a8' if a8 else ''} {m:13s} T={T:3d} tile {tile:2d} floor {floor:7.1f} | rule {rr[0]:7.1f} ({100*floor/rr[0]:3.0f}%) occ {rr[2]} {rr[3]}", flush=True)
-            for us, label, occ, p in res[:6] if sweep else [r for r in res if r[1] in ("bf16-act", "rule-x16")]:
+            for us, label, occ, p in res[:6] if sweep else [r for r in res if r[1] in ("bf16-act", "rule-x16", "rule-early")]:
                 print(f"      {us:7.1f} ({100*floor/us:3.0f}%) {label:12s} occ {occ} {p}", flush=True)
         del W
         torch.cuda.empty_cache()
