@@ -374,7 +374,7 @@ def parser() -> argparse.ArgumentParser:
     u = sub.add_parser("tune", help="time candidate kernels on this GPU and write the winners to a tiers file")
     u.add_argument("--model", required=True, help="model name from the tier table")
     u.add_argument("--ops", default="routing,finalize,tail",
-                   help="comma separated subset of routing,finalize,tail,experts")
+                   help="comma separated subset of routing,finalize,tail,experts,latent_tail")
     u.add_argument("--tokens", type=_token_list, help="comma separated token buckets")
     u.add_argument("--out", help="tiers file to write (default: KERNGEN_TIERS or kerngen-tuned-MODEL.toml)")
     u.add_argument("--quiet", action="store_true", help="no progress bar (there is one only on a terminal)")

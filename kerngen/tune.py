@@ -223,8 +223,48 @@ def _time_experts(model: tiers.Model, T: int, variant: str, params: dict, fmt: s
     return _checked_time(call, correct, f"experts {fmt} {params}", T)
 
 
+def latent_tail_candidates():
+    """The fused kernel (one launch, or split: the norm kernel then the projection; with and without the first
+    weight steps in registers before the wait) for up to 8 and 16 tokens, and norm_gemm (any token count) at each
+    cluster size."""
+    for mt, warps, bps, split, early in itertools.product((8, 16), (8, 16), (1, 2), (False, True), (False, True)):
+        yield "fused", dict(max_tokens=mt, warps=warps, unroll=2, cluster=8, blocks_per_sm=bps, pdl=True,
+                            **({"split": True} if split else {}), **({"early_weights": True} if early else {}))
+    for cluster in (1, 2, 4, 8):
+        yield "norm_gemm", dict(cluster=cluster, pdl=True)
+
+
+def _time_latent_tail(model: tiers.Model, T: int, variant: str, params: dict) -> float:
+    """kerngen.latent_tail at this rule (shared and residual given) on random inputs of the model's latent width L
+    (`hidden`) and width H (`model_hidden`), checked against the reference within the GPU tests' tolerance."""
+    from .ops import latent_tail as lt
+    if variant == "fused" and T > params["max_tokens"]:
+        return float("inf")
+    L, H, K, dev = model.hidden, model.model_hidden, model.top_k, torch.cuda.current_device()
+    wd = model.weights_dtype
+    spec = lt.rule_spec(tiers.Rule(op="latent_tail", variant=variant, ranges={}, params=params), L, H, K, wd,
+                        target_arch(dev))
+    k = lt.kernel(spec, T, dev)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    gemm2 = torch.randn(T * K, L, device="cuda", generator=g).to(torch.bfloat16)
+    e2p = torch.randperm(T * K, device="cuda", generator=g).view(T, K).int()
+    w = torch.rand(T, K, device="cuda", generator=g).to(getattr(torch, wd))
+    nw = (0.5 + torch.rand(L, device="cuda", generator=g)).to(torch.bfloat16)
+    up = (torch.randn(H, L, device="cuda", generator=g) * L ** -0.5).to(torch.bfloat16)
+    sh, res = (torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    out = torch.empty(T, H, dtype=torch.bfloat16, device="cuda")
+    call = lambda: lt.run(k, gemm2, e2p, w, nw, up, sh, res, 1e-6, out)  # noqa: E731
+
+    def correct() -> bool:
+        ref = lt.reference(gemm2, e2p, w, nw, up, shared=sh, residual=res).float()
+        rms = ref.pow(2).mean(-1, keepdim=True).sqrt()
+        return bool(((out.float() - ref).abs() <= 2 ** -8 * ref.abs() + 2e-2 * rms).all())
+    return _checked_time(call, correct, f"latent_tail {variant} {params}", T)
+
+
 TUNERS = {"finalize": (finalize_candidates, _time_finalize), "tail": (tail_candidates, _time_tail),
-          "routing": (routing_candidates, _time_routing), "experts": (experts_candidates, _time_experts)}
+          "routing": (routing_candidates, _time_routing), "experts": (experts_candidates, _time_experts),
+          "latent_tail": (latent_tail_candidates, _time_latent_tail)}
 
 
 def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> list[tiers.Rule]:
@@ -239,7 +279,9 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
             print(f"kerngen tune: no candidates for {op} yet; its shipped rules stay in force")
             continue
         candidates, timer = TUNERS[op]
-        if op != "experts":
+        if op == "latent_tail" and not model.model_hidden:
+            print(f"kerngen tune: {model_name} is not a latent model (no model_hidden); no latent_tail rules")
+        elif op != "experts":
             jobs.append((op, None, list(candidates()), timer, tokens))
         elif not model.intermediate:
             print(f"kerngen tune: {model_name} names no intermediate size; its experts rules stay in force")

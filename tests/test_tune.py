@@ -126,3 +126,32 @@ def test_every_experts_candidate_is_a_valid_rule_for_its_format():
             tiers.check_params("experts", "experts", variant, params)
             ex.rule_spec(tiers.Rule("experts", variant, {}, params), 7168, 2048, "silu", "sm_90a",
                          "fp8" if fmt == "w8a8" else fmt, "nk", fmt == "w8a8")
+
+
+def test_latent_tail_is_tuned_for_latent_models_only_and_fused_rules_stop_at_their_max_tokens(monkeypatch, capsys):
+    """kimi-k3 (model_hidden set): fused winners up to 8 tokens, norm_gemm beyond; a fused rule never serves more
+    tokens than its max_tokens; a model without a latent width gets no latent_tail rules."""
+    def timer(model, T, variant, params):
+        if variant == "fused":
+            return float("inf") if T > params["max_tokens"] else (1.0 if params == FUSED else 2.0)
+        return 1.5 if T <= 8 else (1.0 if params["cluster"] == 1 else 1.2)
+
+    FUSED = dict(max_tokens=8, warps=8, unroll=2, cluster=8, blocks_per_sm=2, pdl=True, split=True,
+                 early_weights=True)
+    monkeypatch.setitem(tune.TUNERS, "latent_tail", (tune.latent_tail_candidates, timer))
+    rules = tune.tune("kimi-k3", ["latent_tail"], tokens=[1, 8, 16, 64, 512], progress=False)
+    assert [(r.variant, r.ranges["tokens"]) for r in rules] == [("fused", (1, 8)), ("norm_gemm", (9, 8192))]
+    assert rules[0].params == FUSED and rules[1].params == dict(cluster=1, pdl=True)
+    assert rules[0].ranges["hidden"] == (3584, 3584) and rules[0].ranges["top_k"] == (16, 16)
+    assert tune.tune("deepseek-v3", ["latent_tail"], tokens=[1], progress=False) == []
+    assert "not a latent model" in capsys.readouterr().out
+
+
+def test_every_latent_tail_candidate_is_a_valid_rule():
+    from kerngen.ops import latent_tail as lt
+    cands = list(tune.latent_tail_candidates())
+    assert {v for v, _ in cands} == {"fused", "norm_gemm"} and len(cands) == 36
+    for variant, params in cands:
+        tiers.check_params("latent_tail", "latent_tail", variant, params)
+        s = lt.rule_spec(tiers.Rule("latent_tail", variant, {}, params), 3584, 7168, 16, "float32", "sm_90a")
+        assert lt.persistent(s)
