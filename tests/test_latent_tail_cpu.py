@@ -81,7 +81,7 @@ class _Reference:
     def __init__(self, s):
         self.spec = s
 
-    def run(self, g, e2p, w, nw, up, shared, residual, eps, out):
+    def run(self, g, e2p, w, nw, up, shared, residual, eps, out, fresh=False):
         return out.copy_(lt.reference(g, e2p, w, nw, up, shared=shared, residual=residual, eps=eps))
 
 
