@@ -225,10 +225,11 @@ def _time_experts(model: tiers.Model, T: int, variant: str, params: dict, fmt: s
 
 def latent_tail_candidates():
     """The fused kernel (one launch, or split: the norm kernel then the projection; with and without the first
-    weight steps in registers before the wait) for up to 8 and 16 tokens, and norm_gemm (any token count) at each
-    cluster size."""
-    for mt, warps, bps, split, early in itertools.product((8, 16), (8, 16), (1, 2), (False, True), (False, True)):
-        yield "fused", dict(max_tokens=mt, warps=warps, unroll=2, cluster=8, blocks_per_sm=bps, pdl=True,
+    weight steps in registers before the wait; 2 or 4 steps a load batch) for up to 8 and 16 tokens, and norm_gemm
+    (any token count) at each cluster size."""
+    for mt, warps, unroll, bps, split, early in itertools.product((8, 16), (8, 16), (2, 4), (1, 2), (False, True),
+                                                                  (False, True)):
+        yield "fused", dict(max_tokens=mt, warps=warps, unroll=unroll, cluster=8, blocks_per_sm=bps, pdl=True,
                             **({"split": True} if split else {}), **({"early_weights": True} if early else {}))
     for cluster in (1, 2, 4, 8):
         yield "norm_gemm", dict(cluster=cluster, pdl=True)
