@@ -41,7 +41,7 @@ from .. import tiers
 from ..dispatch import Dispatch, lookup, on_clear
 from ..errors import InputError
 from ..launch import Launcher, Params, current_stream
-from ..occupancy import Launch
+from ..occupancy import SM90, Launch
 from . import _common
 from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
                       check_tensor, remember, resolve, table)
@@ -51,7 +51,7 @@ OP = "latent_tail"
 VARIANTS = ("fused", "norm_gemm", "unfused")
 MAX_K = 64
 MAX_FUSED_TOKENS = 16          # the mma n-blocks of the fused kernel: two of 8 tokens
-SMEM_PER_CTA = 227 * 1024      # sm_90 / sm_100: the most shared memory one CTA may use
+SMEM_PER_CTA = SM90.smem_per_cta   # sm_90 / sm_100: the most shared memory one CTA may use
 _BF16 = (torch.bfloat16,)
 _W = (torch.float32, torch.bfloat16)
 # struct Params of templates/latent_tail/fused.cu.j2
