@@ -280,9 +280,17 @@ def test_early_l2_prefetches_the_first_weights_before_the_wait_and_fits(fmt, H, 
         assert all(u.resident >= u.per_sm for u in rows), rows
 
 
-def test_early_l2_needs_quantized_activations():
-    rule = tiers.Rule("experts", "mma", {"tokens": (1, 8)}, dict(tile=8, warps=4, unroll=1, early_l2=True))
-    for fmt in ("bf16", "fp8", "mxfp4"):
-        with pytest.raises(kerngen.TierError, match="early_l2"):
-            ex.rule_spec(rule, 7168, 2048, "silu", "sm_90a", fmt)
-    assert dict(ex.rule_spec(rule, 7168, 2048, "silu", "sm_90a", "fp8", "nk", True).params)["early_l2"]   # w8a8
+@pytest.mark.parametrize("fmt,a8,layout", [("bf16", False, "nk"), ("fp8", False, "nk"), ("mxfp4", False, "nk"),
+                                           ("bf16", False, "kn")])
+def test_early_l2_without_quantized_activations_prefetches_in_gemm2_only(fmt, a8, layout, tmp_path):
+    """Without quantizing launches, experts_gemm1 follows the caller's kernel (the routing may still run): it waits
+    first; experts_gemm2 follows experts_gemm1 and prefetches. Transposed weights (kn) take no early_l2."""
+    from kerngen import resources
+    rule = tiers.Rule("experts", "mma", {}, dict(tile=8, warps=4, unroll=2, blocks_per_sm=4, pdl=True, early_l2=True))
+    s = ex.rule_spec(rule, 2048, 768, "silu", "sm_90a", fmt, layout, a8)
+    built = jit.build(s, store=DiskCache(tmp_path))
+    assert_no_spills(built.files)
+    seen = {}
+    for part in resources.sass(built.files).split("Function : ")[1:]:
+        seen[part.split()[0]] = "CCTL.E.PF2" in _before_the_wait(part)
+    assert seen == {"experts_gemm1": False, "experts_gemm2": layout == "nk"}

@@ -311,10 +311,6 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
     if params.get("f16x") and (fmt not in ("fp8", "mxfp4") or a8):
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets f16x, which only "
                         f"fp8 and MXFP4 weights with bf16 activations take (not {rule_format(fmt, a8)})")
-    if params.get("early_l2") and not (params.get("f16x") or a8):
-        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets early_l2, which only "
-                        "the builds with quantized activations take (f16x, or fp8 weights with fp8 activations): "
-                        "their GEMMs follow a quantizing launch of the op's own")
     if params.get("mtiles", 1) != 1 and not params.get("f16x"):
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets mtiles without "
                         "f16x: only the f16-activation builds take more than one tile of weight rows an item")

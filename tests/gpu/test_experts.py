@@ -101,7 +101,8 @@ def test_inside_a_cuda_graph():
 
 PARAM_CASES = [dict(warps=1, unroll=1, blocks_per_sm=1), dict(warps=1, unroll=2, blocks_per_sm=4),
                dict(warps=2, unroll=1, blocks_per_sm=4), dict(warps=4, unroll=1, blocks_per_sm=1),
-               dict(warps=4, unroll=2, blocks_per_sm=8, pdl=True), dict(warps=8, unroll=4, blocks_per_sm=2)]
+               dict(warps=4, unroll=2, blocks_per_sm=8, pdl=True), dict(warps=8, unroll=4, blocks_per_sm=2),
+               dict(warps=8, unroll=2, blocks_per_sm=4, pdl=True, early_l2=True)]
 
 
 @pytest.mark.parametrize("params", PARAM_CASES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
