@@ -17,9 +17,9 @@ latent width L = `hidden`: the experts read x_lat = x @ down.T (down [L, Hm]); t
     out      = (rmsnorm(y) * norm_weight) @ up.T + shared(x) + residual   bf16 [T, Hm]; up [Hm, L], norm [L]
 kerngen path: kerngen.route (ids, weights and the permutation) -> the experts over the permuted rows
 (kerngen.experts, or with --experts torch one batched matmul per tile over gathered weights) ->
-kerngen.moe_tail (finalize + shared + residual + RMSNorm), or kerngen.latent_tail in a latent layer. torch path: the routing math of
-tools/bench/routing.py, each (token, slot) gathers its expert's weights, fp32 weighted sum, RMSNorm. Neither
-path reads a device value on the host, so both run inside CUDA graphs.
+kerngen.moe_tail (finalize + shared + residual + RMSNorm), or kerngen.latent_tail in a latent layer. torch
+path: the routing math of tools/bench/routing.py, each (token, slot) gathers its expert's weights, fp32 weighted
+sum, RMSNorm. Neither path reads a device value on the host, so both run inside CUDA graphs.
 
 Schedules of the kerngen path (--schedule): `one`, everything on one stream in the order above; `three`, the
 pre-routing pattern of TensorRT-LLM's Kimi K3 decode: the router GEMM and kerngen.PreRouting's launch on a
@@ -125,7 +125,7 @@ def torch_layer(m, w: Weights):
 
     def fn(x, residual):
         ids, weights = route(x.float() @ w.router.T, bias)
-        xe = x if w.down is None else x @ w.down.T   # the experts' input: latent rows in a latent layer
+        xe = experts_input(x, w)
         T, H = xe.shape
         e = ids.flatten().long()
         xk = xe.unsqueeze(1).expand(T, m.top_k, H).reshape(T * m.top_k, 1, H)   # one row per (token, slot)
