@@ -391,7 +391,8 @@ def test_launch_shape():
 
 # ---------------------------------------------------------------------------------------------- split builds
 
-# A user tier file sending kimi-k3's fused token counts to split builds of the shipped rules' launch shapes.
+# A user tier file sending kimi-k3's first 16 token counts to split builds: the shipped 1-8 rule's launch shape and, for
+# 9-16 (norm_gemm's in the shipped table), the 16-token shape the fused rule had there.
 SPLIT_TIERS = """schema = 1
 
 [[tier]]
