@@ -264,7 +264,8 @@ def test_kimi_k3_is_latent_and_its_rules_pick_split_fused_then_norm_gemm():
         s = lt.spec(m.hidden, m.model_hidden, m.top_k, m.weights_dtype, T, "sm_90a", t)
         assert s.variant == variant and dict(s.params).get("max_tokens", 0) == mt, T
     specs = lt.model_specs(m, t, "sm_90a")
-    assert [s.variant for s in specs] == ["fused", "norm_gemm"] and lt.split(specs[0])
+    assert [s.variant for s in specs] == ["fused"] + ["norm_gemm"] * 4 and lt.split(specs[0])
+    assert [dict(s.params)["cluster"] for s in specs[1:]] == [4, 2, 1, 1]   # fewer CTAs a token as T grows
     assert set(specs) <= set(warmup.model_specs(m, t, "sm_90a"))
     assert not lt.model_specs(t.model("deepseek-v3"), t, "sm_90a")
 
@@ -280,7 +281,8 @@ def test_explain_names_the_fused_kernel_and_says_when_there_is_none():
 
 def test_the_dispatch_buckets(monkeypatch):
     d = lt.dispatch(3584, 7168, 16, "float32", -1)
-    assert d.starts == [1, 9, 8193] and [s.variant for s in d.specs] == ["fused", "norm_gemm", "unfused"]
+    assert d.starts == [1, 9, 25, 49, 161, 8193]
+    assert [s.variant for s in d.specs] == ["fused"] + ["norm_gemm"] * 4 + ["unfused"]
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -341,11 +343,16 @@ def test_the_fused_kernel_compiles_without_spills(spec, tmp_path):
 
 
 def early_specs():
-    """kimi-k3's rules and the other shapes of fused_specs with early_weights, and the tier rules at L = 136, H = 8
-    (the warps load every step of a row early, nothing is left to the L2 prefetch; CTAs of a cluster without an
-    item)."""
+    """One-launch builds with early_weights: kimi-k3's rules that are not split (a split rule's early loads are
+    test_split_builds_compile_without_spills_and_wait_where_they_should's), kimi-k3's launch shape at 2 steps a
+    batch, the other shapes of fused_specs, and the tier rules at L = 136, H = 8 (the warps load every step of a row
+    early, nothing is left to the L2 prefetch; CTAs of a cluster without an item)."""
+    t = tiers.load()
+    kimi = [s for s in lt.model_specs(t.model("kimi-k3"), t, "sm_90a") if s.variant == "fused"]
     rules = [lt.spec(136, 8, 2, "float32", T, "sm_90a") for T in (1, 8)]
-    return [with_params(s, {**dict(s.params), "early_weights": True}) for s in fused_specs() + rules]
+    shapes = [s for s in kimi if not lt.split(s)] + [fused(3584, 7168, 16, max_tokens=8, warps=8, unroll=2,
+                                                           blocks_per_sm=2)] + fused_specs()[len(kimi):] + rules
+    return [with_params(s, {**{k: v for k, v in s.params if k != "split"}, "early_weights": True}) for s in shapes]
 
 
 @pytest.mark.parametrize("spec", early_specs(), ids=lambda s: f"{s.tag}-{dict(s.params)['max_tokens']}")
@@ -424,8 +431,9 @@ def _split_id(s):
 @pytest.mark.parametrize("spec", split_specs(), ids=_split_id)
 def test_split_builds_compile_without_spills_and_wait_where_they_should(spec):
     """Both kernels, no spills, no compiler warning; the norm kernel lets its dependent launch (PREEXIT) and loads
-    its norm weights before it waits (ACQBULK), nothing else; the projection issues its first item's weight loads (L2 prefetches, and with early_weights its
-    first UNROLL steps, two 16-byte streaming loads a row a step) before its wait, and no other load."""
+    its norm weights before it waits (ACQBULK), nothing else; the projection issues its first item's weight loads (L2
+    prefetches, and with early_weights its first UNROLL steps, two 16-byte streaming loads a row a step) before its
+    wait, and no other load."""
     launches = lt.persistent(spec)
     assert sorted(launches) == [lt.NORM, lt.PROJ] and lt.launch_shape(spec, -1)
     cubin, log = nvrtc_compile(render.render(spec), "latent_tail_split", spec.arch, "split", None)
@@ -528,8 +536,8 @@ def test_the_dispatch_takes_split_builds_when_the_tiers_ask(tmp_path, monkeypatc
     _Launcher.log = []
     try:
         d = lt.dispatch(256, 512, 4, "float32", -1)
-        assert [(s.variant, dict(s.params).get("split")) for s in d.specs] == [("fused", True), ("fused", True),
-                                                                            ("norm_gemm", None), ("unfused", None)]
+        assert [(s.variant, dict(s.params).get("split")) for s in d.specs] == [("fused", True), ("fused", True)] + [
+            ("norm_gemm", None)] * 4 + [("unfused", None)]
         scratch = []
         for T in (1, 5, 9, 5):
             gemm2, e2p, w, nw, up, sh, res = make(T, 4, 256, 512, seed=T)
@@ -699,6 +707,26 @@ def test_norm_gemm_builds_the_split_norm_kernel_alone(L, H, K, wdtype, cluster):
         part = next(p for p in resources.sass({"kernel.cubin": cb}).split("Function : ")[1:] if p.startswith(lt.NORM))
         return _opcodes(part)
     assert norm_sass(cubin) == norm_sass(split_cubin)
+
+
+@pytest.mark.parametrize("loads", [None, 4])
+def test_norm_gemm_params_change_only_their_kernel(loads):
+    """gemm_bf16 changes latent_tail_add alone: one 16-byte load of h a thread (8 bf16) where fp32 h takes two;
+    norm_loads changes latent_tail_norm alone (its row loads batched)."""
+    def kernels(**p):
+        s = norm_gemm(3584, 7168, 16, cluster=2, **p)
+        cubin, log = nvrtc_compile(render.render(s), "latent_tail_norm_gemm", s.arch, "norm_gemm", None)
+        assert not log, log
+        assert_no_spills({"kernel.cubin": cubin})
+        return {part.split()[0]: _opcodes(part)
+                for part in resources.sass({"kernel.cubin": cubin}).split("Function : ")[1:]}
+    extra = {} if loads is None else {"norm_loads": loads}
+    base, b16 = kernels(**extra), kernels(gemm_bf16=True, **extra)
+    assert base[lt.NORM] == b16[lt.NORM]
+    h_loads = lambda ops: sum(o.startswith("LDG.E.128.CONSTANT") for o in ops)  # noqa: E731
+    assert h_loads(base[lt.ADD]) == h_loads(b16[lt.ADD]) + 1
+    if loads is not None:
+        assert kernels()[lt.NORM] != base[lt.NORM] and kernels()[lt.ADD] == base[lt.ADD]
 
 
 def test_norm_gemm_rules_are_checked(tmp_path):

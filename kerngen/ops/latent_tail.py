@@ -17,7 +17,8 @@ dependent launch) issues its first weight loads before it waits on it; the same 
 one-launch kernel of the same params. The "norm_gemm" variant (`NormGemm`, the tier table's choice from 9 tokens)
 runs the same latent_tail_norm, torch.mm with fp32 output (cuBLAS; under torch's default
 allow_bf16_reduced_precision_reduction it may add split-K partials in bf16) and latent_tail_add (the adds in
-fp32, one rounding). The "unfused" variant (latents wider than the norm kernel's 8192) is kerngen.finalize + torch:
+fp32, one rounding); with gemm_bf16 (the rule's choice where torch.mm into bf16 is the faster, many tokens) the
+GEMM rounds h to bf16 before the adds, one more rounding, as torch's unfused tail. The "unfused" variant (latents wider than the norm kernel's 8192) is kerngen.finalize + torch:
 y rounded to bf16 by finalize, the norm in fp32, torch.matmul in bf16 (rounded), the adds in fp32: two more
 roundings, as the four-launch path an engine runs today. Every variant agrees with `reference` to a few bf16 steps
 of the row.
@@ -263,13 +264,15 @@ class NormGemm:
     """The norm_gemm variant at one token count: latent_tail_norm (the split builds' first kernel) writes n
     [tokens, L] into a scratch buffer of the stream; the library GEMM (torch.mm, cuBLAS) writes h = n . up^T in
     fp32 into another; latent_tail_add writes bf16((h + shared) + residual): the fused kernel's arithmetic, its dot
-    products summed in the library's order. With neither shared nor residual the GEMM writes bf16 out itself."""
-    __slots__ = ("spec", "norm", "add", "_L", "_H", "_scratch")
+    products summed in the library's order (gemm_bf16: h written in bf16, rounded before the adds, as torch's
+    unfused tail). With neither shared nor residual the GEMM writes bf16 out itself."""
+    __slots__ = ("spec", "norm", "add", "_L", "_H", "_bf16", "_scratch")
 
     def __init__(self, s: plan_mod.KernelSpec, tokens: int, device: int, scratch: dict | None = None):
         grid, block = norm_shape(s, tokens)
         c, mod = dict(s.constants), resolve(s)
         self.spec, self._L, self._H = s, c["L"], c["H"]
+        self._bf16 = bool(dict(s.params).get("gemm_bf16", False))
         self._scratch = {} if scratch is None else scratch
         self.norm = Launcher(mod, NORM, device, grid, block, PARAMS_SPLIT, pdl=bool(dict(s.params).get("pdl", False)))
         self.add = Launcher(mod, ADD, device, (-(-(tokens * self._H // 8) // 256), 1, 1), (256, 1, 1), PARAMS_ADD)
@@ -292,8 +295,11 @@ class NormGemm:
                   out.data_ptr(), g.stride(0), g.shape[0], T, eps, n.data_ptr())
         if shared is None and residual is None:
             return torch.mm(n, up.T, out=out)
-        h = self._buffer("h", stream, T, self._H, torch.float32, g.device, fresh)
-        torch.mm(n, up.T, out_dtype=torch.float32, out=h)
+        if self._bf16:   # h rounded to bf16 by the library (the rule's gemm_bf16)
+            h = torch.mm(n, up.T, out=self._buffer("h16", stream, T, self._H, torch.bfloat16, g.device, fresh))
+        else:
+            h = torch.mm(n, up.T, out_dtype=torch.float32,
+                         out=self._buffer("h", stream, T, self._H, torch.float32, g.device, fresh))
         if (out.data_ptr() | (shared.data_ptr() if shared is not None else 0)
                 | (residual.data_ptr() if residual is not None else 0)) % 16:   # not 16-byte vectors: torch, same adds
             for t in (shared, residual):

@@ -215,6 +215,17 @@ def test_split_is_bitwise_the_fused_kernel(T):
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("loads", [1, 3, 8])
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_split_norm_loads_keep_the_bits(T, loads):
+    """norm_loads batches the norm kernel's row loads differently; the adds stay in k order: the same bits."""
+    args = make(T, *KIMI, seed=70 + T)
+    one = run_fused({}, *args, torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
+    two = run_fused({"split": True, "norm_loads": loads}, *args, torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(one, two)
+
+
 @pytest.mark.parametrize("T", [1, 3, 8, 9, 16])
 def test_split_through_dispatch(T, split_tiers):
     check(T, *KIMI, seed=50 + T)
@@ -318,17 +329,20 @@ params = { cluster = 8, pdl = true }
 """
 
 
-def norm_gemm_spec(L, H, K, wd="float32", cluster=8):
-    return spec_for(tiers.Rule(lt.OP, "norm_gemm", {}, {"cluster": cluster, "pdl": True}),
+def norm_gemm_spec(L, H, K, wd="float32", cluster=8, **extra):   # extra: more norm_gemm params
+    return spec_for(tiers.Rule(lt.OP, "norm_gemm", {}, {"cluster": cluster, "pdl": True, **extra}),
                     *lt.tag_constants(L, H, K, wd), target_arch())
 
 
-@pytest.mark.parametrize("shared,residual", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("shared,residual,extra", [(True, True, {}), (True, False, {}), (False, True, {}),
+                                                    (False, False, {}), (True, True, {"norm_loads": 8}),
+                                                    (True, True, {"gemm_bf16": True}),
+                                                    (False, True, {"gemm_bf16": True, "cluster": 1})])
 @pytest.mark.parametrize("T", [1, 9, 17, 64, 300])
-def test_norm_gemm_kimi_k3(T, shared, residual):
+def test_norm_gemm_kimi_k3(T, shared, residual, extra):
     args = make(T, *KIMI, shared=shared, residual=residual, seed=T)
     out = torch.full((T, KIMI[2]), float("nan"), dtype=BF, device="cuda")
-    k = lt.kernel(norm_gemm_spec(*KIMI[1:], KIMI[0]), T, torch.cuda.current_device())
+    k = lt.kernel(norm_gemm_spec(*KIMI[1:], KIMI[0], **{"cluster": 8, **extra}), T, torch.cuda.current_device())
     assert type(k) is lt.NormGemm
     got = lt.run(k, *args, 1e-6, out)
     torch.cuda.synchronize()
