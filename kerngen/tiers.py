@@ -118,9 +118,11 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                                "cluster": _n(1, 8), "blocks_per_sm": _n(1, 32), "pdl": FLAG,
                                "early_weights": FLAG,   # the first weight steps loaded into registers before the wait
                                "norm_loads": _n(1, 16),   # split: rows a norm thread loads at once (default 16)
+                               "norm_vectors": _n(1, 8),   # split: vectors a norm thread computes (default 1)
                                "split": FLAG},   # the norm in a first kernel of its own, the projection waiting on it
     ("latent_tail", "norm_gemm"): {"backend": NVRTC, "cluster": _n(1, 8), "pdl": FLAG,   # norm kernel, torch.mm, add
                                    "norm_loads": _n(1, 16),   # rows a norm thread loads at once (default 16)
+                                   "norm_vectors": _n(1, 8),   # vectors a norm thread computes (default 1)
                                    "gemm_bf16": FLAG},   # the GEMM's h in bf16 (rounded before the adds)
     ("latent_tail", "unfused"): {},   # kerngen.finalize + torch (host code)
     ("tail_tp", "allreduce"): {"allreduce": Param(str, required=True, choices=("nccl", "symm_mem")),

@@ -729,6 +729,22 @@ def test_norm_gemm_params_change_only_their_kernel(loads):
         assert kernels()[lt.NORM] != base[lt.NORM] and kernels()[lt.ADD] == base[lt.ADD]
 
 
+@pytest.mark.parametrize("cluster,vectors", [(1, 2), (1, 4), (2, 3), (8, 8)])
+def test_norm_vectors_give_fewer_norm_threads(cluster, vectors):
+    """norm_vectors: a norm thread computes that many vectors of its CTA's slice, so the CTA has ceil(slice /
+    vectors) threads rounded up to warps (its launch and the kernel's __launch_bounds__ agree); no spills."""
+    s = norm_gemm(3584, 7168, 16, cluster=cluster, norm_vectors=vectors, norm_loads=8)
+    threads = -(-(-(-448 // cluster) // vectors) // 32) * 32
+    assert lt.persistent(s)[lt.NORM].threads == threads and lt.norm_shape(s, 3)[1] == (threads, 1, 1)
+    cubin, log = nvrtc_compile(render.render(s), "latent_tail_norm_gemm", s.arch, "norm_gemm", None)
+    assert not log, log
+    assert_no_spills({"kernel.cubin": cubin})
+    assert "__launch_bounds__(NORM_T)" in render.render(s) and f"NORM_V = {vectors};" in render.render(s)
+    assert lt.persistent(norm_gemm(8192, 64, 4, cluster=1))[lt.NORM].threads == 1024
+    with pytest.raises(kerngen.InputError, match="norm_vectors"):   # 1025 vectors a CTA
+        lt.persistent(norm_gemm(8192 + 8, 64, 4, cluster=1))
+
+
 def test_norm_gemm_rules_are_checked(tmp_path):
     p = tmp_path / "t.toml"
     p.write_text('schema = 1\n[[tier]]\nop = "latent_tail"\nvariant = "norm_gemm"\nparams = { cluster = 9 }\n')

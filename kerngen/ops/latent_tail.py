@@ -171,10 +171,11 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     variant (host code)."""
     if s.variant == "norm_gemm":
         vs = -(-(dict(s.constants)["L"] // 8) // dict(s.params).get("cluster", 1))
-        if vs > 1024:
-            raise InputError(OP, "tier params", "L / 8 / cluster <= 1024 (a norm CTA's thread a vector)",
+        norm_threads = -(-vs // dict(s.params).get("norm_vectors", 1) // 32) * 32
+        if norm_threads > 1024:
+            raise InputError(OP, "tier params", "L / 8 / cluster / norm_vectors <= 1024 (a norm CTA's threads)",
                              f"{s.params} at L = {dict(s.constants)['L']}")
-        return {NORM: Launch(-(-vs // 32) * 32, 0, 1), ADD: Launch(256, 0, 1)}
+        return {NORM: Launch(norm_threads, 0, 1), ADD: Launch(256, 0, 1)}
     if s.variant != "fused":
         return {}
     c, p = dict(s.constants), dict(s.params)
@@ -187,9 +188,9 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     dyn = mt * (L + 8) * 2
     red = max(warps - 1, 1) * nb * 4 * 32 * 4
     if split(s):
-        norm_threads = -(-vs // 32) * 32
+        norm_threads = -(-(-(-vs // p.get("norm_vectors", 1))) // 32) * 32
         if norm_threads > 1024:
-            raise InputError(OP, "tier params", "L / 8 / cluster <= 1024 (a norm CTA's thread a vector)",
+            raise InputError(OP, "tier params", "L / 8 / cluster / norm_vectors <= 1024 (a norm CTA's threads)",
                              f"{s.params} at L = {L}")
         if red > 48 * 1024 or red + dyn > SMEM_PER_CTA:
             raise InputError(OP, "tier params", f"shared memory within the CTA's {SMEM_PER_CTA} bytes (static <= 48 KiB)",

@@ -215,13 +215,15 @@ def test_split_is_bitwise_the_fused_kernel(T):
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("loads", [1, 3, 8])
+@pytest.mark.parametrize("loads,vectors", [(1, 1), (3, 1), (8, 1), (8, 2), (4, 3)])
 @pytest.mark.parametrize("T", [1, 5, 16])
-def test_split_norm_loads_keep_the_bits(T, loads):
-    """norm_loads batches the norm kernel's row loads differently; the adds stay in k order: the same bits."""
+def test_split_norm_loads_keep_the_bits(T, loads, vectors):
+    """norm_loads batches the norm kernel's row loads differently, norm_vectors gives a thread several vectors; the
+    adds stay in k order and each vector's sum of squares at its place: the same bits."""
     args = make(T, *KIMI, seed=70 + T)
     one = run_fused({}, *args, torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
-    two = run_fused({"split": True, "norm_loads": loads}, *args, torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
+    two = run_fused({"split": True, "norm_loads": loads, "norm_vectors": vectors}, *args,
+                    torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
     torch.cuda.synchronize()
     assert torch.equal(one, two)
 
@@ -337,6 +339,8 @@ def norm_gemm_spec(L, H, K, wd="float32", cluster=8, **extra):   # extra: more n
 @pytest.mark.parametrize("shared,residual,extra", [(True, True, {}), (True, False, {}), (False, True, {}),
                                                     (False, False, {}), (True, True, {"norm_loads": 8}),
                                                     (True, True, {"gemm_bf16": True}),
+                                                    (True, True, {"gemm_bf16": True, "norm_vectors": 4,
+                                                                  "norm_loads": 4, "cluster": 1}),
                                                     (False, True, {"gemm_bf16": True, "cluster": 1})])
 @pytest.mark.parametrize("T", [1, 9, 17, 64, 300])
 def test_norm_gemm_kimi_k3(T, shared, residual, extra):
