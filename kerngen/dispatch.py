@@ -6,8 +6,9 @@ KernelSpec then. A call picks the bucket of its token count with a bisect and ta
 that count (built on first use: compile or cache load, then kept). After the first call of a token count
 nothing on the path reads the filesystem, reloads the table or scans rules.
 
-All dispatch objects live in one registry (`lookup`), keyed by the op's static key (never the token count);
-`clear()` forgets them all, and `tiers.reload()` calls it.
+All dispatch objects live in one registry (`lookup`), keyed by the op's static key (never the token count), and
+each op's resolved calls in one `Calls` of this module (`calls(op)`): a call whose input signature was seen skips
+the checks and the lookup and launches what they found. `clear()` forgets them all, and `tiers.reload()` calls it.
 """
 from __future__ import annotations
 
@@ -95,6 +96,38 @@ class Dispatch:
 
 _registry: dict[tuple, Dispatch] = {}
 
+MAX_SIGNATURES = 4096   # input signatures an op remembers before it forgets them all (bounded memory)
+
+
+class Calls(dict):
+    """The calls of one op resolved so far: input signature (every property its checks establish) -> what the
+    checks and the dispatch object found for it (the launch object and the values a launch needs). A dict, so a
+    call's lookup is one `get`; bounded by MAX_SIGNATURES; one per op (`calls`), cleared by `clear()`."""
+    __slots__ = ("op",)
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.op = op
+
+    def remember(self, sig, hit):
+        """Keep `hit` under `sig` (None: a call that cannot be remembered); returns hit."""
+        if sig is not None:
+            if len(self) > MAX_SIGNATURES:
+                self.clear()
+            self[sig] = hit
+        return hit
+
+
+_calls: dict[str, Calls] = {}
+
+
+def calls(op: str) -> Calls:
+    """The resolved calls of `op` (the one per-op cache beside its dispatch objects)."""
+    c = _calls.get(op)
+    if c is None:
+        c = _calls[op] = Calls(op)
+    return c
+
 
 def lookup(key: tuple, build: Callable[[], Dispatch]) -> Dispatch:
     """The dispatch object of `key` (the op's name and static key, hashable), built by `build()` once."""
@@ -121,7 +154,7 @@ _on_clear: list[Callable[[], None]] = []
 
 
 def on_clear(fn: Callable[[], None]) -> Callable[[], None]:
-    """Register an op's own caches (input signatures, scratch buffers) to be forgotten by clear()."""
+    """Register an op's own buffers (scratch workspaces, symmetric memory) to be forgotten by clear()."""
     _on_clear.append(fn)
     return fn
 
@@ -130,6 +163,8 @@ def clear() -> None:
     """Forget every dispatch object and every op's cached signatures (after the tier table or the cache
     changed); the next call of each shape resolves again."""
     _registry.clear()
+    for c in _calls.values():
+        c.clear()
     for fn in _on_clear:
         fn()
 

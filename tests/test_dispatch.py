@@ -21,8 +21,10 @@ def test_the_registry_lists_every_op_with_kernels_and_each_has_the_seam():
     assert warmup.OPS is OPS
     for op in OPS:
         mod = op_module(op)
-        for name in ("model_specs", "explain_spec", "kernel", "dispatch", "clear"):
+        for name in ("model_specs", "explain_spec", "kernel", "dispatch"):
             assert callable(getattr(mod, name, None)), f"kerngen.ops.{op} lacks {name}"
+        assert dispatch.calls(op) is dispatch.calls(op) and dispatch.calls(op).op == op   # its resolved calls
+        assert not any(isinstance(v, dict) and k.startswith("_fast") for k, v in vars(mod).items())
     with pytest.raises(KeyError, match="unknown op"):
         op_module("tail_tp")
 
@@ -216,12 +218,12 @@ def test_after_the_first_call_the_hot_path_reads_no_file_and_no_table(stub_gpu, 
 def test_reload_and_clear_forget_every_dispatch(stub_gpu):
     logits = torch.randn(3, 64)
     kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
-    assert dispatch.registry() and routing._fast
+    assert dispatch.registry() and dispatch.calls("routing")
     tiers.reload()
-    assert not dispatch.registry() and not routing._fast
+    assert not dispatch.registry() and not dispatch.calls("routing")
     kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
     kerngen.clear()
-    assert not dispatch.registry() and not routing._fast
+    assert not dispatch.registry() and not dispatch.calls("routing")
 
 
 def test_a_wrong_argument_after_a_good_call_is_still_named(stub_gpu):
@@ -312,7 +314,7 @@ def test_what_calls_without_workspace_keep_is_bounded(stub_gpu):
     from kerngen.ops.permute import FRESH_PROTO_TOKENS, RoutingWorkspace
     for T in (1, FRESH_PROTO_TOKENS, FRESH_PROTO_TOKENS + 1):
         kerngen.route(torch.randn(T, 64), top_k=4, method="softmax_topk", tile=8)
-    kept = {sig[1][0]: hit[1] for sig, hit in routing._fast.items()}
+    kept = {sig[1][0]: hit[1] for sig, hit in dispatch.calls("routing").items()}
     assert isinstance(kept[1], RoutingWorkspace) and isinstance(kept[FRESH_PROTO_TOKENS], RoutingWorkspace)
     assert not isinstance(kept[FRESH_PROTO_TOKENS + 1], RoutingWorkspace)
     r = kerngen.route(torch.randn(FRESH_PROTO_TOKENS + 1, 64), top_k=4, method="softmax_topk", tile=8)

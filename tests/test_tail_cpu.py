@@ -249,7 +249,7 @@ def test_fp8_reference_is_quantized_fp32_norm_and_matches_naive():
 def cpu_moe_tail(monkeypatch):
     """moe_tail on CPU tensors past the device check, with a stand-in for the kernel that records its call."""
     calls = []
-    tail.clear()
+    kerngen.dispatch.calls("tail").clear()
     monkeypatch.setattr(tail, "check_gather_inputs", lambda op, g, e2p, w, *a, **kw: tuple(e2p.shape))
     monkeypatch.setattr(tail, "arch", lambda dev: "sm_90a")
     monkeypatch.setattr(tail, "kernel", lambda s, *a: lambda *args: calls.append((s, args)))
@@ -258,7 +258,7 @@ def cpu_moe_tail(monkeypatch):
         return (torch.zeros(16, H, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.int32), torch.zeros(T, K),
                 torch.ones(H, dtype=torch.bfloat16))
     yield inputs, calls
-    tail.clear()   # the signatures seen here hold the stand-in
+    kerngen.dispatch.calls("tail").clear()   # the signatures seen here hold the stand-in
 
 
 def test_fp8_moe_tail_returns_out_and_scales_from_one_kernel_call(cpu_moe_tail):

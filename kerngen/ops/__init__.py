@@ -6,7 +6,8 @@ OPS is the one registry of ops with kernels. Each op module offers the same seam
     explain_spec(table, arch, *, experts, top_k, hidden, tokens, model=None, ...) -> KernelSpec
     kernel(spec, tokens, device)                       the launch object of one spec
     dispatch(<static shape>, device) -> Dispatch       the shape's kernels, resolved once
-    clear()                                            forget its input signatures
+and keeps the calls it resolved in kerngen.dispatch.calls(op) (input signature -> launch object and arguments;
+kerngen.clear() forgets them with the dispatch objects),
 and the ops with persistent grids (experts, latent_tail) one more, which explain, warmup and the tests read:
     persistent(spec) -> {function: occupancy.Launch}   each kernel's CTA and the CTAs an SM its rule asks for
 """

@@ -100,19 +100,6 @@ def check_rows(op: str, g, H: int) -> None:
         raise InputError(op, "gemm2_out", "fewer than 2**31 rows and row stride", f"shape {tuple(g.shape)}")
 
 
-MAX_SIGNATURES = 4096   # input signatures an op remembers before it forgets them all (bounded memory)
-
-
-def remember(cache: dict, sig, hit):
-    """Keep `hit` (what a call's full checks and dispatch found) under its input signature `sig` (None: a call
-    that cannot be remembered); returns hit."""
-    if sig is not None:
-        if len(cache) > MAX_SIGNATURES:
-            cache.clear()
-        cache[sig] = hit
-    return hit
-
-
 def resolve(spec: KernelSpec):
     """The loaded kernel of a spec, built or fetched from the cache once per process by its backend's loader
     (tiers.BACKENDS): a launch.Module for CUDA C++, a TVM-FFI function for CuTe DSL."""

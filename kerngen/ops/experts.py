@@ -24,10 +24,10 @@ from .. import tiers
 from ..errors import InputError, TierError
 from ..launch import Launcher, Params, current_stream
 from ..occupancy import Launch
-from ..dispatch import Dispatch, lookup, on_clear
+from ..dispatch import Dispatch, calls, lookup
 from . import _common
 from . import permute as permute_op
-from ._common import arch, check_aligned, check_tensor, remember, resolve, sm_count, table
+from ._common import arch, check_aligned, check_tensor, resolve, sm_count, table
 
 OP = "experts"
 ACTIVATIONS = tiers.EXPERT_ACTIVATIONS
@@ -543,11 +543,6 @@ def explain_spec(tbl: tiers.Table, arch_: str, *, hidden: int, tokens: int, inte
                      I, act, arch_, fmt)
 
 
-def clear() -> None:
-    """Forget the input signatures (the dispatch objects are kerngen.dispatch.clear()'s)."""
-    _fast.clear()
-
-
 def _grouped(xs, routing, w13, w2, b13, b2, tile, I, act) -> torch.Tensor:
     """torch._grouped_mm over the padded expert groups (h rounded to bf16, as a grouped GEMM returns it)."""
     offs = routing.expert_offsets[1:]
@@ -610,11 +605,11 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
                                               w2_scale.get_device()),
                activation, interleaved, alpha, limit, beta, linear_beta, out is None,
                type(interleaved), type(tile), fp8_activations, type(fp8_activations))   # True == 1 and 8 == 8.0: the kinds are pinned too
-        hit = _fast.get(sig) if sig[4] is not None else None
+        hit = _calls.get(sig) if sig[4] is not None else None
     except (AttributeError, TypeError):   # not tensors, a foreign routing, unhashable values: checked below
         sig, hit = None, None
     if hit is None or (x.data_ptr() | w13.data_ptr() | w2.data_ptr()) % 16:
-        hit = remember(_fast, sig if sig is not None and sig[4] is not None else None,
+        hit = _calls.remember(sig if sig is not None and sig[4] is not None else None,
                        _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, alpha,
                                 limit, beta, linear_beta, w13_scale, w2_scale, fp8_activations))
     k, tile, H, I, a0, a1, dev, fmt, tiles, experts_ = hit
@@ -651,7 +646,7 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     return out
 
 
-_fast: dict[tuple, tuple] = {}   # input signature -> (kernels or None, tile, H, I, a0, a1, device, format, tiles,
+_calls = calls(OP)   # input signature -> (kernels or None, tile, H, I, a0, a1, device, format, tiles,
 #                                                     local experts)
 
 
@@ -690,4 +685,3 @@ def _at_tile(d: Dispatch, s: plan_mod.KernelSpec, tile: int) -> Kernels:
     return alt[key]
 
 
-on_clear(clear)

@@ -8,11 +8,11 @@ import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError
-from ..dispatch import Dispatch, lookup, on_clear, rule_spec
+from ..dispatch import Dispatch, calls, lookup, rule_spec
 from ..launch import Launcher, Params, current_stream
 from ..tiers import BACKENDS, Model, Table
 from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
-                      remember, resolve, table)
+                      resolve, table)
 
 OP = "finalize"
 MAX_K = 64
@@ -102,11 +102,6 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | _Cute
     return Launcher(resolve(s), f"{OP}_{s.variant}", device, grid, block, PARAMS, pdl=bool(p.get("pdl", False)))
 
 
-def clear() -> None:
-    """Forget the input signatures (the dispatch objects are kerngen.dispatch.clear()'s)."""
-    _fast.clear()
-
-
 def dispatch(hidden: int, top_k: int, dtype: str, weights_dtype: str, device: int) -> Dispatch:
     """The finalize kernels of this shape and dtypes on `device`, per token bucket of the tier table."""
     def build() -> Dispatch:
@@ -118,7 +113,7 @@ def dispatch(hidden: int, top_k: int, dtype: str, weights_dtype: str, device: in
     return lookup((OP, hidden, top_k, dtype, weights_dtype, device), build)
 
 
-_fast: dict[tuple, tuple] = {}          # full input signature -> (launcher, T, H, ld, rows, device)
+_calls = calls(OP)          # full input signature -> (launcher, T, H, ld, rows, device)
 
 
 def finalize(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_weights: torch.Tensor, *,
@@ -134,12 +129,12 @@ def finalize(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
     try:  # the signature pins every property the checks establish, except the data_ptr alignment
         sig = (g.dtype, g.shape, g.stride(), e2p.dtype, e2p.shape, e2p.stride(), w.dtype, w.shape, w.stride(),
                g.get_device(), e2p.get_device(), w.get_device(), hidden)
-        hit = _fast.get(sig)
+        hit = _calls.get(sig)
     except (AttributeError, TypeError):   # not tensors, or an unhashable hidden: _prepare names the argument
         sig, hit = None, None
     g_ptr = g.data_ptr() if hit is not None else 1
     if g_ptr % 16:
-        hit = remember(_fast, sig, _prepare(g, e2p, w, hidden))
+        hit = _calls.remember(sig, _prepare(g, e2p, w, hidden))
         g_ptr = g.data_ptr()
     launcher, T, H, ld, rows, dev = hit
     if out is None:
@@ -217,4 +212,3 @@ def check_args(g, e2p, w, hidden, *, cuda: bool = True):
     check_aligned(OP, "gemm2_out", g)
 
 
-on_clear(clear)

@@ -39,13 +39,13 @@ import torch
 
 from .. import plan as plan_mod
 from .. import tiers
-from ..dispatch import Dispatch, lookup, on_clear
+from ..dispatch import Dispatch, calls, lookup
 from ..errors import InputError
 from ..launch import Launcher, Params, current_stream
 from ..occupancy import SM90, Launch
 from . import _common
 from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
-                      check_tensor, remember, resolve, table)
+                      check_tensor, resolve, table)
 from .finalize import finalize
 
 OP = "latent_tail"
@@ -365,11 +365,6 @@ def run(k, g, e2p, w, nw, up, shared, residual, eps: float, out, fresh: bool = F
     return k.run(g, e2p, w, nw, up, shared, residual, eps, out, fresh)
 
 
-def clear() -> None:
-    """Forget the input signatures (the dispatch objects are kerngen.dispatch.clear()'s)."""
-    _fast.clear()
-
-
 def dispatch(L: int, H: int, top_k: int, weights_dtype: str, device: int) -> Dispatch:
     """The latent_tail launch objects of this shape on `device`, per token bucket of the tier table."""
     def build() -> Dispatch:
@@ -387,7 +382,7 @@ def _sig(t):
     return None if t is None else (t.dtype, t.shape, t.stride(), t.device)
 
 
-_fast: dict[tuple, tuple] = {}   # input signature -> (launch object, T, L, H, device)
+_calls = calls(OP)   # input signature -> (launch object, T, L, H, device)
 
 
 def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_weights: torch.Tensor,
@@ -418,11 +413,11 @@ def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, top
         sig = (g.dtype, g.shape, g.stride(), g.device, e2p.dtype, e2p.shape, e2p.stride(), e2p.device,
                w.dtype, w.shape, w.stride(), w.device, nw.dtype, nw.shape, nw.stride(), nw.device,
                up.dtype, up.shape, up.stride(), up.device, _sig(shared), _sig(residual), eps)
-        hit = _fast.get(sig)
+        hit = _calls.get(sig)
     except (AttributeError, TypeError):   # not tensors, or an unhashable eps: _prepare names the argument
         sig, hit = None, None
     if hit is None or (g.data_ptr() | nw.data_ptr() | up.data_ptr()) % 16:
-        hit = remember(_fast, sig, _prepare(g, e2p, w, nw, up, shared, residual, eps))
+        hit = _calls.remember(sig, _prepare(g, e2p, w, nw, up, shared, residual, eps))
     k, T, L, H, dev = hit
     if out is None:
         out = torch.empty((T, H), dtype=torch.bfloat16, device=g.device)
@@ -492,4 +487,3 @@ def _tp(g, e2p, w, nw, up, shared, residual, eps, out, group, own_scratch: bool 
     return latent_tail(y.to(torch.bfloat16), ident, ones, nw, up, shared=shared, residual=residual, eps=eps, out=out,
                        own_scratch=own_scratch)
 
-on_clear(clear)

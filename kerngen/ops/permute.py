@@ -22,10 +22,10 @@ import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError, TierError
-from ..dispatch import Dispatch, lookup, on_clear, rule_spec
+from ..dispatch import Dispatch, calls, lookup, on_clear, rule_spec
 from ..launch import Launcher, Params, current_stream
 from ..tiers import MAX_EXPERTS, MAX_TOPK, SMS, Model, Table
-from ._common import arch, check_int, check_local, check_tensor, remember, require_gpu, resolve, table
+from ._common import arch, check_int, check_local, check_tensor, require_gpu, resolve, table
 
 OP = "permute"
 _WEIGHTS = (torch.float32, torch.bfloat16)
@@ -428,9 +428,8 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Permute:
     return Permute(s, tokens, device)
 
 
-def clear() -> None:
-    """Forget the input signatures and scratch workspaces (the dispatch objects are kerngen.dispatch.clear()'s)."""
-    _fast.clear()
+def _clear_scratch() -> None:
+    """Forget the scratch workspaces (dispatch.clear())."""
     _scratch.clear()
 
 
@@ -445,7 +444,7 @@ def dispatch(E: int, K: int, align: bool, device: int) -> Dispatch:
     return lookup((OP, E, K, align, device), build)
 
 
-_fast: dict[tuple, tuple] = {}   # signature -> (launches, prototype of fresh buffers or None, T, K, ls, nl, device,
+_calls = calls(OP)   # signature -> (launches, prototype of fresh buffers or None, T, K, ls, nl, device,
 #                                                [T, 0] weights)
 
 
@@ -464,11 +463,11 @@ def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_expert
         sig = (topk_ids.dtype, topk_ids.shape, topk_ids.is_contiguous(), topk_ids.get_device(), num_experts, tile,
                local_experts, layout, pad_sorted_ids, None if workspace is None else workspace.signature,
                type(num_experts), type(tile), type(pad_sorted_ids))   # 8 == 8.0 == True: the kinds pinned too
-        hit = _fast.get(sig)
+        hit = _calls.get(sig)
     except (AttributeError, TypeError):   # a wrong type or an unhashable value: the checks name it
         sig, hit = None, None
     if hit is None:
-        hit = remember(_fast, sig, _prepare(topk_ids, num_experts, tile, local_experts, workspace, layout,
+        hit = _calls.remember(sig, _prepare(topk_ids, num_experts, tile, local_experts, workspace, layout,
                                             pad_sorted_ids))
     launches, proto, T, K, ls, nl, dev, proto_weights = hit
     ws = proto.fresh(T) if workspace is None else workspace
@@ -583,4 +582,4 @@ def check_workspace(op, ws, T, E, K, tile, nl, device, layout="kerngen"):
 
 
 
-on_clear(clear)
+on_clear(_clear_scratch)

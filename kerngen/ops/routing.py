@@ -30,11 +30,11 @@ import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError
-from ..dispatch import Dispatch, lookup, on_clear, rule_spec
+from ..dispatch import Dispatch, calls, lookup, rule_spec
 from ..launch import Launcher, Params, current_stream
 from ..tiers import MAX_EXPERTS, MAX_TOPK, METHODS, SMS, Model, Table
 from . import permute as permute_op
-from ._common import SHORT, DTYPE_NAMES, arch, check_int, check_local, check_tensor, remember, resolve, table
+from ._common import SHORT, DTYPE_NAMES, arch, check_int, check_local, check_tensor, resolve, table
 from .permute import Routing, RoutingWorkspace, check_layout, check_workspace, with_align
 
 OP = "routing"
@@ -233,12 +233,7 @@ def dispatch(E: int, K: int, method: str, n_group: int, topk_group: int, renorma
     return lookup(key, build)
 
 
-def clear() -> None:
-    """Forget the input signatures (the dispatch objects are kerngen.dispatch.clear()'s)."""
-    _fast.clear()
-
-
-_fast: dict[tuple, tuple] = {}   # signature -> (Route, prototype of fresh buffers or None, T, tile, ls, nl, rsf, dev)
+_calls = calls(OP)   # signature -> (Route, prototype of fresh buffers or None, T, tile, ls, nl, rsf, dev)
 
 
 def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None = None,
@@ -261,11 +256,11 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
                top_k, method, n_group, topk_group, routed_scaling_factor, renormalize, tile, local_experts, model,
                layout, None if workspace is None else workspace.signature,
                type(top_k), type(tile), type(renormalize))   # 8 == 8.0 == True: the kinds are pinned too
-        hit = _fast.get(sig)
+        hit = _calls.get(sig)
     except (AttributeError, TypeError):   # a wrong type or an unhashable value: the checks name it
         sig, hit = None, None
     if hit is None:
-        hit = remember(_fast, sig, _prepare(logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor,
+        hit = _calls.remember(sig, _prepare(logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor,
                                             renormalize, tile, local_experts, model, workspace, layout))
     r, proto, T, tile, ls, nl, rsf, dev = hit
     ws = proto.fresh(T) if workspace is None else workspace
@@ -374,4 +369,3 @@ def model_args(name, top_k, method, n_group, topk_group, rsf, renormalize, logit
     return m.top_k, m.routing, m.n_group, m.topk_group, m.routed_scaling_factor, m.renormalize
 
 
-on_clear(clear)

@@ -26,10 +26,10 @@ import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError
-from ..dispatch import Dispatch, lookup, on_clear
+from ..dispatch import Dispatch, calls, lookup
 from ..tiers import Model, Rule, Table
 from ._common import (DTYPE_NAMES, SHORT, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
-                      check_tensor, remember, resolve, table)
+                      check_tensor, resolve, table)
 from .tail_tp import moe_tail_tp
 
 OP = "tail"
@@ -133,18 +133,13 @@ def explain_spec(tbl: Table, arch_: str, *, hidden: int, top_k: int, tokens: int
     return spec(hidden, top_k, dtype, weights_dtype, dtype, (True, True, False), tokens, arch_, tbl)
 
 
-_fast: dict[tuple, tuple] = {}   # input signature -> (function, T, H, out dtype, g stand-in, device, fp8 blocks)
+_calls = calls(OP)   # input signature -> (function, T, H, out dtype, g stand-in, device, fp8 blocks)
 
 
 def kernel(s: plan_mod.KernelSpec, tokens: int = 0, device: int | None = None):
     """The CuTe DSL function of spec `s` (TVM-FFI, on tensors of any token count, torch's current stream);
     `tokens` and `device` complete the ops' common signature and change nothing here."""
     return resolve(s)
-
-
-def clear() -> None:
-    """Forget the input signatures (the dispatch objects are kerngen.dispatch.clear()'s)."""
-    _fast.clear()
 
 
 def dispatch(hidden: int, top_k: int, dtype: str, weights_dtype: str, out_dtype: str, flags: tuple,
@@ -196,11 +191,11 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
         sig = (g.dtype, g.shape, g.stride(), g.device, e2p.dtype, e2p.shape, e2p.stride(), e2p.device,
                w.dtype, w.shape, w.stride(), w.device, nw.dtype, nw.shape, nw.stride(), nw.device,
                _sig(shared), _sig(residual), _sig(residual_out), out_dtype)
-        hit = _fast.get(sig)
+        hit = _calls.get(sig)
     except (AttributeError, TypeError):   # not tensors, or an unhashable out_dtype: _prepare names the argument
         sig, hit = None, None
     if hit is None:
-        hit = remember(_fast, sig, _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype))
+        hit = _calls.remember(sig, _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype))
     fn, T, H, odt, g_arg, dev, blocks = hit
     if out is None:
         out = torch.empty((T, H), dtype=odt, device=g.device)
@@ -274,4 +269,3 @@ def check_args(g, e2p, w, nw, shared=None, residual=None, residual_out=None, out
         check_aligned(OP, name, t)
 
 
-on_clear(clear)
