@@ -10,11 +10,14 @@ import sys
 # target are checked, so a wrong argument is refused at once.
 from . import cache as cache_mod
 from . import env, jit, tiers, trust, warmup
+from . import ops as op_registry
 from .errors import CacheError, InputError, KerngenError, TierError
 from .plan import VERSION
 
 # The ops `explain --op` and `warmup --op` know: the ops warmup builds, and permute (built with routing).
-SHAPE_OPS = tuple(dict.fromkeys(("routing", "permute", *warmup.OPS)))
+def shape_ops() -> tuple[str, ...]:
+    """The ops `explain` and `inspect` name (the registry's, read at each call: kerngen.ops.OPS)."""
+    return tuple(dict.fromkeys(("routing", "permute", *op_registry.OPS)))
 
 
 def _plural(n: int, word: str) -> str:
@@ -50,10 +53,10 @@ def _arches(text: str | None) -> list[str]:
 
 
 def _ops(text: str | None) -> tuple[str, ...]:
-    ops = tuple(o.strip() for o in text.split(",")) if text else warmup.OPS
+    ops = tuple(o.strip() for o in text.split(",")) if text else op_registry.OPS
     for op in ops:
-        if op not in warmup.OPS:
-            raise InputError("warmup", "--ops", f"a comma separated subset of {','.join(warmup.OPS)}",
+        if op not in op_registry.OPS:
+            raise InputError("warmup", "--ops", f"a comma separated subset of {','.join(op_registry.OPS)}",
                              repr(text))
     return ops
 
@@ -150,7 +153,7 @@ def _explainer(cmd: str, op: str):
     """kerngen.ops.<op>.explain_spec, or an InputError naming the ops that have one."""
     fn = getattr(warmup.op_module(op), "explain_spec", None)
     if fn is None:
-        known = [o for o in SHAPE_OPS if getattr(warmup.op_module(o), "explain_spec", None)]
+        known = [o for o in shape_ops() if getattr(warmup.op_module(o), "explain_spec", None)]
         raise InputError(cmd, "--op", f"one of {', '.join(known)} (kerngen.ops.{op} cannot name one shape's kernel "
                          "yet)", repr(op))
     return fn
@@ -203,7 +206,7 @@ def cmd_explain(args) -> int:
     if args.op:
         _explain_one(args, tbl, arch, store, args.op)
         return 0
-    for i, op in enumerate(SHAPE_OPS):   # every op of the model, at --tokens
+    for i, op in enumerate(shape_ops()):   # every op of the model, at --tokens
         print("" if i == 0 else "\n", end="")
         try:
             _explain_one(args, tbl, arch, store, op)
@@ -334,7 +337,7 @@ def _token_list(text: str) -> list[int]:
 
 def _shape_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("one shape (--op), or with --model its shape at --tokens")
-    g.add_argument("--op", choices=SHAPE_OPS, help="the op whose kernel for this shape is meant")
+    g.add_argument("--op", choices=shape_ops(), help="the op whose kernel for this shape is meant")
     g.add_argument("--experts", type=int, help="number of routed experts E (routing, permute)")
     g.add_argument("--topk", type=int, help="experts per token K (routing, permute, finalize, tail)")
     g.add_argument("--hidden", type=int, help="hidden size H, a multiple of 8 (finalize, tail, experts)")
@@ -356,7 +359,7 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--model", action="append", help="model name from the tier table (repeatable)")
     w.add_argument("--all", action="store_true", help="every model of the tier table")
     w.add_argument("--arch", help=arch_help)
-    w.add_argument("--ops", help=f"comma separated subset of {','.join(warmup.OPS)} (default: all)")
+    w.add_argument("--ops", help=f"comma separated subset of {','.join(op_registry.OPS)} (default: all)")
     w.add_argument("--jobs", type=_at_least(0), default=0, help="parallel compile processes (default: CPU count)")
     w.add_argument("--tiers", help="user tiers file layered over the shipped one")
     w.add_argument("--quiet", action="store_true", help="no progress bar (there is one only on a terminal)")

@@ -19,7 +19,6 @@ from . import env
 from .errors import TierError
 
 SCHEMA = 1
-OPS = ("routing", "finalize", "tail", "permute", "tail_tp", "experts", "latent_tail")
 METHODS = ("softmax_topk", "topk_softmax", "sigmoid_bias", "grouped_sigmoid_bias", "top1_sigmoid")
 DTYPES = ("bfloat16", "float16")
 ROUTER_WEIGHT = ("output", "input")
@@ -129,6 +128,8 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                                "max_tokens": _n()},
 }
 
+# The ops a tier rule may name: those with variants above (kerngen.ops.OPS, the ops with kernels, and tail_tp)
+OPS = tuple(dict.fromkeys(op for op, _ in PARAMS))
 
 def _between(op: str, variant: str, p: dict) -> str | None:
     """Constraints between params that the launchers check."""
@@ -396,8 +397,9 @@ def _parse_rule(where: str, d: dict) -> Rule:
     for k in d:
         if k not in ("op", "variant", "params", "arch", "formats", *RANGE_KEYS):
             _fail(where, f"unknown field '{k}' (known: op, variant, params, arch, formats, {', '.join(RANGE_KEYS)})")
-    if d.get("op") not in OPS:
-        _fail(where, f"field 'op' must be one of {', '.join(OPS)}, got {d.get('op')!r}")
+    ops = tuple(dict.fromkeys(op for op, _ in PARAMS))   # (read here: an op registered at run time counts)
+    if d.get("op") not in ops:
+        _fail(where, f"field 'op' must be one of {', '.join(ops)}, got {d.get('op')!r}")
     if not isinstance(d.get("variant"), str) or not d["variant"]:
         _fail(where, "missing required field 'variant' (a template name under templates/<op>/)")
     params = d.get("params", {})

@@ -16,14 +16,15 @@ from .errors import KerngenError
 from .plan import KernelSpec
 from .tiers import Model, Table
 
-from .ops import OPS, op_module   # the op registry: model_specs, explain_spec, kernel, dispatch, clear
+from . import ops as registry   # the op registry (registry.OPS, read at each call): each op's module seam
+from .ops import op_module
 
 
-def model_specs(model: Model, tbl: Table, arch: str, ops=OPS) -> list[KernelSpec]:
-    """The distinct kernels `model` can dispatch to, in order (rules that differ only in token range, and
-    op modules that list a kernel twice, give one spec)."""
+def model_specs(model: Model, tbl: Table, arch: str, ops=None) -> list[KernelSpec]:
+    """The distinct kernels `model` can dispatch to, in order, of `ops` (default: every op of the registry)
+    (rules that differ only in token range, and op modules that list a kernel twice, give one spec)."""
     specs: dict[KernelSpec, None] = {}
-    for op in ops:
+    for op in registry.OPS if ops is None else ops:
         specs.update(dict.fromkeys(op_module(op).model_specs(model, tbl, arch)))
     return list(specs)
 

@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
+from importlib import import_module
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -258,7 +259,7 @@ def _side_main(args: dict) -> None:
             if name not in tbl.models:
                 print(f"same_sass: no model {name} in {tree}/tiers.toml", file=sys.stderr)
                 continue
-            ops = warmup.OPS if args["ops"] == "all" else tuple(args["ops"].split(","))
+            ops = import_module("kerngen.ops").OPS if args["ops"] == "all" else tuple(args["ops"].split(","))
             for s in warmup.model_specs(tbl.model(name), tbl, args["arch"], ops):
                 if s not in used:
                     specs.append(s)
@@ -441,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rev", default="HEAD", help="the revision built as 'before' (default HEAD)")
     ap.add_argument("--to", default=None, help="a revision built as 'after' instead of the working tree")
     ap.add_argument("--models", default="all", help="all, or comma-separated model names of tiers.toml")
-    ap.add_argument("--ops", default="all", help="all, or comma-separated ops of kerngen.warmup.OPS (routing "
+    ap.add_argument("--ops", default="all", help="all, or comma-separated ops of kerngen.ops.OPS (routing "
                                                  "covers the permutation)")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--allow", action="append", default=[], metavar="SUBSTRING",
