@@ -17,7 +17,7 @@ from .plan import VERSION
 # The ops `explain --op` and `warmup --op` know: the ops warmup builds, and permute (built with routing).
 def shape_ops() -> tuple[str, ...]:
     """The ops `explain` and `inspect` name (the registry's, read at each call: kerngen.ops.OPS)."""
-    return tuple(dict.fromkeys(("routing", "permute", *op_registry.OPS)))
+    return op_registry.OPS
 
 
 def _plural(n: int, word: str) -> str:
@@ -168,31 +168,32 @@ def _shape_spec(cmd: str, args, tbl: tiers.Table, arch: str, op: str):
 
 
 def _check_shape(cmd: str, op: str, shape: dict) -> None:
-    """The shape flags, checked as the op checks its tensors: a shape the op would reject is not compiled."""
-    where, topk, experts, hidden, tokens = (f"{cmd} --op {op}", shape["top_k"], shape["experts"], shape["hidden"],
-                                            shape["tokens"])
-    if op != "experts":
-        if topk is None:
-            raise InputError(where, "--topk", "given (or --model NAME), with --experts / --hidden as the op needs",
+    """The shape flags the op names (its module's SHAPE_FLAGS, default top_k and hidden), checked as the op checks
+    its tensors: a shape the op would reject is not compiled."""
+    where, mod = f"{cmd} --op {op}", warmup.op_module(op)
+    needs = getattr(mod, "SHAPE_FLAGS", ("top_k", "hidden"))
+    for name in (n for n in FLAGS if n in needs):
+        if shape[name] is None:
+            others = " / ".join(FLAGS[n] for n in FLAGS if n in needs and n != "top_k")
+            expected = {"top_k": f"given (or --model NAME), with {others} as the op needs",
+                        "hidden": "given (or --model NAME)"}
+            raise InputError(where, FLAGS[name], expected.get(name, "given (or --model NAME whose tier entry has it)"),
                              "none")
-        max_k = getattr(warmup.op_module(op), "MAX_K", tiers.MAX_TOPK)
+    topk, experts, hidden, tokens = shape["top_k"], shape["experts"], shape["hidden"], shape["tokens"]
+    if "top_k" in needs:
+        max_k = getattr(mod, "MAX_K", tiers.MAX_TOPK)
         if not 1 <= topk <= max_k:
             raise InputError(where, "--topk", f"an integer in [1, {max_k}]", str(topk))
-    for flag, value, ops in (("--experts", experts, ("routing", "permute")),
-                             ("--intermediate", shape["intermediate"], ("experts",))):
-        if op in ops and value is None:
-            raise InputError(where, flag, "given (or --model NAME whose tier entry has it)", "none")
-    if op not in ("routing", "permute") and hidden is None:
-        raise InputError(where, "--hidden", "given (or --model NAME)", "none")
-    if op in ("routing", "permute"):
-        if not topk <= experts <= tiers.MAX_EXPERTS:
-            raise InputError(where, "--experts", f"an integer in [--topk = {topk}, {tiers.MAX_EXPERTS}]",
-                             str(experts))
-    elif hidden < 8 or hidden % 8 or hidden > tiers.INT32_MAX:
+    if "experts" in needs and not topk <= experts <= tiers.MAX_EXPERTS:
+        raise InputError(where, "--experts", f"an integer in [--topk = {topk}, {tiers.MAX_EXPERTS}]", str(experts))
+    if "hidden" in needs and (hidden < 8 or hidden % 8 or hidden > tiers.INT32_MAX):
         raise InputError(where, "--hidden", "a multiple of 8, at least 8 (rows are read in 16-byte vectors)",
                          str(hidden))
     if not 1 <= tokens <= tiers.INT32_MAX:
         raise InputError(where, "--tokens", f"an integer in [1, {tiers.INT32_MAX}]", str(tokens))
+
+
+FLAGS = {"top_k": "--topk", "experts": "--experts", "hidden": "--hidden", "intermediate": "--intermediate"}
 
 
 def cmd_explain(args) -> int:

@@ -30,6 +30,7 @@ from . import permute as permute_op
 from ._common import arch, check_aligned, check_tensor, resolve, sm_count, table
 
 OP = "experts"
+SHAPE_FLAGS = ("hidden", "intermediate")   # the shape `kerngen explain --op experts` needs (default: top_k, hidden)
 ACTIVATIONS = tiers.EXPERT_ACTIVATIONS
 VARIANTS = ("mma",)
 MAX_TILE = 16   # rows of a tile the kernels take (two 8-row n-blocks of mma accumulators)
