@@ -2,6 +2,7 @@
 call of a shape, touches no file, no tier table and no compiler. On this CPU machine the ops run their dispatch
 up to the launch with stub launchers (`_common.KERNEL_DEVICES` lets CPU tensors take the kernels' path)."""
 import builtins
+import inspect
 import os
 
 import pytest
@@ -23,6 +24,8 @@ def test_the_registry_lists_every_op_with_kernels_and_each_has_the_seam():
         mod = op_module(op)
         for name in ("model_specs", "explain_spec", "kernel", "dispatch"):
             assert callable(getattr(mod, name, None)), f"kerngen.ops.{op} lacks {name}"
+        params = list(inspect.signature(mod.dispatch).parameters.values())   # dispatch(device, *, static shape)
+        assert params[0].name == "device" and all(p.kind is p.KEYWORD_ONLY for p in params[1:]), op
         assert dispatch.calls(op) is dispatch.calls(op) and dispatch.calls(op).op == op   # its resolved calls
         assert not any(isinstance(v, dict) and k.startswith("_fast") for k, v in vars(mod).items())
     with pytest.raises(KeyError, match="unknown op"):
@@ -55,9 +58,9 @@ def test_buckets_pick_what_the_table_picks(name):
     tbl = tiers.load()
     m = tbl.model(name)
     tag_fin = finalize.tag_constants(m.hidden, m.top_k, "bfloat16", "float32")
-    d = finalize.dispatch(m.hidden, m.top_k, "bfloat16", "float32", -1)
+    d = finalize.dispatch(-1, hidden=m.hidden, top_k=m.top_k, dtype="bfloat16", weights_dtype="float32")
     tag_perm = permute.with_align(f"E{m.num_experts}-K{m.top_k}", {"E": m.num_experts, "K": m.top_k}, False)
-    dp = permute.dispatch(m.num_experts, m.top_k, False, -1)
+    dp = permute.dispatch(-1, E=m.num_experts, K=m.top_k, align=False)
     for T in TOKENS:
         assert d.spec(T) == plan(tbl, "finalize", {"hidden": m.hidden, "top_k": m.top_k, "tokens": max(T, 1)},
                                  *tag_fin, "sm_90a"), (name, T)
@@ -80,7 +83,7 @@ def test_the_experts_tile_is_the_rules():
         fmt, a8 = ("fp8", True) if f == "w8a8" else (f, False)
         for T in (lo, hi):
             assert experts.tile_for(7168, 2048, "silu", T, -1, fmt, "nk", a8) == r.params["tile"], (r, T)
-            s = experts.dispatch(7168, 2048, "silu", -1, fmt, "nk", a8).spec(T)
+            s = experts.dispatch(-1, H=7168, I=2048, activation="silu", fmt=fmt, layout="nk", a8=a8).spec(T)
             assert dict(s.constants)["TILE"] == r.params["tile"] and "tile" not in dict(s.params)
 
 
@@ -326,7 +329,7 @@ def test_what_calls_without_workspace_keep_is_bounded(stub_gpu):
     for T in (1, 3, 16, 2):
         x = torch.randn(T, H, generator=g).bfloat16()
         kerngen.experts(x, kerngen.route(torch.randn(T, E), top_k=2, method="softmax_topk", tile=8), w13, w2)
-    d = experts.dispatch(H, I, "silu", -1)
+    d = experts.dispatch(-1, H=H, I=I, activation="silu")
     assert {id(d.kernel(T)) for T in (1, 3, 16, 2)} == {id(d.kernel(1))}   # one launch object for the bucket
     assert len(d.kernel(1)._act) == 1
 
@@ -375,7 +378,7 @@ def test_experts_take_the_callers_scratch_and_keep_none(stub_gpu):
     w13, w2 = torch.randn(E, 2 * I, H, generator=g).bfloat16(), torch.randn(E, H, I, generator=g).bfloat16()
     r = kerngen.route(torch.randn(T, E, generator=g), top_k=K, method="softmax_topk", tile=8)
     rows = r.permuted_to_token.shape[0]
-    k = experts.dispatch(H, I, "silu", x.get_device()).kernel(T)
+    k = experts.dispatch(x.get_device(), H=H, I=I, activation="silu").kernel(T)
     kerngen.experts(x, r, w13, w2, scratch=torch.empty(rows, I, dtype=torch.bfloat16))
     assert k._act == {} and stub_gpu.count("experts_gemm1") == 1
     kerngen.experts(x, r, w13, w2)

@@ -280,7 +280,7 @@ def test_explain_names_the_fused_kernel_and_says_when_there_is_none():
 
 
 def test_the_dispatch_buckets(monkeypatch):
-    d = lt.dispatch(3584, 7168, 16, "float32", -1)
+    d = lt.dispatch(-1, L=3584, H=7168, top_k=16, weights_dtype="float32")
     assert d.starts == [1, 9, 25, 49, 161, 8193]
     assert [s.variant for s in d.specs] == ["fused"] + ["norm_gemm"] * 4 + ["unfused"]
 
@@ -535,7 +535,7 @@ def test_the_dispatch_takes_split_builds_when_the_tiers_ask(tmp_path, monkeypatc
     monkeypatch.setattr(lt, "current_stream", lambda dev: 7)
     _Launcher.log = []
     try:
-        d = lt.dispatch(256, 512, 4, "float32", -1)
+        d = lt.dispatch(-1, L=256, H=512, top_k=4, weights_dtype="float32")
         assert [(s.variant, dict(s.params).get("split")) for s in d.specs] == [("fused", True), ("fused", True)] + [
             ("norm_gemm", None)] * 4 + [("unfused", None)]
         scratch = []
@@ -577,7 +577,7 @@ def test_the_unfused_variant_is_finalize_and_torch(monkeypatch):
     try:
         args = make(20, 16, 8200, 16, seed=3)
         got = kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6])
-        assert type(lt.dispatch(8200, 16, 16, "float32", -1).kernel(20)) is lt.Unfused
+        assert type(lt.dispatch(-1, L=8200, H=16, top_k=16, weights_dtype="float32").kernel(20)) is lt.Unfused
         assert_close_to(got, fp64(*args), "unfused", rel=2e-2)
         plain = kerngen.latent_tail(*args[:5])   # no adds: the matmul's own bf16 output
         assert_close_to(plain, fp64(*args[:5], None, None), "unfused, no adds", rel=2e-2)

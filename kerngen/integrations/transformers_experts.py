@@ -65,8 +65,8 @@ class BlockState:
             H = w.shape[2] * _ex.MX_GROUP if w.dtype == torch.uint8 else w.shape[2]
             if w.dtype not in _ex.FORMATS or H % 8:
                 return TILE
-            d = self._dispatch = _ex.dispatch(H, w.shape[1] // 2, self.activation, x.get_device(),
-                                              _ex.FORMATS[w.dtype], self.layout)
+            d = self._dispatch = _ex.dispatch(x.get_device(), H=H, I=w.shape[1] // 2, activation=self.activation,
+                                              fmt=_ex.FORMATS[w.dtype], layout=self.layout)
         s = d.spec(x.shape[0])
         return TILE if s is None else _ex.tile_of(s)
 

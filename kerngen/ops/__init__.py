@@ -5,7 +5,7 @@ OPS is the one registry of ops with kernels. Each op module offers the same seam
     model_specs(model, table, arch) -> [KernelSpec]   every kernel a model can dispatch to
     explain_spec(table, arch, *, experts, top_k, hidden, tokens, model=None, ...) -> KernelSpec
     kernel(spec, tokens, device)                       the launch object of one spec
-    dispatch(<static shape>, device) -> Dispatch       the shape's kernels, resolved once
+    dispatch(device, **static shape) -> Dispatch       the shape's kernels, resolved once (keywords after device)
 and keeps the calls it resolved in kerngen.dispatch.calls(op) (input signature -> launch object and arguments;
 kerngen.clear() forgets them with the dispatch objects),
 and optionally SHAPE_FLAGS, the shape fields its explain_spec needs (default ("top_k", "hidden"); the CLI checks

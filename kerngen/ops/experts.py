@@ -483,7 +483,7 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Kernels:
     return Kernels(s, device)
 
 
-def dispatch(H: int, I: int, activation: str, device: int, fmt: str = "bf16", layout: str = "nk",
+def dispatch(device: int, *, H: int, I: int, activation: str, fmt: str = "bf16", layout: str = "nk",
              a8: bool = False) -> Dispatch:
     """The experts kernels of this shape, weight format and layout on `device` (a8: fp8 activations, fp8 weights'
     rules), per token bucket (None where no rule serves: torch._grouped_mm for bf16, the per-expert reference for
@@ -502,7 +502,7 @@ def tile_for(H: int, I: int, activation: str, tokens: int, device: int, fmt: str
     """The routing tile kerngen.experts' kernels (for weights in `fmt` and `layout`; a8: fp8 activations) take at
     this token count (the rule's `tile`), or None where no rule serves these tokens (torch._grouped_mm needs no
     tile)."""
-    s = dispatch(H, I, activation, device, fmt, layout, a8).spec(tokens)
+    s = dispatch(device, H=H, I=I, activation=activation, fmt=fmt, layout=layout, a8=a8).spec(tokens)
     return None if s is None else tile_of(s)
 
 
@@ -664,7 +664,7 @@ def _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weight
     dev = x.get_device()
     k = None
     if x.device.type in _common.KERNEL_DEVICES and tile <= MAX_TILE and routing.tile_to_expert.shape[0]:
-        d = dispatch(H, I, activation, dev, fmt, layout, fp8_activations)
+        d = dispatch(dev, H=H, I=I, activation=activation, fmt=fmt, layout=layout, a8=fp8_activations)
         k = d.kernel(x.shape[0])
         if k is not None and k.tile != tile:   # a routing built with another tile: the same rule at that tile
             k = _at_tile(d, k.spec, tile)

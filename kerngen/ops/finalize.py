@@ -102,7 +102,7 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | _Cute
     return Launcher(resolve(s), f"{OP}_{s.variant}", device, grid, block, PARAMS, pdl=bool(p.get("pdl", False)))
 
 
-def dispatch(hidden: int, top_k: int, dtype: str, weights_dtype: str, device: int) -> Dispatch:
+def dispatch(device: int, *, hidden: int, top_k: int, dtype: str, weights_dtype: str) -> Dispatch:
     """The finalize kernels of this shape and dtypes on `device`, per token bucket of the tier table."""
     def build() -> Dispatch:
         a = arch(device)
@@ -196,7 +196,7 @@ def _prepare(g, e2p, w, hidden) -> tuple:
     T, K = e2p.shape
     H = g.shape[1] if hidden is None else hidden
     dev = g.get_device()
-    d = dispatch(H, K, DTYPE_NAMES[g.dtype], DTYPE_NAMES[w.dtype], dev)
+    d = dispatch(dev, hidden=H, top_k=K, dtype=DTYPE_NAMES[g.dtype], weights_dtype=DTYPE_NAMES[w.dtype])
     launcher = d.served(T)
     return launcher, T, H, g.stride(0), g.shape[0], dev
 

@@ -16,22 +16,22 @@ to 8 tokens): latent_tail_norm writes n once into a scratch buffer of the stream
 dependent launch) issues its first weight loads before it waits on it; the same arithmetic in the same order as the
 one-launch kernel of the same params. The "norm_gemm" variant (`NormGemm`, the tier table's choice from 9 tokens)
 runs the same latent_tail_norm, torch.mm with fp32 output (cuBLAS; under torch's default
-allow_bf16_reduced_precision_reduction it may add split-K partials in bf16) and latent_tail_add (the adds in
-fp32, one rounding); with gemm_bf16 (the rule's choice where torch.mm into bf16 is the faster, many tokens) the
-GEMM rounds h to bf16 before the adds, one more rounding, as torch's unfused tail. The "unfused" variant (latents wider than the norm kernel's 8192) is kerngen.finalize + torch:
-y rounded to bf16 by finalize, the norm in fp32, torch.matmul in bf16 (rounded), the adds in fp32: two more
-roundings, as the four-launch path an engine runs today. Every variant agrees with `reference` to a few bf16 steps
-of the row.
+allow_bf16_reduced_precision_reduction it may add split-K partials in bf16) and latent_tail_add (the adds in fp32,
+one rounding); with gemm_bf16 (the rule's choice where torch.mm into bf16 is the faster, many tokens) the GEMM
+rounds h to bf16 before the adds, one more rounding, as torch's unfused tail. The "unfused" variant (latents wider
+than the norm kernel's 8192) is kerngen.finalize + torch: y rounded to bf16 by finalize, the norm in fp32,
+torch.matmul in bf16 (rounded), the adds in fp32: two more roundings, as the four-launch path an engine runs today.
+Every variant agrees with `reference` to a few bf16 steps of the row.
 
-Tensor parallelism (group=): each rank holds a partial routed output (its experts' rows); the partial latent
-sums are all-reduced in fp32 before the norm (normalizing partials and adding them is not the tail). up_proj,
-norm_weight, shared and residual are whole on every rank, and every rank gets the whole `out`. On CUDA the
-partial is kerngen.finalize's (rounded to bf16), the fp32 sum is rounded to bf16 once more and fed to this op
-with K = 1 (row t, weight 1).
+Tensor parallelism (group=): each rank holds a partial routed output (its experts' rows); the partial latent sums
+are all-reduced in fp32 before the norm (normalizing partials and adding them is not the tail). up_proj,
+norm_weight, shared and residual are whole on every rank, and every rank gets the whole `out`. On CUDA the partial
+is kerngen.finalize's (rounded to bf16), the fp32 sum is rounded to bf16 once more and fed to this op with K = 1
+(row t, weight 1).
 
-Devices, as for every op that launches kernels: `latent_tail` takes CUDA tensors only (a CPU tensor is an
-InputError naming the argument); torch.ops.kerngen.latent_tail runs `reference` on CPU tensors after the same
-checks (`check_args`, the alignment included) and reads KERNGEN_STRICT as the CUDA path does.
+Devices, as for every op that launches kernels: `latent_tail` takes CUDA tensors only (a CPU tensor is an InputError
+naming the argument); torch.ops.kerngen.latent_tail runs `reference` on CPU tensors after the same checks
+(`check_args`, the alignment included) and reads KERNGEN_STRICT as the CUDA path does.
 """
 from __future__ import annotations
 
@@ -365,7 +365,7 @@ def run(k, g, e2p, w, nw, up, shared, residual, eps: float, out, fresh: bool = F
     return k.run(g, e2p, w, nw, up, shared, residual, eps, out, fresh)
 
 
-def dispatch(L: int, H: int, top_k: int, weights_dtype: str, device: int) -> Dispatch:
+def dispatch(device: int, *, L: int, H: int, top_k: int, weights_dtype: str) -> Dispatch:
     """The latent_tail launch objects of this shape on `device`, per token bucket of the tier table."""
     def build() -> Dispatch:
         a, scratch = arch(device), {}   # split builds' n buffers, per stream: the shape's, held by its dispatch
@@ -431,7 +431,7 @@ def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, top
 def _prepare(g, e2p, w, nw, up, shared, residual, eps) -> tuple:
     T, L, H = check_args(g, e2p, w, nw, up, shared, residual, eps)
     dev = g.get_device()
-    k = dispatch(L, H, e2p.shape[1], DTYPE_NAMES[w.dtype], dev).served(T)
+    k = dispatch(dev, L=L, H=H, top_k=e2p.shape[1], weights_dtype=DTYPE_NAMES[w.dtype]).served(T)
     return k, T, L, H, dev
 
 

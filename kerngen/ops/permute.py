@@ -434,7 +434,7 @@ def _clear_scratch() -> None:
     _scratch.clear()
 
 
-def dispatch(E: int, K: int, align: bool, device: int) -> Dispatch:
+def dispatch(device: int, *, E: int, K: int, align: bool) -> Dispatch:
     """The permute launches of this shape on `device`, per token bucket of the tier table."""
     def build() -> Dispatch:
         a = arch(device)
@@ -501,7 +501,7 @@ def _prepare(topk_ids, num_experts, tile, local_experts, workspace, layout, pad_
     dev = topk_ids.get_device()
     # an empty [T, 0] topk_weights, shared by the calls of this signature (it holds no data)
     no_weights = topk_ids.new_empty((T, 0), dtype=torch.float32)
-    return dispatch(num_experts, K, align, dev).served(T), proto, T, K, ls, nl, dev, no_weights
+    return dispatch(dev, E=num_experts, K=K, align=align).served(T), proto, T, K, ls, nl, dev, no_weights
 
 
 class _AlignTarget:
@@ -533,7 +533,7 @@ def permute_align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int
         ws = _scratch[skey] = RoutingWorkspace(max(T, 1), num_experts, K, block_size, device=topk_ids.device,
                                                layout="align")
     target = _AlignTarget(ws, sorted_token_ids, expert_ids, num_tokens_post_pad)
-    launches = dispatch(num_experts, K, True, dev).served(T)
+    launches = dispatch(dev, E=num_experts, K=K, align=True).served(T)
     launches(current_stream(dev), topk_ids.data_ptr(), target, T, block_size, ls, nl)
 
 

@@ -185,8 +185,8 @@ class Route:
             self.topk = Launcher(resolve(s), "routing_topk", dev, (max(1, -(-T // groups)), 1, 1),
                                  (warps * 32, 1, 1), PARAMS, pdl=True)
             self.ids_only = self.topk
-            self.permute = (permute_op.dispatch(consts["E"], consts["K"], consts.get("ALIGN", False), dev).served(T)
-                            if permute else None)
+            self.permute = (permute_op.dispatch(dev, E=consts["E"], K=consts["K"], align=consts.get("ALIGN", False))
+                            .served(T) if permute else None)
         else:
             raise InputError(OP, "tier variant", "fused or topk", s.variant)
 
@@ -218,8 +218,8 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int, *, permute: bool = 
     return Route(s, tokens, device, permute)
 
 
-def dispatch(E: int, K: int, method: str, n_group: int, topk_group: int, renormalize: bool, ldtype: str, bdtype: str,
-             wdtype: str, align: bool, permute: bool, device: int) -> Dispatch:
+def dispatch(device: int, *, E: int, K: int, method: str, n_group: int, topk_group: int, renormalize: bool,
+             ldtype: str, bdtype: str, wdtype: str, align: bool, permute: bool) -> Dispatch:
     """The routing launches of this shape, method and dtypes on `device`, per token bucket of the tier table."""
     key = (OP, E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype, align, permute, device)
 
@@ -287,9 +287,9 @@ def _prepare(logits, top_k, method, bias, n_group, topk_group, rsf, renormalize,
         check_workspace(OP, workspace, T, E, top_k, tile, nl, logits.device, layout)
     wdt = workspace.weights_dtype if workspace is not None else torch.float32
     dev = logits.get_device()
-    d = dispatch(E, top_k, method, n_group, topk_group, renormalize, DTYPE_NAMES[logits.dtype],
-                 "none" if bias is None else DTYPE_NAMES[bias.dtype], DTYPE_NAMES[wdt], layout == "align",
-                 tile is not None, dev)
+    d = dispatch(dev, E=E, K=top_k, method=method, n_group=n_group, topk_group=topk_group, renormalize=renormalize,
+                 ldtype=DTYPE_NAMES[logits.dtype], bdtype="none" if bias is None else DTYPE_NAMES[bias.dtype],
+                 wdtype=DTYPE_NAMES[wdt], align=layout == "align", permute=tile is not None)
     r = d.served(T)
     return r, proto, T, tile, ls, nl, float(rsf), dev
 

@@ -142,8 +142,8 @@ def kernel(s: plan_mod.KernelSpec, tokens: int = 0, device: int | None = None):
     return resolve(s)
 
 
-def dispatch(hidden: int, top_k: int, dtype: str, weights_dtype: str, out_dtype: str, flags: tuple,
-             device: int) -> Dispatch:
+def dispatch(device: int, *, hidden: int, top_k: int, dtype: str, weights_dtype: str, out_dtype: str,
+             flags: tuple) -> Dispatch:
     """The tail kernels of this shape, dtypes and flags on `device`, per token bucket of the tier table."""
     args = (hidden, top_k, dtype, weights_dtype, out_dtype, flags)
 
@@ -236,7 +236,8 @@ def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
     odt = out_dtype or g.dtype
     dev = g.get_device()
     flags = (shared is not None, residual is not None, residual_out is not None)
-    d = dispatch(H, K, _NAMES[g.dtype], _NAMES[w.dtype], _NAMES[odt], flags, dev)
+    d = dispatch(dev, hidden=H, top_k=K, dtype=_NAMES[g.dtype], weights_dtype=_NAMES[w.dtype], out_dtype=_NAMES[odt],
+                 flags=flags)
     fn = d.served(T)
     # the kernel loads row 0 for skipped slots (no branch around loads): give it a row when gemm2_out has none
     g_arg = torch.zeros(1, H, dtype=g.dtype, device=g.device) if not g.shape[0] else (True if g.shape[1] != H else None)

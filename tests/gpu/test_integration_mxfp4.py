@@ -57,7 +57,7 @@ def test_experts_run_the_mxfp4_kernels(monkeypatch):
     with torch.no_grad():
         mx_block(inputs(model, 8, BF16).cuda())
     assert not refs
-    d = ex.dispatch(128, 128, "gpt_oss", 0, "mxfp4", "nk")
+    d = ex.dispatch(0, H=128, I=128, activation="gpt_oss", fmt="mxfp4", layout="nk")
     assert d.kernel(8) is not None
 
 

@@ -60,6 +60,10 @@ def close(got, ref, rel):
     assert torch.isfinite(got).all()
 
 
+def kimi_dispatch():
+    return lt.dispatch(torch.cuda.current_device(), L=KIMI[1], H=KIMI[2], top_k=KIMI[0], weights_dtype="float32")
+
+
 FUSED16 = {"max_tokens": 16, "warps": 16, "unroll": 2, "cluster": 8, "blocks_per_sm": 1, "pdl": True}
 
 
@@ -100,7 +104,8 @@ def test_norm_gemm_dispatched_kimi_k3(T):
 
 def test_unfused_past_the_norm_kernels_width():
     """Latents wider than 8192: the unfused variant (kerngen.finalize + torch)."""
-    assert type(lt.dispatch(8200, 64, 4, "float32", torch.cuda.current_device()).kernel(3)) is lt.Unfused
+    assert type(lt.dispatch(torch.cuda.current_device(), L=8200, H=64, top_k=4, weights_dtype="float32").kernel(3)) \
+        is lt.Unfused
     check(3, 4, 8200, 64, seed=9)
 
 
@@ -163,7 +168,7 @@ def test_after_the_first_call_the_signature_serves():
     first = kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6])
     assert len(kerngen.dispatch.calls("latent_tail")) >= 1
     k = next(v for v in kerngen.dispatch.calls("latent_tail").values() if v[1] == 4)[0]
-    assert k is lt.dispatch(*KIMI[1:], KIMI[0], "float32", torch.cuda.current_device()).kernel(4)
+    assert k is kimi_dispatch().kernel(4)
     assert type(k) is (lt.Split if lt.split(lt.spec(*KIMI[1:], KIMI[0], "float32", 4, target_arch())) else lt.Launcher)
     again = kerngen.latent_tail(*args[:5], shared=args[5], residual=args[6])
     torch.cuda.synchronize()
@@ -199,7 +204,7 @@ def user_tiers(tmp_path, monkeypatch, text):
 
 
 def dispatched_split(T, K=16, L=3584, H=7168):
-    k = lt.dispatch(L, H, K, "float32", torch.cuda.current_device()).kernel(T)
+    k = lt.dispatch(torch.cuda.current_device(), L=L, H=H, top_k=K, weights_dtype="float32").kernel(T)
     assert type(k) is lt.Split, T
     return k
 
@@ -380,7 +385,7 @@ def norm_gemm_tiers(tmp_path, monkeypatch):
 def test_norm_gemm_through_dispatch_in_place_and_in_a_graph(T, norm_gemm_tiers):
     gemm2, e2p, w, nw, up, sh, res = make(T, *KIMI, seed=11)
     want = reference(gemm2, e2p, w, nw, up, sh, res)
-    assert type(lt.dispatch(*KIMI[1:], KIMI[0], "float32", torch.cuda.current_device()).kernel(T)) is lt.NormGemm
+    assert type(kimi_dispatch().kernel(T)) is lt.NormGemm
     got = kerngen.latent_tail(gemm2, e2p, w, nw, up, shared=sh, residual=res, out=res)   # residual in place
     torch.cuda.synchronize()
     assert got is res

@@ -153,7 +153,8 @@ def case(T, K, L, H, bw, args):
             return lt.run(k, gemm2, e2p, w, nw, up, sh, res, 1e-6, out)
         check(rule_step(ups[0]), ref, f"T={T} rule {params}")
         row["rule_us"].append(timed(cycle(rule_step), producer, args.chained))
-    row["variant"] = lt.dispatch(L, H, K, "float32", torch.cuda.current_device()).spec(T).variant
+    d = lt.dispatch(torch.cuda.current_device(), L=L, H=H, top_k=K, weights_dtype="float32")
+    row["variant"] = d.spec(T).variant
     del ups
     torch.cuda.empty_cache()
     return row
