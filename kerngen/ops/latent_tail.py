@@ -29,6 +29,9 @@ norm_weight, shared and residual are whole on every rank, and every rank gets th
 is kerngen.finalize's (rounded to bf16), the fp32 sum is rounded to bf16 once more and fed to this op with K = 1
 (row t, weight 1).
 
+This module plans and launches; the reference is latent_tail_reference.py's, the input checks
+latent_tail_checks.py's (both re-exported here).
+
 Devices, as for every op that launches kernels: `latent_tail` takes CUDA tensors only (a CPU tensor is an InputError
 naming the argument); torch.ops.kerngen.latent_tail runs `reference` on CPU tensors after the same checks
 (`check_args`, the alignment included) and reads KERNGEN_STRICT as the CUDA path does.
@@ -44,17 +47,15 @@ from ..errors import InputError
 from ..launch import Launcher, Params, current_stream
 from ..occupancy import SM90, Launch
 from . import _common
-from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
-                      check_tensor, resolve, table)
+from ._common import SHORT, DTYPE_NAMES, arch, check_buffer, resolve, table
 from .finalize import finalize
+from .latent_tail_checks import MAX_K, _BF16, _W, check_args  # noqa: F401
+from .latent_tail_reference import latent_sum, normalize, project, reference  # noqa: F401
 
 OP = "latent_tail"
 VARIANTS = ("fused", "norm_gemm", "unfused")
-MAX_K = 64
 MAX_FUSED_TOKENS = 16          # the mma n-blocks of the fused kernel: two of 8 tokens
 SMEM_PER_CTA = SM90.smem_per_cta   # sm_90 / sm_100: the most shared memory one CTA may use
-_BF16 = (torch.bfloat16,)
-_W = (torch.float32, torch.bfloat16)
 # struct Params of templates/latent_tail/fused.cu.j2
 PARAMS = Params(("g", "ptr"), ("idx", "ptr"), ("w", "ptr"), ("nw", "ptr"), ("up", "ptr"), ("shared", "ptr"),
                 ("residual", "ptr"), ("out", "ptr"), ("ld", "int"), ("rows", "int"), ("tokens", "int"),
@@ -62,46 +63,6 @@ PARAMS = Params(("g", "ptr"), ("idx", "ptr"), ("w", "ptr"), ("nw", "ptr"), ("up"
 PARAMS_SPLIT = Params(*PARAMS.fields, ("n", "ptr"))   # split builds: both kernels, the scratch n last
 # struct AddParams of templates/latent_tail/norm_gemm.cu.j2
 PARAMS_ADD = Params(("h", "ptr"), ("shared", "ptr"), ("residual", "ptr"), ("out", "ptr"), ("vectors", "int"))
-
-
-# ---------------------------------------------------------------------------------------------- reference
-
-def latent_sum(gemm2_out, expanded_to_permuted, topk_weights, L: int) -> torch.Tensor:
-    """y [T, L] fp32: finalize's sum before its rounding (k ascending, separate multiply and add)."""
-    T, K = expanded_to_permuted.shape
-    acc = torch.zeros(T, L, dtype=torch.float32, device=gemm2_out.device)
-    rows = gemm2_out.shape[0]
-    if not rows:
-        return acc
-    for k in range(K):
-        idx = expanded_to_permuted[:, k].long()
-        valid = (idx >= 0) & (idx < rows)
-        x = gemm2_out[idx.clamp(0, rows - 1), :L].float()
-        acc = torch.where(valid[:, None], acc + topk_weights[:, k].float()[:, None] * x, acc)
-    return acc
-
-
-def normalize(y: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """n = bf16(y * rstd(y) * norm_weight) from the fp32 latent rows y."""
-    rstd = torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * rstd * norm_weight.float()).to(torch.bfloat16)
-
-
-def project(n: torch.Tensor, up_proj: torch.Tensor, shared=None, residual=None) -> torch.Tensor:
-    """bf16(n @ up_proj.T + shared + residual), all in fp32 (the reference's projection)."""
-    h = n.float() @ up_proj.float().T
-    if shared is not None:
-        h = h + shared.float()
-    if residual is not None:
-        h = h + residual.float()
-    return h.to(torch.bfloat16)
-
-
-def reference(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, *, shared=None, residual=None,
-              eps: float = 1e-6) -> torch.Tensor:
-    """Plain torch of the op (module docstring): out [T, H] bf16."""
-    y = latent_sum(gemm2_out, expanded_to_permuted, topk_weights, norm_weight.shape[0])
-    return project(normalize(y, norm_weight, eps), up_proj, shared, residual)
 
 
 # ---------------------------------------------------------------------------------------------- specs
@@ -433,40 +394,6 @@ def _prepare(g, e2p, w, nw, up, shared, residual, eps) -> tuple:
     dev = g.get_device()
     k = dispatch(dev, L=L, H=H, top_k=e2p.shape[1], weights_dtype=DTYPE_NAMES[w.dtype]).served(T)
     return k, T, L, H, dev
-
-
-def check_args(g, e2p, w, nw, up, shared, residual, eps, *, cuda: bool = True) -> tuple[int, int, int]:
-    """Full validation with a message naming the argument; returns (T, L, H). Runs on the first call of a shape or
-    on any doubt, and (cuda=False: tensors on any one device) before the reference of torch.ops.kerngen.latent_tail
-    on CPU tensors: the same checks and errors on both devices but the device's."""
-    T, K = check_gather_inputs(OP, g, e2p, w, _BF16, _W, MAX_K, cuda=cuda)
-    dev = g.device
-    check_tensor(OP, "norm_weight", nw, dtypes=_BF16, ndim=1, device=dev, contiguous=True)
-    L = nw.shape[0]
-    if L < 8 or L % 8 or L > g.shape[1]:
-        raise InputError(OP, "norm_weight", f"of length L, a multiple of 8 in [8, {g.shape[1]}] (gemm2_out's width)",
-                         f"length {L}")
-    check_rows(OP, g, L)
-    check_tensor(OP, "up_proj", up, dtypes=_BF16, ndim=2, device=dev, contiguous=True)
-    H = up.shape[0]
-    if up.shape[1] != L and up.shape[1] == g.shape[1]:   # up_proj spans gemm2_out's rows: the norm weight is off
-        raise InputError(OP, "norm_weight", f"of length {up.shape[1]} (up_proj's and gemm2_out's width)",
-                         f"length {L}")
-    if up.shape[1] != L or H < 8 or H % 8:
-        raise InputError(OP, "up_proj", f"[H, {L}] with H a multiple of 8 (L = {L}, norm_weight's length)",
-                         f"shape {tuple(up.shape)}")
-    if T * H >= 2**31:
-        raise InputError(OP, "up_proj", f"fewer than 2**31 // {T} rows (T * H output elements)", f"shape {tuple(up.shape)}")
-    for name, t in (("shared", shared), ("residual", residual)):
-        if t is not None:
-            check_tensor(OP, name, t, dtypes=_BF16, ndim=2, device=dev, contiguous=True)
-            if tuple(t.shape) != (T, H):
-                raise InputError(OP, name, f"of shape {(T, H)} (tokens, up_proj's rows)", f"shape {tuple(t.shape)}")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 <= eps < float("inf"):
-        raise InputError(OP, "eps", "a finite number >= 0", repr(eps))
-    for name, t in (("gemm2_out", g), ("norm_weight", nw), ("up_proj", up)):
-        check_aligned(OP, name, t)
-    return T, L, H
 
 
 # ---------------------------------------------------------------------------------------------- tensor parallel
