@@ -311,6 +311,55 @@ def test_fresh_buffers_match_a_new_workspace(stub_gpu, T):
     assert r.permuted_to_token.data_ptr() != r2.permuted_to_token.data_ptr()
 
 
+def test_calls_without_workspace_take_their_dropped_buffers_again(stub_gpu, monkeypatch):
+    """route / permute without workspace= on one stream hand out the last call's buffers again once nothing refers
+    to them (its Routing dropped, no tensor of it and no view of one kept): no new allocation; a kept result, a
+    kept tensor, a view of one, another stream or another thread gets new buffers. (A capture never takes them
+    again: fresh() checks is_current_stream_capturing on CUDA devices.)"""
+    from kerngen.ops import permute as pm
+    assert pm._USE_COUNT is not None   # torch keeps the count this relies on
+    made = []
+    split = torch.split_with_sizes
+    monkeypatch.setattr(torch, "split_with_sizes", lambda *a, **k: made.append(1) or split(*a, **k))
+    logits = torch.randn(3, 64)
+
+    def route() -> int:   # a call whose result is dropped at once: new buffers made for it (0 or 1)
+        n = len(made)
+        kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+        return len(made) - n
+
+    assert [route(), route(), route()] == [1, 0, 0]
+    kept = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+    assert route() == 1 and route() == 0   # the kept result's buffers are not taken; the next call's are
+    del kept
+    for keep in (lambda r: r.topk_ids, lambda r: r.expanded_to_permuted.view(-1), lambda r: r.num_permuted_rows):
+        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+        held = keep(r)
+        del r
+        assert route() == 1, keep   # a tensor of it, or a view of one, kept
+        del held
+    assert route() == 0   # nothing kept
+    monkeypatch.setattr(routing, "current_stream", lambda dev: 1)
+    assert route() == 1 and route() == 0   # another stream: new buffers, then that stream's again
+    import threading
+    got = []
+    t = threading.Thread(target=lambda: got.append(route()))
+    t.start()
+    t.join()
+    assert got == [1]   # another thread: new buffers
+    ids = torch.randint(0, 64, (3, 4), dtype=torch.int32)
+
+    def permute() -> int:
+        n = len(made)
+        kerngen.permute(ids, num_experts=64, tile=8)
+        return len(made) - n
+
+    assert [permute(), permute()] == [1, 0]
+    kept = kerngen.permute(ids, num_experts=64, tile=8)
+    assert permute() == 1
+    del kept
+
+
 def test_what_calls_without_workspace_keep_is_bounded(stub_gpu):
     """Calls without workspace= keep a prototype of their buffers only at decode sizes; the experts' intermediate
     is one buffer per stream, grown to the most tiles seen, whatever the token counts."""

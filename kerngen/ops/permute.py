@@ -16,7 +16,9 @@ needed) and tile_to_expert that many rows / tile; everything past num_permuted_r
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from threading import get_ident
 
 import torch
 
@@ -160,6 +162,7 @@ class RoutingWorkspace:
         self.signature = (num_experts, K, tile, dev.index if dev.type == "cuda" else -1, layout, T, nl,
                           weights_dtype)
         self._results: dict[tuple, Routing] = {}
+        self._last: _Fresh | None = None   # fresh(): the last call's buffers, given again once unused
 
     def _initial_buffer(self) -> torch.Tensor:
         """A buffer of this layout in its initial state: -1 everywhere (num_rows = -1 reads as "no previous
@@ -186,24 +189,34 @@ class RoutingWorkspace:
             self.num_rows = views["num_rows"]
             self.ticket = views["ticket"]
 
-    def fresh(self, tokens: int) -> "RoutingWorkspace | _Fresh":
-        """New buffers like this workspace's in their initial state, for a call without workspace= whose results
-        must outlive the next call. A prototype of the kerngen layout gives them with one allocation, one copy
-        and one split (a `_Fresh`); others build a new workspace."""
+    def fresh(self, tokens: int, stream: int | None = None) -> "RoutingWorkspace | _Fresh":
+        """Buffers like this workspace's for a call without workspace= whose results must outlive the next call. A
+        prototype of the kerngen layout gives them with one allocation, one copy and one split (a `_Fresh`) — or,
+        on the stream and thread of its last call (`stream`, outside a capture), that call's buffers again where
+        nothing refers to them any more (`_Fresh.unused`): its results were dropped, and the kernels that read them
+        were queued on that stream before this call's (torch's caching allocator's rule for freed memory). Others
+        build a new workspace."""
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if (self.buffer is None or self.layout != "kerngen" or self.tile is None or tokens != self.max_tokens
                 or (self._initial is None and capturing)):
             return self._fresh_workspace()   # (inside a capture the initial state would only be filled on replay)
+        last = self._last
+        if (last is not None and stream == last.stream and get_ident() == last.thread and not capturing
+                and last.unused()):
+            return last
         if self._initial is None:   # the initial state and its split (each view, then its padding), once
             self._initial = self._initial_buffer()
             self._split = [m for n, pad in zip(self._sizes.values(), self._pads) for m in (n, pad - n)]
-        return _Fresh(self, dict(zip(self._sizes, torch.split_with_sizes(self._initial.clone(), self._split)[::2])))
+        f = _Fresh(self, dict(zip(self._sizes, torch.split_with_sizes(self._initial.clone(), self._split)[::2])))
+        if stream is not None and not capturing and _USE_COUNT is not None and "weights" in self._sizes:
+            f.stream, f.thread, f._base, self._last = stream, get_ident(), f._refs(), f   # (held: one call's memory)
+        return f
 
     def _fresh_workspace(self) -> "RoutingWorkspace":
         """A new workspace like this one in its initial state (no checks)."""
         new = object.__new__(RoutingWorkspace)
         new.__dict__.update(self.__dict__)
-        new._results = {}
+        new._results, new._last = {}, None
         if self.buffer is None:   # separate buffers: build anew
             return RoutingWorkspace(self.max_tokens, self.num_experts, self.top_k, self.tile,
                                     local_experts=self.local_experts, weights_dtype=self.weights_dtype,
@@ -251,7 +264,7 @@ class _NewEachCall:
     def __init__(self, *args, **kw):
         self.args, self.kw = args, kw
 
-    def fresh(self, tokens: int) -> RoutingWorkspace:
+    def fresh(self, tokens: int, stream: int | None = None) -> RoutingWorkspace:
         return RoutingWorkspace(*self.args, **self.kw)
 
 
@@ -259,7 +272,7 @@ class _Fresh:
     """The buffers of one call without workspace= (a prototype's layout, exactly its max_tokens tokens): the
     attributes the launches read, and the Routing over them."""
     __slots__ = ("ids", "weights", "counts", "offsets", "e2p", "p2t", "t2e", "num_rows", "hist", "ticket",
-                 "max_rows", "device", "_routing")
+                 "max_rows", "device", "_routing", "_storage", "_base", "stream", "thread")
 
     def __init__(self, proto: RoutingWorkspace, parts: dict):
         T, K = proto.max_tokens, proto.top_k
@@ -273,9 +286,27 @@ class _Fresh:
                                 self.num_rows.view(()), tile=proto.tile)
         object.__setattr__(self._routing, "checked", (T, K, proto.local_experts[1], proto.tile, self.p2t.shape[0],
                                                       self.t2e.shape[0], proto.signature[3]))
+        self._storage, self.stream, self.thread, self._base = self.ids.untyped_storage(), None, None, None
+
+    def _refs(self) -> tuple:
+        """Who refers to these buffers: the Routing object, each of its tensors, and the tensors over the one
+        allocation (a view the caller made counts there)."""
+        r = self._routing
+        return (sys.getrefcount(r), *(sys.getrefcount(getattr(r, f)) for f in _ROUTING_TENSORS),
+                _USE_COUNT(self._storage._cdata) if _USE_COUNT is not None else -1)
+
+    def unused(self) -> bool:
+        """Nothing outside refers to the buffers since they were handed out: their results were dropped."""
+        return self._refs() == self._base
 
     def result(self, tokens: int, num_local: int, pad_sorted_ids: bool = False) -> Routing:
         return self._routing
+
+
+_ROUTING_TENSORS = ("topk_ids", "topk_weights", "expert_counts", "expert_offsets", "expanded_to_permuted",
+                    "permuted_to_token", "tile_to_expert", "num_permuted_rows")
+# TensorImpls over a storage (torch's own count; without it a call's buffers are never given again)
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def mark_checked(r: Routing, device: torch.device) -> Routing:
@@ -471,8 +502,9 @@ def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_expert
         hit = _calls.remember(sig, _prepare(topk_ids, num_experts, tile, local_experts, workspace, layout,
                                             pad_sorted_ids))
     launches, proto, T, K, ls, nl, dev, proto_weights = hit
-    ws = proto.fresh(T) if workspace is None else workspace
-    launches(current_stream(dev), topk_ids.data_ptr(), ws, T, tile, ls, nl)
+    stream = current_stream(dev)
+    ws = proto.fresh(T, stream) if workspace is None else workspace
+    launches(stream, topk_ids.data_ptr(), ws, T, tile, ls, nl)
     return _with_ids(ws.result(T, nl, pad_sorted_ids), topk_ids, proto_weights)
 
 

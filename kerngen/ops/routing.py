@@ -264,8 +264,9 @@ def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None 
         hit = _calls.remember(sig, _prepare(logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor,
                                             renormalize, tile, local_experts, model, workspace, layout))
     r, proto, T, tile, ls, nl, rsf, dev = hit
-    ws = proto.fresh(T) if workspace is None else workspace
-    r.run(current_stream(dev), logits, bias, ws, T, tile, ls, nl, rsf)
+    stream = current_stream(dev)
+    ws = proto.fresh(T, stream) if workspace is None else workspace
+    r.run(stream, logits, bias, ws, T, tile, ls, nl, rsf)
     return ws.result(T, nl)
 
 
