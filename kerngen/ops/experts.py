@@ -407,7 +407,7 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
 
 
 _calls = calls(OP)   # input signature -> (kernels or None, tile, H, I, a0, a1, device, format, tiles,
-#                                                     local experts)
+#                                      local experts)
 
 
 def _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, alpha, limit, beta,

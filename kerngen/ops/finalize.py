@@ -113,7 +113,7 @@ def dispatch(device: int, *, hidden: int, top_k: int, dtype: str, weights_dtype:
     return lookup((OP, hidden, top_k, dtype, weights_dtype, device), build)
 
 
-_calls = calls(OP)          # full input signature -> (launcher, T, H, ld, rows, device)
+_calls = calls(OP)   # full input signature -> (launcher, T, H, ld, rows, device)
 
 
 def finalize(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_weights: torch.Tensor, *,

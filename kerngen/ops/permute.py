@@ -477,7 +477,7 @@ def dispatch(device: int, *, E: int, K: int, align: bool) -> Dispatch:
 
 
 _calls = calls(OP)   # signature -> (launches, prototype of fresh buffers or None, T, K, ls, nl, device,
-#                                                [T, 0] weights)
+#                                [T, 0] weights)
 
 
 def permute(topk_ids: torch.Tensor, *, num_experts: int, tile: int, local_experts: tuple[int, int] | None = None,
