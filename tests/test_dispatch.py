@@ -24,12 +24,15 @@ def test_the_registry_lists_every_op_with_kernels_and_each_has_the_seam():
         mod = op_module(op)
         for name in ("model_specs", "explain_spec", "kernel", "dispatch"):
             assert callable(getattr(mod, name, None)), f"kerngen.ops.{op} lacks {name}"
+        assert all(callable(getattr(torch.ops.kerngen, n)) for n in mod.TORCH_OPS), op   # its torch ops exist
         params = list(inspect.signature(mod.dispatch).parameters.values())   # dispatch(device, *, static shape)
         assert params[0].name == "device" and all(p.kind is p.KEYWORD_ONLY for p in params[1:]), op
         assert dispatch.calls(op) is dispatch.calls(op) and dispatch.calls(op).op == op   # its resolved calls
         assert not any(isinstance(v, dict) and k.startswith("_fast") for k, v in vars(mod).items())
     with pytest.raises(KeyError, match="unknown op"):
         op_module("tail_tp")
+    registered = {o for o in dir(torch.ops.kerngen) if not o.startswith("_") and o != "name"}
+    assert registered == {n for op in OPS for n in op_module(op).TORCH_OPS}   # every torch op belongs to an op
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -8,7 +8,8 @@ OPS is the one registry of ops with kernels. Each op module offers the same seam
     dispatch(device, **static shape) -> Dispatch       the shape's kernels, resolved once (keywords after device)
 and keeps the calls it resolved in kerngen.dispatch.calls(op) (input signature -> launch object and arguments;
 kerngen.clear() forgets them with the dispatch objects),
-and optionally SHAPE_FLAGS, the shape fields its explain_spec needs (default ("top_k", "hidden"); the CLI checks
+and TORCH_OPS, the names of its torch.ops.kerngen ops (registered in kerngen/torch_ops.py), and optionally
+SHAPE_FLAGS, the shape fields its explain_spec needs (default ("top_k", "hidden"); the CLI checks
 them), MAX_K, its largest top_k; the ops with persistent grids (experts, latent_tail) one more, which explain,
 warmup and the tests read:
     persistent(spec) -> {function: occupancy.Launch}   each kernel's CTA and the CTAs an SM its rule asks for

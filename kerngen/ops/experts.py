@@ -34,6 +34,7 @@ from .experts_reference import (activate, dequantize, fp8_round_trip, quantize_f
                                 reference)
 
 OP = "experts"
+TORCH_OPS = ("moe_experts",)   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
 SHAPE_FLAGS = ("hidden", "intermediate")   # the shape `kerngen explain --op experts` needs (default: top_k, hidden)
 VARIANTS = ("mma",)
 MAX_TILE = 16   # rows of a tile the kernels take (two 8-row n-blocks of mma accumulators)

@@ -15,6 +15,7 @@ from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, che
                       resolve, table)
 
 OP = "finalize"
+TORCH_OPS = ("finalize",)   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
 MAX_K = 64
 CUTE_MAX_K = 32   # templates/finalize/cute.py keeps a token's indices and weights in registers
 _ACT = (torch.bfloat16, torch.float16)

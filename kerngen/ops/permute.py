@@ -30,6 +30,7 @@ from ..tiers import MAX_EXPERTS, MAX_TOPK, SMS, Model, Table
 from ._common import arch, check_int, check_local, check_tensor, require_gpu, resolve, table
 
 OP = "permute"
+TORCH_OPS = ("moe_align_block_size",)   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
 SHAPE_FLAGS = ("experts", "top_k")   # the shape `kerngen explain --op permute` needs (default: top_k, hidden)
 _WEIGHTS = (torch.float32, torch.bfloat16)
 MIN_TOKENS_PER_BLOCK = 16          # permute tiers: the histogram scratch is sized for this

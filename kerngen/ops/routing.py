@@ -38,6 +38,7 @@ from ._common import SHORT, DTYPE_NAMES, arch, check_int, check_local, check_ten
 from .permute import Routing, RoutingWorkspace, check_layout, check_workspace, with_align
 
 OP = "routing"
+TORCH_OPS = ("route", "route_permute")   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
 SHAPE_FLAGS = ("experts", "top_k")   # the shape `kerngen explain --op routing` needs (default: top_k, hidden)
 _LOGITS = (torch.float32, torch.bfloat16)
 _BIAS = (torch.float32, torch.bfloat16)

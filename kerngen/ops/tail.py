@@ -33,6 +33,7 @@ from ._common import (DTYPE_NAMES, SHORT, arch, check_aligned, check_buffer, che
 from .tail_tp import moe_tail_tp
 
 OP = "tail"
+TORCH_OPS = ("moe_tail",)   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
 MAX_K = 32
 FP8 = torch.float8_e4m3fn
 FP8_BLOCK = 128      # columns per scale
