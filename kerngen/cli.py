@@ -14,9 +14,8 @@ from . import ops as op_registry
 from .errors import CacheError, InputError, KerngenError, TierError
 from .plan import VERSION
 
-# The ops `explain --op` and `warmup --op` know: the ops warmup builds, and permute (built with routing).
 def shape_ops() -> tuple[str, ...]:
-    """The ops `explain` and `inspect` name (the registry's, read at each call: kerngen.ops.OPS)."""
+    """The ops `explain --op` and `warmup --op` know: the registry's (kerngen.ops.OPS, read at each call)."""
     return op_registry.OPS
 
 

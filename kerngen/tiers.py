@@ -128,8 +128,15 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                                "max_tokens": _n()},
 }
 
-# The ops a tier rule may name: those with variants above (kerngen.ops.OPS, the ops with kernels, and tail_tp)
-OPS = tuple(dict.fromkeys(op for op, _ in PARAMS))
+
+def rule_ops() -> tuple[str, ...]:
+    """The ops a tier rule may name: those with variants in PARAMS (kerngen.ops.OPS, the ops with kernels, and
+    tail_tp), read at each call: an op registered at run time counts."""
+    return tuple(dict.fromkeys(op for op, _ in PARAMS))
+
+
+OPS = rule_ops()
+
 
 def _between(op: str, variant: str, p: dict) -> str | None:
     """Constraints between params that the launchers check."""
@@ -397,7 +404,7 @@ def _parse_rule(where: str, d: dict) -> Rule:
     for k in d:
         if k not in ("op", "variant", "params", "arch", "formats", *RANGE_KEYS):
             _fail(where, f"unknown field '{k}' (known: op, variant, params, arch, formats, {', '.join(RANGE_KEYS)})")
-    ops = tuple(dict.fromkeys(op for op, _ in PARAMS))   # (read here: an op registered at run time counts)
+    ops = rule_ops()
     if d.get("op") not in ops:
         _fail(where, f"field 'op' must be one of {', '.join(ops)}, got {d.get('op')!r}")
     if not isinstance(d.get("variant"), str) or not d["variant"]:

@@ -125,6 +125,18 @@ def split(s: plan_mod.KernelSpec) -> bool:
     return s.variant == "fused" and bool(dict(s.params).get("split", False))
 
 
+def _norm_launch(s: plan_mod.KernelSpec) -> Launch:
+    """latent_tail_norm's CTA (split and norm_gemm builds): a thread norm_vectors of the CTA's slice of
+    ceil(L / 8 / cluster) vectors, rounded up to warps (the template's NORM_T), at most 1024."""
+    p, L = dict(s.params), dict(s.constants)["L"]
+    vs = -(-(L // 8) // p.get("cluster", 1))
+    threads = -(-vs // (32 * p.get("norm_vectors", 1))) * 32
+    if threads > 1024:
+        raise InputError(OP, "tier params", "L / 8 / cluster / norm_vectors <= 1024 (a norm CTA's threads)",
+                         f"{s.params} at L = {L}")
+    return Launch(threads, 0, 1)
+
+
 def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     """The fused kernel's CTA (threads, dynamic shared memory) and the CTAs an SM its rule asks for, its params
     checked against the template's limits (the same as its static_asserts, as named errors); for a split build the
@@ -132,12 +144,7 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     kernel's and the add kernel's; none for the unfused
     variant (host code)."""
     if s.variant == "norm_gemm":
-        vs = -(-(dict(s.constants)["L"] // 8) // dict(s.params).get("cluster", 1))
-        norm_threads = -(-vs // dict(s.params).get("norm_vectors", 1) // 32) * 32
-        if norm_threads > 1024:
-            raise InputError(OP, "tier params", "L / 8 / cluster / norm_vectors <= 1024 (a norm CTA's threads)",
-                             f"{s.params} at L = {dict(s.constants)['L']}")
-        return {NORM: Launch(norm_threads, 0, 1), ADD: Launch(256, 0, 1)}
+        return {NORM: _norm_launch(s), ADD: Launch(256, 0, 1)}
     if s.variant != "fused":
         return {}
     c, p = dict(s.constants), dict(s.params)
@@ -150,14 +157,11 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     dyn = mt * (L + 8) * 2
     red = max(warps - 1, 1) * nb * 4 * 32 * 4
     if split(s):
-        norm_threads = -(-(-(-vs // p.get("norm_vectors", 1))) // 32) * 32
-        if norm_threads > 1024:
-            raise InputError(OP, "tier params", "L / 8 / cluster / norm_vectors <= 1024 (a norm CTA's threads)",
-                             f"{s.params} at L = {L}")
+        norm = _norm_launch(s)
         if red > 48 * 1024 or red + dyn > SMEM_PER_CTA:
             raise InputError(OP, "tier params", f"shared memory within the CTA's {SMEM_PER_CTA} bytes (static <= 48 KiB)",
                              f"{red} static + {dyn} dynamic bytes from {s.params} at L = {L}")
-        return {NORM: Launch(norm_threads, 0, 1), PROJ: Launch(nt, dyn, p.get("blocks_per_sm", 1))}
+        return {NORM: norm, PROJ: Launch(nt, dyn, p.get("blocks_per_sm", 1))}
     static = mt * K * 8 + mt * vs * 4 + mt * 8 + red
     if vpt > 8:
         raise InputError(OP, "tier params", "warps * 32 * 8 >= max_tokens * ceil(L / 8 / cluster) (at most 8 "
