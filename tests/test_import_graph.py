@@ -107,3 +107,38 @@ def test_the_graph_sees_lazy_imports():
     """A guard on the test itself: the lazy `from .ops import ...` inside functions are found."""
     g = graph()
     assert "ops.finalize" in g["tune"] and "ops._common" in g["warmup"] and "ops.permute" in g["ops.routing"]
+
+
+def test_every_kerngen_name_the_tests_and_tools_use_exists():
+    """The GPU tests and the tools run only where a GPU is: a kerngen attribute they name (`module.name` on an
+    imported kerngen module, or `from kerngen.x import name`) that a change removed is found here, on the CPU."""
+    import importlib
+    repo = ROOT.parent
+    missing = []
+    for path in sorted([*repo.glob("tests/**/*.py"), *repo.glob("tools/**/*.py")]):
+        tree = ast.parse(path.read_text())
+        names = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update((a.asname or a.name, a.name) for a in node.names
+                             if a.name.startswith("kerngen") and (a.asname or "." not in a.name))
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kerngen"):
+                module = importlib.import_module(node.module)
+                for a in node.names:
+                    if a.name == "*":
+                        continue
+                    if not hasattr(module, a.name):
+                        try:
+                            importlib.import_module(f"{node.module}.{a.name}")
+                        except ImportError:
+                            missing.append(f"{path.relative_to(repo)}:{node.lineno}: {node.module}.{a.name}")
+                            continue
+                    sub = getattr(module, a.name, None)
+                    if sub is None or type(sub).__name__ == "module":
+                        names[a.asname or a.name] = f"{node.module}.{a.name}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in names:
+                module = importlib.import_module(names[node.value.id])
+                if not hasattr(module, node.attr):
+                    missing.append(f"{path.relative_to(repo)}:{node.lineno}: {names[node.value.id]}.{node.attr}")
+    assert not missing, "names that no longer exist:\n" + "\n".join(missing)

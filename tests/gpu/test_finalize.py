@@ -187,9 +187,9 @@ def cute_tiers(tmp_path, monkeypatch):
     path = tmp_path / "cute.toml"
     path.write_text(CUTE_FINALIZE_TIERS)
     monkeypatch.setenv("KERNGEN_TIERS", str(path))
-    fin.clear()
+    kerngen.clear()
     yield fin
-    fin.clear()
+    kerngen.clear()
 
 
 def uses_cute(fin):

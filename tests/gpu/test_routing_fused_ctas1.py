@@ -6,6 +6,7 @@ exactly, many times per token count."""
 import pytest
 import torch
 
+import kerngen
 from kerngen import tiers
 from kerngen.ops import permute as pm
 from kerngen.ops import routing as rt
@@ -37,9 +38,9 @@ def ctas1_tiers(request, tmp_path, monkeypatch):
     path.write_text('schema = 1\n\n[[tier]]\nop = "routing"\nvariant = "fused"\ntokens = [1, 16]\n'
                     "params = { " + ", ".join(f"{k} = {toml_value(v)}" for k, v in params.items()) + " }\n")
     monkeypatch.setenv("KERNGEN_TIERS", str(path))
-    rt.clear()
+    kerngen.clear()
     yield params
-    rt.clear()
+    kerngen.clear()
 
 
 @pytest.mark.parametrize("tile", [4, 128])   # tile < T (counts and a scan) and tile >= T (bitmap popcounts)

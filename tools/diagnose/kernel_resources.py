@@ -16,9 +16,9 @@ import os
 
 
 from ..bench.lib import add_tail_config_args, tail_configs
-from kerngen import jit, resources, tiers
+from kerngen import jit, ops as registry, resources, tiers
 from kerngen.plan import KernelSpec
-from kerngen.warmup import OPS, model_specs
+from kerngen.warmup import model_specs
 
 
 def short(function: str) -> str:
@@ -37,7 +37,7 @@ def report(spec: KernelSpec) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
-    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--ops", default=",".join(registry.OPS))
     ap.add_argument("--tail", help="H,K: list tail configurations instead of a model's kernels")
     add_tail_config_args(ap, max_loads="16,32", branch_free="0")
     ap.add_argument("--arch", default="sm_90a")
