@@ -14,7 +14,7 @@ trigger early) unless --chained; its time is taken off. The floor is the step's 
 streaming-read bandwidth (a kernel that only reads, lib.read_bandwidth_tbs). Every result is checked against
 kerngen's torch reference before it is timed. --sweep times every candidate launch shape of the format
 (CANDIDATES) at each case and prints the best (for the tier table); --rule times one launch shape at every T (past
-the rules too).
+the rules too) beside the tier table's rule, on the same inputs.
 
 --format fp8 / mxfp4 quantizes the weights (fp8: e4m3 with a scale per 128 x 128 block; mxfp4: e2m1 with an e8m0
 scale per 32 values) and runs kerngen.experts' builds for them at the format's tile; the floor is then the quantized
@@ -499,12 +499,17 @@ def main(argv=None) -> int:
             list(pool.map(_build, list(dict.fromkeys(specs))))
 
     def kernels_of(H, I, tile, act, T, tiles):
+        if not args.sweep:   # the tier table's rule (beside --rule's params: the same inputs, the same process)
+            try:
+                s = ex.spec(H, I, tile, act, T, arch, fmt=args.format, layout=args.layout)
+            except TierError:
+                if not args.rule:
+                    raise
+            else:
+                yield "tiers.toml: " + ",".join(f"{k}={v}" for k, v in s.params), ex.Kernels(s, dev)
         if args.sweep or args.rule:
             for label, s in cand_specs(H, I, tile, act):
                 yield label, ex.Kernels(s, dev)
-        else:
-            s = ex.spec(H, I, tile, act, T, arch, fmt=args.format, layout=args.layout)
-            yield "tiers.toml: " + ",".join(f"{k}={v}" for k, v in s.params), ex.Kernels(s, dev)
 
     def bf16_kernel(H, I, tile, act, T):
         """(label, kernels) of the tier table's bf16 rule at T, built for `tile`; None where no bf16 rule serves T."""
@@ -524,7 +529,7 @@ def main(argv=None) -> int:
             allrows += rows
             rows.sort(key=lambda r: r["us"])
             print(summary(rows[0]), flush=True)
-            for r in rows[1:4] if args.sweep else ():
+            for r in rows[1:4] if args.sweep or args.rule else ():
                 print(f"{'':24s} {r['us']:7.1f} [{r['kernel']}]")
     if args.json:
         with open(args.json, "w") as f:

@@ -219,6 +219,8 @@ def _side_main(args: dict) -> None:
     """In the subprocess: build with the tree's own kerngen, store each artifact's files as blobs."""
     tree = Path(args["tree"]).resolve()
     sys.path.insert(0, str(tree))
+    # an editable install maps `kerngen` to its checkout ahead of sys.path (a meta path finder): not here
+    sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
     import kerngen
     from kerngen import cache as cache_mod
     from kerngen import tiers, warmup
