@@ -346,7 +346,10 @@ def norm_gemm_spec(L, H, K, wd="float32", cluster=8, **extra):   # extra: more n
                                                     (True, True, {"gemm_bf16": True}),
                                                     (True, True, {"gemm_bf16": True, "norm_vectors": 4,
                                                                   "norm_loads": 4, "cluster": 1}),
-                                                    (False, True, {"gemm_bf16": True, "cluster": 1})])
+                                                    (False, True, {"gemm_bf16": True, "cluster": 1}),
+                                                    (True, True, {"gemm_bf16": True, "norm_loads": 2, "cluster": 1}),
+                                                    (True, False, {"gemm_bf16": True, "norm_vectors": 2,
+                                                                   "norm_loads": 4, "cluster": 1})])
 @pytest.mark.parametrize("T", [1, 9, 17, 64, 300])
 def test_norm_gemm_kimi_k3(T, shared, residual, extra):
     args = make(T, *KIMI, shared=shared, residual=residual, seed=T)
