@@ -86,16 +86,18 @@ def nvrtc_compile(source: str, name: str, arch: str, key: str, source_path: str 
     try:
         opts = [f"--gpu-architecture={arch}", *OPTIONS, *[f"-I{d}" for d in include_dirs()]]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        # NVRTC writes into the buffers it is given: a fresh bytearray each (an empty log is 1 byte, and b" " * 1
+        # is the interpreter's shared one-byte b" ", which it would overwrite for the whole process)
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        buf = b" " * size
+        buf = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, buf)
-        log = buf.rstrip(b"\x00 ").decode(errors="replace")
+        log = bytes(buf).rstrip(b"\x00 ").decode(errors="replace")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(key, log or nvrtc.nvrtcGetErrorString(err)[1].decode(), source_path)
         size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         _check((nvrtc.nvrtcGetCUBIN(prog, cubin)[0], None), "nvrtcGetCUBIN")
-        return cubin, log
+        return bytes(cubin), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

@@ -5,7 +5,6 @@ import multiprocessing as mp
 import os
 import shlex
 import signal
-import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -83,17 +82,8 @@ def _build_one(spec: KernelSpec, root: str) -> tuple:
 PR_SET_PDEATHSIG = 1
 
 
-def _worker_init(parent: int, with_torch: bool) -> None:
-    """Pool initializer: torch imported first where the parent has it (a spawned worker that compiles before its
-    first torch import has seen that import fail inside torch's own op registration: "expected ident but found
-    ')' ... annotate(strtag)"), then tied to the parent's life."""
-    if with_torch:
-        import torch  # noqa: F401
-    _die_with_parent(parent)
-
-
 def _die_with_parent(parent: int) -> None:
-    """A worker whose parent dies (even by SIGKILL) dies too, instead of waiting forever on
+    """Pool initializer: a worker whose parent dies (even by SIGKILL) dies too, instead of waiting forever on
     the task pipe. Linux: the kernel signals it (prctl); elsewhere a thread watches the parent's pid."""
     try:
         import ctypes
@@ -125,8 +115,8 @@ def run(specs: list[KernelSpec], root: str, jobs: int, progress: bool = True) ->
             bar and bar.update()
     else:
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() and not _cuda_initialized() else "spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init,
-                                 initargs=(os.getpid(), "torch" in sys.modules)) as pool:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_die_with_parent,
+                                 initargs=(os.getpid(),)) as pool:
             futures = {pool.submit(_build_one, s, root): s for s in specs}
             for f in as_completed(futures):
                 results.append(Result(futures[f], *f.result()))

@@ -78,3 +78,13 @@ def test_spill_check_sees_a_stack_frame():
     assert name == "spill" and use["STACK"] >= 1024
     with pytest.raises(AssertionError, match="spills"):
         assert_no_spills({"kernel.cubin": cubin})
+
+
+def test_a_compile_with_an_empty_log_leaves_the_interpreter_s_bytes_alone():
+    """NVRTC writes its log into the buffer it is handed; an empty log is one byte, and b" " * 1 is the interpreter's
+    shared b" ": once overwritten, every b" " (and, on Python 3.12, the space torch's schema strings are built with)
+    reads as a NUL for the rest of the process."""
+    from kerngen.compile import nvrtc_compile
+    cubin, log = nvrtc_compile('extern "C" __global__ void k() {}', "k", "sm_90a", "empty-log", None)
+    assert log == "" and cubin[:4] == b"\x7fELF"
+    assert b" "[0] == 32 and (b" " * 1)[0] == 32 and " ".encode()[0] == 32 and "a b".split() == ["a", "b"]
