@@ -227,7 +227,8 @@ def latent_tail_candidates():
     """The fused kernel (one launch, or split: the norm kernel then the projection; with and without the first
     weight steps in registers before the wait; 2 or 4 steps a load batch) for up to 8 and 16 tokens, the split
     norm kernel at 2 and 4 CTAs a token with 8 or 16 rows loaded at once, and norm_gemm (any token count) at each
-    cluster size and both load counts, h in fp32 or bf16, and with 2 or 4 vectors a norm thread."""
+    cluster size with 2, 4, 8 or 16 rows loaded at once (fewer: fewer registers, more norm CTAs an SM), h in fp32
+    or bf16, and with 2 or 4 vectors a norm thread."""
     for mt, warps, unroll, bps, split, early in itertools.product((8, 16), (8, 16), (2, 4), (1, 2), (False, True),
                                                                   (False, True)):
         yield "fused", dict(max_tokens=mt, warps=warps, unroll=unroll, cluster=8, blocks_per_sm=bps, pdl=True,
@@ -235,7 +236,7 @@ def latent_tail_candidates():
     for mt, cluster, loads in itertools.product((8, 16), (2, 4), (8, 16)):   # the split norm kernel's shape
         yield "fused", dict(max_tokens=mt, warps=8, unroll=2, cluster=cluster, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, **({"norm_loads": loads} if loads != 16 else {}))
-    for cluster, loads, b16 in itertools.product((1, 2, 4, 8), (8, 16), (False, True)):
+    for cluster, loads, b16 in itertools.product((1, 2, 4, 8), (2, 4, 8, 16), (False, True)):
         yield "norm_gemm", dict(cluster=cluster, pdl=True, **({"norm_loads": loads} if loads != 16 else {}),
                                 **({"gemm_bf16": True} if b16 else {}))
     for cluster, vectors, loads in itertools.product((1, 2), (2, 4), (4, 8)):   # fewer norm threads a token

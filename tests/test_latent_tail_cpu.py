@@ -281,7 +281,7 @@ def test_explain_names_the_fused_kernel_and_says_when_there_is_none():
 
 def test_the_dispatch_buckets(monkeypatch):
     d = lt.dispatch(-1, L=3584, H=7168, top_k=16, weights_dtype="float32")
-    assert d.starts == [1, 9, 25, 49, 161, 8193]
+    assert d.starts == [1, 9, 25, 49, 133, 8193]
     assert [s.variant for s in d.specs] == ["fused"] + ["norm_gemm"] * 4 + ["unfused"]
 
 
