@@ -14,7 +14,7 @@ from typing import Any
 from . import env
 from .env import ARCH
 from .errors import InputError, TierError
-from .tiers import BACKENDS, NAME, SCHEMA, Rule, Table, check_rule
+from .tiers import BACKENDS, NAME, PARAMS, SCHEMA, Rule, Table, check_rule
 
 TAG = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -74,8 +74,12 @@ class KernelSpec:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InputError("kernel spec", "JSON", "the object a strict-mode miss prints (op, variant, backend, "
                              "tag, constants, params, arch)", f"{text[:200]!r} ({type(e).__name__}: {e})") from None
+        # a rule param an op builds into a constant (experts: tile, the TILE constant) counts as given
+        schema = PARAMS.get((spec.op, spec.variant), {})
+        folded = {k: d["constants"][k.upper()] for k, p in schema.items()
+                  if p.required and k not in d["params"] and k.upper() in d["constants"]}
         try:
-            check_rule("kernel spec", spec.op, spec.variant, {**dict(spec.params), "backend": spec.backend})
+            check_rule("kernel spec", spec.op, spec.variant, {**dict(spec.params), **folded, "backend": spec.backend})
         except TierError as e:
             raise InputError("kernel spec", "variant and params", "those of a variant that exists", str(e)) from None
         return spec

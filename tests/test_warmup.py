@@ -111,3 +111,16 @@ def test_the_progress_bar_is_drawn_on_a_terminal_only(tmp_path, monkeypatch):
         monkeypatch.setattr(sys, "stderr", stream)
         warmup.run([], str(tmp_path), 1)
         assert ("kerngen warmup" in stream.getvalue()) == drawn, stream.getvalue()
+
+
+def test_every_spec_a_shipped_model_needs_reads_back_from_the_json_a_cache_miss_prints():
+    """`kerngen warmup --spec JSON` (the command a strict-mode miss prints for a kernel no model lists) takes back
+    every spec: experts builds its rule's tile into the TILE constant, which counts as the tile param."""
+    from kerngen import jit
+    from kerngen.plan import KernelSpec
+    tbl = tiers.load()
+    specs = {s for m in tbl.models.values() for s in warmup.model_specs(m, tbl, "sm_90a")}
+    assert {s.op for s in specs} >= {"experts", "routing", "finalize", "latent_tail"}
+    for s in specs:
+        assert KernelSpec.from_json(s.to_json()) == s
+        assert s.to_json() in jit.spec_command(s).replace("'", "")
