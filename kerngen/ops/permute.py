@@ -273,7 +273,7 @@ class _Fresh:
     """The buffers of one call without workspace= (a prototype's layout, exactly its max_tokens tokens): the
     attributes the launches read, and the Routing over them."""
     __slots__ = ("ids", "weights", "counts", "offsets", "e2p", "p2t", "t2e", "num_rows", "hist", "ticket",
-                 "max_rows", "device", "_routing", "_storage", "_base", "stream", "thread")
+                 "max_rows", "device", "_routing", "_tensors", "_storage", "_base", "stream", "thread")
 
     def __init__(self, proto: RoutingWorkspace, parts: dict):
         T, K = proto.max_tokens, proto.top_k
@@ -287,13 +287,13 @@ class _Fresh:
                                 self.num_rows.view(()), tile=proto.tile)
         object.__setattr__(self._routing, "checked", (T, K, proto.local_experts[1], proto.tile, self.p2t.shape[0],
                                                       self.t2e.shape[0], proto.signature[3]))
+        self._tensors = tuple(getattr(self._routing, f) for f in _ROUTING_TENSORS)   # (each counted once more)
         self._storage, self.stream, self.thread, self._base = self.ids.untyped_storage(), None, None, None
 
     def _refs(self) -> tuple:
         """Who refers to these buffers: the Routing object, each of its tensors, and the tensors over the one
         allocation (a view the caller made counts there)."""
-        r = self._routing
-        return (sys.getrefcount(r), *(sys.getrefcount(getattr(r, f)) for f in _ROUTING_TENSORS),
+        return (sys.getrefcount(self._routing), *map(sys.getrefcount, self._tensors),
                 _USE_COUNT(self._storage._cdata) if _USE_COUNT is not None else -1)
 
     def unused(self) -> bool:
