@@ -143,7 +143,7 @@ def experts_formats(model: tiers.Model) -> tuple[str, ...]:
 def experts_candidates(fmt: str = "bf16"):
     """kerngen.experts' launch shapes for weights in `fmt` (bf16, fp8, mxfp4, or w8a8: fp8 with fp8 activations):
     routing tiles of 8 and 16 rows; fp8 and MXFP4 also with f16x, two m16 tiles an item (mtiles), two weight buffers
-    taking turns (pingpong), and the shapes the shipped rules take with no early weight loads or with early_l2; w8a8
+    taking turns (pingpong), 8 warps an item, and the shapes the shipped rules take with no early weight loads or with early_l2; w8a8
     with early_l2."""
     if fmt == "bf16":
         for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
@@ -163,6 +163,9 @@ def experts_candidates(fmt: str = "bf16"):
         for early in (False, True):   # two steps a batch, no early weight loads, registers bound to 4 CTAs
             yield "mma", dict(tile=8, warps=4, unroll=2, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
                               prefetch_x=True, f16x=True, **({"early_l2": True} if early else {}))
+        for px, pp in itertools.product((False, True), (False, True)):   # 8 warps an item: half the steps a warp
+            yield "mma", dict(tile=8, warps=8, unroll=1, blocks_per_sm=3, pdl=True, prefetch_x=px, f16x=True,
+                              **({"pingpong": True} if pp else {}))
         for mt, bps, px in itertools.product((1, 2), (4, 6), (False, True)):   # two weight buffers taking turns
             if mt == 1 or bps == 4:
                 yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=bps, pdl=True, prefetch_x=px, f16x=True,

@@ -10,12 +10,12 @@ Random quantized weights (kerngen.tune.random_expert_weights: every code but NaN
 up to 4 layers cycled, a routing per call, CUDA graphs, each step after a 4 MB producer kernel (its time taken off);
 the floor is the active experts' quantized weight and scale bytes at the streaming-read bandwidth. Prints the tier
 rule's time, its variant without prefetch, and with `sweep` the six fastest of 4 warps x unroll x blocks_per_sm x
-prefetch_x (for -x16 formats also two m16 tiles an item, two weight buffers taking turns, no early weight loads,
-and early_l2: the first weights toward L2 before the wait, beside the rule as "rule-early"), each launched at most
-as many CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). A -x16 format times
-the rule with f16x (activations carried as f16) beside it, and sweeps the f16x shapes. Every candidate is built
-first by a pool of processes. Correctness is the GPU tests' job (tests/gpu/test_experts_quantized.py): the
-weights here are random bytes.
+prefetch_x (for -x16 formats also two m16 tiles an item, two weight buffers taking turns, 8 warps an item, no early
+weight loads, and early_l2: the first weights toward L2 before the wait, beside the rule as "rule-early"), each
+launched at most as many CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). A
+-x16 format times the rule with f16x (activations carried as f16) beside it, and sweeps the f16x shapes. Every
+candidate is built first by a pool of processes. Correctness is the GPU tests' job
+(tests/gpu/test_experts_quantized.py): the weights here are random bytes.
 """
 import itertools
 import os
@@ -123,6 +123,11 @@ def main():
                                                  f16x=True, pingpong=True,
                                                  **({"mtiles": 2} if mt == 2 else {}),
                                                  **({"min_blocks": 4} if (mt, b) == (2, 4) else {})))))
+                if x16:   # 8 warps an item (half the steps a warp: a shorter chain of loads at few tokens)
+                    for b, px, pp in ((3, False, False), (3, True, False), (3, True, True), (2, True, False)):
+                        cands.append((f"w8 u1 b{b} t1" + " x" * px + " pp" * pp + " h",
+                                      build(dict(warps=8, unroll=1, blocks_per_sm=b, pdl=True, prefetch_x=px,
+                                                 f16x=True, **({"pingpong": True} if pp else {})))))
                 if a8 or x16:   # register bounds
                     for b, px in itertools.product((6, 8), (False, True)):
                         cands.append((f"w4 u1 b{b} m{b}" + " x" * px + " h" * x16,
