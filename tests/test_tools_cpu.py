@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU_TOOLS = ["tools.bench.__main__", "tools.bench.routing", "tools.bench.routing_peers", "tools.bench.tail_tp",
              "tools.bench.moe_layer_demo", "tools.bench.moe_block", "tools.diagnose.routing_phases",
              "tools.diagnose.sanitize_run", "tools.bench.experts", "tools.bench.latent_tail", "tools.sweep.finalize",
-             "tools.sweep.tail", "tools.sweep.experts fp8 deepseek-v3 1"]
+             "tools.sweep.tail", "tools.sweep.experts fp8 deepseek-v3 1", "tools.diagnose.experts_alone"]
 
 
 @pytest.mark.parametrize("command", GPU_TOOLS)
