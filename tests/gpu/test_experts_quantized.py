@@ -449,3 +449,22 @@ def test_early_l2_gives_the_same_bits(fmt, T):
     early = run_f16x(f16x_kernels(fmt, H, I, 8, mtiles=2, early_l2=True), x, r, w, s)
     torch.cuda.synchronize()
     assert torch.equal(base, early)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("params", [dict(), dict(prefetch_x=True), dict(mtiles=2, prefetch_x=True, min_blocks=4),
+                                    dict(unroll=2, prefetch_x=True), dict(warps=8, blocks_per_sm=3)])
+@pytest.mark.parametrize("T", [1, 8, 40])
+def test_pingpong_gives_the_same_bits(fmt, params, T):
+    """pingpong runs each warp's steps in the same order on two weight buffers taking turns: the same bits as the
+    build that copies the next steps' weights into one, for odd and even step counts a warp (gpt-oss's 2880 ends its
+    rows mid-step), over local experts too."""
+    H, I = (2880, 2880) if fmt == "mxfp4" else (1024, 256)
+    x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=50 + T)
+    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8, local_experts=(4, 8))
+    w = tuple(t[4:12].contiguous() for t in w)
+    s = {k: v[4:12].contiguous() for k, v in s.items()}
+    base = run_f16x(f16x_kernels(fmt, H, I, 8, **params), x, r, w, s)
+    turns = run_f16x(f16x_kernels(fmt, H, I, 8, pingpong=True, **params), x, r, w, s)
+    torch.cuda.synchronize()
+    assert torch.equal(base, turns)
