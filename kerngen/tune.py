@@ -143,8 +143,8 @@ def experts_formats(model: tiers.Model) -> tuple[str, ...]:
 def experts_candidates(fmt: str = "bf16"):
     """kerngen.experts' launch shapes for weights in `fmt` (bf16, fp8, mxfp4, or w8a8: fp8 with fp8 activations):
     routing tiles of 8 and 16 rows; fp8 and MXFP4 also with f16x, two m16 tiles an item (mtiles), two weight buffers
-    taking turns (pingpong), 8 warps an item, and the shapes the shipped rules take with no early weight loads or with early_l2; w8a8
-    with early_l2."""
+    taking turns (pingpong), 8 warps an item, and the shapes the shipped rules take with no early weight loads or
+    with early_l2; w8a8 with early_l2."""
     if fmt == "bf16":
         for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
             yield "mma", dict(tile=tile, warps=warps, unroll=unroll, blocks_per_sm=bps, pdl=True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import kerngen
-from kerngen import jit, tiers
+from kerngen import jit, resources, tiers
 from kerngen.cache import DiskCache
 from kerngen.ops import _common
 from kerngen.ops import experts as ex
@@ -218,6 +218,25 @@ def test_mtiles_needs_f16x():
     rule = tiers.Rule("experts", "mma", {"tokens": (1, 8)}, dict(tile=8, warps=4, unroll=1, mtiles=2))
     with pytest.raises(kerngen.TierError, match="mtiles"):
         ex.rule_spec(rule, 7168, 2048, "silu", "sm_90a", "fp8")
+
+
+@pytest.mark.parametrize("params", [dict(), dict(f16x=True, prefetch=False)])
+def test_pingpong_needs_f16x_and_prefetch(params):
+    rule = tiers.Rule("experts", "mma", {"tokens": (1, 8)}, dict(tile=8, warps=4, unroll=1, pingpong=True, **params))
+    with pytest.raises(kerngen.TierError, match="pingpong"):
+        ex.rule_spec(rule, 7168, 2048, "silu", "sm_90a", "fp8")
+
+
+@pytest.mark.parametrize("fmt,H,I", [("fp8", 7168, 2048), ("mxfp4", 2880, 2880)])
+@pytest.mark.parametrize("params", [dict(), dict(prefetch_x=True), dict(warps=8, blocks_per_sm=3)])
+def test_pingpong_builds_another_loop_without_spills(fmt, H, I, params, tmp_path):
+    """pingpong (two weight buffers taking turns, two steps a loop turn) changes the built code, and the one-tile
+    shapes the tuner offers it in build without spills (with two tiles it needs min_blocks=4 and spills a little:
+    the GPU measures whether that pays)."""
+    built = [jit.build(shape_spec(fmt, H, I, pingpong=pp, **params), store=DiskCache(tmp_path))
+             for pp in (False, True)]
+    assert resources.opcodes(built[0].files) != resources.opcodes(built[1].files)
+    assert_no_spills(built[1].files)
 
 
 def test_with_a_callers_scratch_the_quantized_activations_are_the_calls_own(monkeypatch):

@@ -72,6 +72,9 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
     if params.get("f16x") and (fmt not in ("fp8", "mxfp4") or a8):
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets f16x, which only "
                         f"fp8 and MXFP4 weights with bf16 activations take (not {rule_format(fmt, a8)})")
+    if params.get("pingpong") and not (params.get("f16x") and params.get("prefetch", True)):
+        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets pingpong without "
+                        "f16x and prefetch: only the f16-activation builds that load the next steps ahead take it")
     if params.get("mtiles", 1) != 1 and not params.get("f16x"):
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets mtiles without "
                         "f16x: only the f16-activation builds take more than one tile of weight rows an item")
