@@ -136,9 +136,6 @@ def rule_ops() -> tuple[str, ...]:
     return tuple(dict.fromkeys(op for op, _ in PARAMS))
 
 
-OPS = rule_ops()
-
-
 def _between(op: str, variant: str, p: dict) -> str | None:
     """Constraints between params that the launchers check."""
     if op == "routing" and p["warps"] % p["warps_per_token"]:
