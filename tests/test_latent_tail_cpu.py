@@ -264,8 +264,10 @@ def test_kimi_k3_is_latent_and_its_rules_pick_split_fused_then_norm_gemm():
         s = lt.spec(m.hidden, m.model_hidden, m.top_k, m.weights_dtype, T, "sm_90a", t)
         assert s.variant == variant and dict(s.params).get("max_tokens", 0) == mt, T
     specs = lt.model_specs(m, t, "sm_90a")
-    assert [s.variant for s in specs] == ["fused"] + ["norm_gemm"] * 4 and lt.split(specs[0])
-    assert [dict(s.params)["cluster"] for s in specs[1:]] == [4, 2, 1, 1]   # fewer CTAs a token as T grows
+    assert [s.variant for s in specs] == ["fused"] + ["norm_gemm"] * 5 and lt.split(specs[0])
+    assert [dict(s.params)["cluster"] for s in specs[1:]] == [4, 2, 1, 1, 1]   # fewer CTAs a token as T grows
+    # fewer rows loaded at once as T grows (the norm CTAs fit one wave: 2 CTAs an SM to 264 tokens, 4 beyond)
+    assert [dict(s.params).get("norm_loads", 16) for s in specs[1:]] == [16, 16, 16, 8, 2]
     assert set(specs) <= set(warmup.model_specs(m, t, "sm_90a"))
     assert not lt.model_specs(t.model("deepseek-v3"), t, "sm_90a")
 
@@ -281,8 +283,8 @@ def test_explain_names_the_fused_kernel_and_says_when_there_is_none():
 
 def test_the_dispatch_buckets(monkeypatch):
     d = lt.dispatch(-1, L=3584, H=7168, top_k=16, weights_dtype="float32")
-    assert d.starts == [1, 9, 25, 49, 133, 8193]
-    assert [s.variant for s in d.specs] == ["fused"] + ["norm_gemm"] * 4 + ["unfused"]
+    assert d.starts == [1, 9, 25, 49, 133, 265, 8193]
+    assert [s.variant for s in d.specs] == ["fused"] + ["norm_gemm"] * 5 + ["unfused"]
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -537,7 +539,7 @@ def test_the_dispatch_takes_split_builds_when_the_tiers_ask(tmp_path, monkeypatc
     try:
         d = lt.dispatch(-1, L=256, H=512, top_k=4, weights_dtype="float32")
         assert [(s.variant, dict(s.params).get("split")) for s in d.specs] == [("fused", True), ("fused", True)] + [
-            ("norm_gemm", None)] * 4 + [("unfused", None)]
+            ("norm_gemm", None)] * 5 + [("unfused", None)]
         scratch = []
         for T in (1, 5, 9, 5):
             gemm2, e2p, w, nw, up, sh, res = make(T, 4, 256, 512, seed=T)
