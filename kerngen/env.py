@@ -88,6 +88,11 @@ def strict() -> bool:
     return _flag("KERNGEN_STRICT")
 
 
+def racecheck() -> bool:
+    """Build the routing kernels for compute-sanitizer's racecheck (their idle token groups meet their barriers)."""
+    return _flag("KERNGEN_RACECHECK")
+
+
 def default_arch() -> str:
     return check_arch(os.environ.get("KERNGEN_ARCH", "sm_90a").strip(), "KERNGEN_ARCH")
 

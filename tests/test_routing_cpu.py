@@ -384,3 +384,24 @@ def test_kerngen_tune_without_a_gpu_is_a_clean_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kerngen", "tune", "--model", "mixtral-8x7b"], capture_output=True,
                        text=True, env={**os.environ, "KERNGEN_CACHE_DIR": str(tmp_path)}, cwd=tmp_path)
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_racecheck_builds_are_their_own_kernels_whose_idle_groups_meet_their_barriers(monkeypatch, tmp_path):
+    """KERNGEN_RACECHECK: the fused routing kernel's idle token groups call idle_group_syncs (a key of their own, no
+    spills, more barrier instructions); unset, the shipped source has no trace of it."""
+    from kerngen import render, resources
+    shipped = rt.spec(896, 16, "sigmoid_bias", 1, "sm_90a", bdtype="float32")
+    monkeypatch.setenv("KERNGEN_RACECHECK", "1")
+    checked = rt.spec(896, 16, "sigmoid_bias", 1, "sm_90a", bdtype="float32")
+    assert checked.tag != shipped.tag and dict(checked.constants)["IDLE_SYNCS"] is True
+    src, base = render.render(checked), render.render(shipped)
+    assert "else idle_group_syncs();" in src and "idle_group_syncs" not in base and "ROUTE_SYNCS" not in base
+    bars = []
+    for s in (shipped, checked):
+        built = jit.build(s, store=DiskCache(tmp_path))
+        assert_no_spills(built.files)
+        bars.append(resources.sass(built.files).count("BAR.SYNC"))
+    assert bars[1] > bars[0]
+    monkeypatch.setenv("KERNGEN_RACECHECK", "perhaps")
+    with pytest.raises(kerngen.EnvError, match="KERNGEN_RACECHECK"):
+        rt.spec(896, 16, "sigmoid_bias", 1, "sm_90a", bdtype="float32")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import env
 from .. import plan as plan_mod
 from ..errors import InputError
 from ..dispatch import Dispatch, calls, lookup, rule_spec
@@ -122,6 +123,9 @@ def tag_constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype
     tag = (f"E{E}-K{K}-{_SHORT_METHOD[method]}" + (f"-g{n_group}x{topk_group}" if grouped else "")
            + ("" if renorm else "-norenorm") + f"-{SHORT[ldtype]}"
            + (f"-b{SHORT[consts['BDTYPE']]}" if consts["BDTYPE"] != "none" else "") + f"-w{SHORT[wdtype]}")
+    if env.racecheck():   # builds for compute-sanitizer's racecheck: idle token groups meet their barriers
+        consts["IDLE_SYNCS"] = True
+        tag += "-rc"
     return with_align(tag, consts, align)
 
 

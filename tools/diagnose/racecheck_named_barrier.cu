@@ -1,6 +1,8 @@
-// compute-sanitizer racecheck false positive, reduced from the fused routing kernel: warps 0-7 meet on named
-// barrier 1 (256 threads) while warps 8-15 skip it, then a block scan whose store / load pair a
-// __syncthreads() orders. No race exists; racecheck reports one whenever nbar > 0.
+// compute-sanitizer racecheck false positive, reduced from the fused routing kernel (templates/routing/fused.cu.j2):
+// warps 0-7 meet on named barrier 1 (256 threads) while warps 8-15 skip it, then a block scan whose store / load
+// pair a __syncthreads() orders. No race exists; racecheck reports one whenever nbar > 0. When warps 8-15 meet a
+// barrier of their own (bar.sync 2, 256) as many times, it reports nothing: what the routing kernels' idle token
+// groups do in their KERNGEN_RACECHECK builds (docs/environment.md; tests/gpu/test_racecheck.py).
 //
 //   nvcc -arch=sm_90a -lineinfo -o /tmp/nb tools/diagnose/racecheck_named_barrier.cu
 //   compute-sanitizer --tool racecheck /tmp/nb

@@ -8,9 +8,12 @@ permutation (T=40 at kimi-k3; ids that repeat an expert) and the top-k + histogr
 small/large batch chained back to back with programmatic dependent launch (PDL) after the routing that produces
 their indices, the fused tail, the vLLM/SGLang align layout (fused, one-pass and histogram builds), pre-routing
 on a router stream, and kerngen.experts' two launches (T = 1, 8, 40; both tiles; an expert-parallel range).
-Exits non-zero on a wrong result.
+--routing runs only the routing and permutation cases. KERNGEN_RACECHECK is set (unless given): the routing kernels
+are the builds whose idle token groups meet their barriers, so racecheck reports nothing. Exits non-zero on a wrong
+result.
 """
 import argparse
+import os
 import sys
 
 
@@ -64,7 +67,11 @@ def newer_kernels(bad: list) -> None:
 
 
 def main(argv=None) -> int:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--routing", action="store_true",
+                    help="only the routing and permutation cases (their group barriers: racecheck in about a minute)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("KERNGEN_RACECHECK", "1")   # the routing kernels' racecheck builds (docs/environment.md)
     require_gpu("python3 -m tools.diagnose.sanitize_run")
     torch.manual_seed(0)
     bad = []
@@ -81,6 +88,8 @@ def main(argv=None) -> int:
         want = pm.permute_reference(ids.int(), m.num_experts, 16)
         if not all(torch.equal(getattr(r, f), v) for f, v in want.items()):
             bad.append(f"permutation {name} T={T}")
+        if args.routing:
+            continue
         # finalize right after the routing that wrote its indices (PDL: finalize waits on the grid before it)
         rows = int(r.num_permuted_rows)
         g = torch.randn(max(rows, 1), m.hidden, device="cuda").to(torch.bfloat16)
@@ -95,16 +104,21 @@ def main(argv=None) -> int:
         yr, _ = tail.reference(g, r.expanded_to_permuted, r.topk_weights, nw, residual=res)
         if not torch.allclose(y.float(), yr.float(), rtol=2e-2, atol=2e-2):
             bad.append(f"moe_tail {name} T={T}")
-    ids = torch.randint(0, 64, (300, 8), device="cuda", dtype=torch.int32)   # repeats: one-pass fallback
+    ids = torch.randint(0, 64, (300, 8), device="cuda", dtype=torch.int32)   # repeats: one-pass fallback (--routing too)
     r = kerngen.permute(ids, num_experts=64, tile=8)
     if not all(torch.equal(getattr(r, f), v) for f, v in pm.permute_reference(ids, 64, 8).items()):
         bad.append("permute with repeated ids")
+    if args.routing:
+        torch.cuda.synchronize()
+        print("sanitize_run --routing:", "wrong results: " + ", ".join(bad) if bad else "all results correct")
+        return 1 if bad else 0
     g = torch.randn(512 * 8, 7168, device="cuda").to(torch.bfloat16)   # large-batch finalize
     e2p = torch.randperm(512 * 8, device="cuda").view(512, 8).int()
     w = torch.rand(512, 8, device="cuda")
     if not torch.equal(kerngen.finalize(g, e2p, w).view(torch.int16), fin.reference(g, e2p, w).view(torch.int16)):
         bad.append("finalize large batch")
-    newer_kernels(bad)
+    if not args.routing:
+        newer_kernels(bad)
     torch.cuda.synchronize()
     print("sanitize_run:", "wrong results: " + ", ".join(bad) if bad else "all results correct")
     return 1 if bad else 0
