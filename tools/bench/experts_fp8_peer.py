@@ -4,7 +4,7 @@ vLLM's Triton fp8 block GEMMs (w8a8), in one process (GPU).
 
     python3 -m tools.bench.experts_fp8_peer --peer DIR [--models deepseek-v3,kimi-k2] [--tokens 1,8,64]
 
-DIR holds triton_fused_moe.py (the peer, ../shared/peers). Same random e4m3 weights with block scales (2 layers
+DIR holds triton_fused_moe.py (the peer: vLLM's Triton block-fp8 GEMM). Same random e4m3 weights with block scales (2 layers
 cycled: a step reads 0.35-11 GB, far past L2), same routings, CUDA graphs, each step after a 4 MB producer kernel (its
 time taken off); the floor is the active experts' fp8 bytes and scales at the streaming-read bandwidth. Triton runs
 its best of block_n {32, 64, 128} x stages {3, 4, 5} x warps {4, 8} for each GEMM (timed alone on pre-quantized
