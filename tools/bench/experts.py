@@ -20,10 +20,11 @@ the rules too) beside the tier table's rule, on the same inputs.
 scale per 32 values) and runs kerngen.experts' builds for them at the format's tile; the floor is then the quantized
 weight bytes plus the scale bytes of the active experts. Beside them, on the same weights dequantized to bf16 (each
 layer's), kerngen.experts' bf16 kernels (the tier table's bf16 rule at that T, `bf16_us`) and torch._grouped_mm.
-With --peer DIR (a folder holding triton_fused_moe.py: vLLM's Triton fused-MoE GEMM, re-typed to need only torch
-and triton) the Triton GEMMs vLLM runs time beside them: its bf16 fused_moe_kernel (the best of its decode config
-sweep for each GEMM, the activation kernel between them not timed) or, for fp8, its block-scaled w8a8 GEMMs (the best of 18 configs for each GEMM, activation quantization and
-the activation not timed); both are checked after timing, and the configs chosen are in the row (`peer_cfg`).
+With --peer DIR (a folder holding triton_fused_moe.py: vLLM's Triton fused-MoE GEMM, re-typed to need only torch and
+triton) the Triton GEMMs vLLM runs time beside them: its bf16 fused_moe_kernel (the best of its decode config sweep
+for each GEMM, the activation kernel between them not timed) or, for fp8, its block-scaled w8a8 GEMMs (the best of
+18 configs for each GEMM, activation quantization and the activation not timed); both are checked after timing, and
+the configs chosen are in the row (`peer_cfg`).
 --fp8-activations (fp8) also times kerngen.experts(..., fp8_activations=True), checked against the reference that
 quantizes the activations the same way (`a8_us`); its two quantizing launches are timed with it.
 --layout kn feeds kerngen.experts the weights as transposed views of [E, H, 2I] / [E, I, H] (transformers' gpt-oss
