@@ -10,7 +10,8 @@ GPU idle-fast: each call's GPU work is a few µs, so the GPU keeps up and the ho
 T = 1: route at kimi-k3's routing (E 896, K 16, sigmoid + fp32 bias, tile 128) by model name, and at
 qwen3-30b-a3b's (E 128, K 8, softmax_topk) by explicit arguments, with and without `workspace=`, and without a
 tile; permute of 8 ids over 128 experts; experts / finalize / moe_tail at qwen3-30b-a3b's dimensions (H 2048,
-I 768, E 128, K 8, tile 8). Blocks: transformers' Qwen3MoeSparseMoeBlock (qwen3-30b-a3b) and DeepseekV3MoE
+I 768, E 128, K 8, tile 8; experts also at H 256, I 128, whose GPU time is below the host's: at qwen3-30b-a3b's
+dimensions the experts' ~26 µs of GPU work a call bound the back-to-back loop). Blocks: transformers' Qwen3MoeSparseMoeBlock (qwen3-30b-a3b) and DeepseekV3MoE
 (deepseek-v3, one shared expert), built as tools/bench/moe_block.py builds them at the tier table's intermediate
 size, one token, transformers' "grouped_mm" experts and routers against kerngen
 (kerngen.integrations.transformers.enable).
@@ -100,6 +101,15 @@ def op_rows(dev) -> dict:
             out_e = torch.empty(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device=dev)
             rows["experts(x, r, w13, w2, out=out)"] = lambda: kerngen.experts(xs, r, w13, w2, out=out_e)
             rows["experts(x, r, w13, w2)"] = lambda: kerngen.experts(xs, r, w13, w2)
+            # the same calls at H 256, I 128: their GPU work (~4 µs) no longer hides the host's
+            hs, is_ = 256, 128
+            xs_s = torch.randn(1, hs, device=dev, generator=gen).to(torch.bfloat16)
+            w13_s = torch.empty(E, 2 * is_, hs, dtype=torch.bfloat16, device=dev).normal_(0, hs ** -0.5, generator=gen)
+            w2_s = torch.empty(E, hs, is_, dtype=torch.bfloat16, device=dev).normal_(0, is_ ** -0.5, generator=gen)
+            out_s = torch.empty(r.permuted_to_token.shape[0], hs, dtype=torch.bfloat16, device=dev)
+            rows["experts(x, r, w13, w2, out=out) at H 256, I 128"] = (
+                lambda: kerngen.experts(xs_s, r, w13_s, w2_s, out=out_s))
+            rows["experts(x, r, w13, w2) at H 256, I 128"] = lambda: kerngen.experts(xs_s, r, w13_s, w2_s)
             g = kerngen.experts(xs, r, w13, w2)
             e2p, w = r.expanded_to_permuted, r.topk_weights
             out_f = torch.empty(1, H, dtype=torch.bfloat16, device=dev)
