@@ -363,6 +363,31 @@ def test_calls_without_workspace_take_their_dropped_buffers_again(stub_gpu, monk
     del kept
 
 
+def test_top_k_calls_without_a_tile_take_their_dropped_buffers_again(stub_gpu, monkeypatch):
+    """route without a tile (ids and weights only) reuses its dropped buffers as the permuting calls do: one split a
+    new buffer, none when the last result was dropped; held results stay distinct, a kept view keeps them."""
+    made = []
+    split = torch.split_with_sizes
+    monkeypatch.setattr(torch, "split_with_sizes", lambda *a, **k: made.append(1) or split(*a, **k))
+    logits = torch.randn(2, 64)
+
+    def route() -> int:
+        n = len(made)
+        kerngen.route(logits, top_k=4, method="softmax_topk")
+        return len(made) - n
+
+    assert [route(), route(), route()] == [1, 0, 0]
+    a = kerngen.route(logits, top_k=4, method="softmax_topk")
+    b = kerngen.route(logits, top_k=4, method="softmax_topk")
+    assert a.topk_ids.data_ptr() != b.topk_ids.data_ptr() and a.topk_weights.data_ptr() != b.topk_weights.data_ptr()
+    assert a.tile is None and a.permuted_to_token is None and a.topk_ids.shape == (2, 4)
+    assert a.topk_weights.dtype == torch.float32 and a.topk_ids.data_ptr() % 16 == a.topk_weights.data_ptr() % 16 == 0
+    held = b.topk_weights[:, :2]
+    del a, b
+    assert route() == 1 and route() == 0   # b's buffers held through a view: new ones, then those again
+    del held
+
+
 def test_what_calls_without_workspace_keep_is_bounded(stub_gpu):
     """Calls without workspace= keep a prototype of their buffers only at decode sizes; the experts' intermediate
     is one buffer per stream, grown to the most tiles seen, whatever the token counts."""

@@ -198,17 +198,19 @@ class RoutingWorkspace:
         were queued on that stream before this call's (torch's caching allocator's rule for freed memory). Others
         build a new workspace."""
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if (self.buffer is None or self.layout != "kerngen" or self.tile is None or tokens != self.max_tokens
-                or (self._initial is None and capturing)):
+        ids_only = self.tile is None   # ids and weights only: no initial state, an empty buffer will do
+        if (self.buffer is None or self.layout != "kerngen" or tokens != self.max_tokens
+                or (self._initial is None and capturing and not ids_only)):
             return self._fresh_workspace()   # (inside a capture the initial state would only be filled on replay)
         last = self._last
         if (last is not None and stream == last.stream and get_ident() == last.thread and not capturing
                 and last.unused()):
             return last
         if self._initial is None:   # the initial state and its split (each view, then its padding), once
-            self._initial = self._initial_buffer()
+            self._initial = self.buffer if ids_only else self._initial_buffer()
             self._split = [m for n, pad in zip(self._sizes.values(), self._pads) for m in (n, pad - n)]
-        f = _Fresh(self, dict(zip(self._sizes, torch.split_with_sizes(self._initial.clone(), self._split)[::2])))
+        base = torch.empty_like(self._initial) if ids_only else self._initial.clone()
+        f = _Fresh(self, dict(zip(self._sizes, torch.split_with_sizes(base, self._split)[::2])))
         if stream is not None and not capturing and _USE_COUNT is not None and "weights" in self._sizes:
             f.stream, f.thread, f._base, self._last = stream, get_ident(), f._refs(), f   # (held: one call's memory)
         return f
@@ -277,17 +279,25 @@ class _Fresh:
 
     def __init__(self, proto: RoutingWorkspace, parts: dict):
         T, K = proto.max_tokens, proto.top_k
-        self.ids, self.e2p = parts["ids"].view(T, K), parts["e2p"].view(T, K)
+        self.ids = parts["ids"].view(T, K)
         self.weights = (parts["weights"].view(torch.float32).view(T, K) if "weights" in parts
                         else torch.empty((T, K), dtype=proto.weights_dtype, device=proto.device))
-        self.counts, self.offsets, self.p2t, self.t2e = parts["counts"], parts["offsets"], parts["p2t"], parts["t2e"]
-        self.num_rows, self.hist, self.ticket = parts["num_rows"], parts["hist"], parts["ticket"]
         self.max_rows, self.device = proto.max_rows, proto.device
-        self._routing = Routing(self.ids, self.weights, self.counts, self.offsets, self.e2p, self.p2t, self.t2e,
-                                self.num_rows.view(()), tile=proto.tile)
-        object.__setattr__(self._routing, "checked", (T, K, proto.local_experts[1], proto.tile, self.p2t.shape[0],
-                                                      self.t2e.shape[0], proto.signature[3]))
-        self._tensors = tuple(getattr(self._routing, f) for f in _ROUTING_TENSORS)   # (each counted once more)
+        if proto.tile is None:   # top-k only (route without a tile): ids and weights, no permutation
+            self.e2p = self.counts = self.offsets = self.p2t = self.t2e = self.num_rows = self.hist = None
+            self.ticket = None
+            self._routing = Routing(self.ids, self.weights)
+        else:
+            self.e2p = parts["e2p"].view(T, K)
+            self.counts, self.offsets = parts["counts"], parts["offsets"]
+            self.p2t, self.t2e = parts["p2t"], parts["t2e"]
+            self.num_rows, self.hist, self.ticket = parts["num_rows"], parts["hist"], parts["ticket"]
+            self._routing = Routing(self.ids, self.weights, self.counts, self.offsets, self.e2p, self.p2t, self.t2e,
+                                    self.num_rows.view(()), tile=proto.tile)
+            object.__setattr__(self._routing, "checked", (T, K, proto.local_experts[1], proto.tile,
+                                                          self.p2t.shape[0], self.t2e.shape[0], proto.signature[3]))
+        self._tensors = tuple(t for t in map(self._routing.__getattribute__, _ROUTING_TENSORS)
+                              if t is not None)   # (each counted once more; None's count is anyone's)
         self._storage, self.stream, self.thread, self._base = self.ids.untyped_storage(), None, None, None
 
     def _refs(self) -> tuple:
