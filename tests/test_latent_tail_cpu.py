@@ -762,3 +762,19 @@ def test_the_torch_op_gives_each_call_its_own_scratch(monkeypatch):
     monkeypatch.setattr(lt, "latent_tail", lambda *a, **kw: seen.update(kw) or a[0])
     torch_ops.latent_tail._init_fn(*make(2, 4, 64, 32)[:5])
     assert seen["own_scratch"] is True
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_the_phase_probe_instruments_the_split_kernels(T):
+    """tools/diagnose/latent_phases.py finds each boundary of kimi-k3's split kernels (its anchors are template text:
+    this fails when they drift) and the instrumented source compiles for sm_90a with a stamp at each."""
+    from kerngen.compile import nvrtc_compile
+    from kerngen.render import render
+    from tools.diagnose import latent_phases as probe
+    m = tiers.load().model("kimi-k3")
+    s = lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", T, "sm_90a")
+    assert s.variant == "fused" and lt.split(s)
+    src = probe.instrument(render(s))
+    assert src.count("kg_stamp(0, ") == len(probe.NORM_STAMPS) and src.count("kg_stamp(1, ") == len(probe.PROJ_STAMPS)
+    cubin, _ = nvrtc_compile(src, "latent_phases", "sm_90a", "latent_phases", None)
+    assert cubin[:4] == b"\x7fELF" and b"latent_tail_proj" in cubin and b"kg_ts" in cubin
