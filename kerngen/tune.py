@@ -234,7 +234,8 @@ def _time_experts(model: tiers.Model, T: int, variant: str, params: dict, fmt: s
 def latent_tail_candidates():
     """The fused kernel (one launch, or split: the norm kernel then the projection; with and without the first
     weight steps in registers before the wait; 2 or 4 steps a load batch) for up to 8 and 16 tokens, the split
-    norm kernel at 2 and 4 CTAs a token with 8 or 16 rows loaded at once, and norm_gemm (any token count) at each
+    norm kernel at 2 and 4 CTAs a token with 8 or 16 rows loaded at once, the split projection in items of 8 rows,
+    and norm_gemm (any token count) at each
     cluster size with 2, 4, 8 or 16 rows loaded at once (fewer: fewer registers, more norm CTAs an SM), h in fp32
     or bf16, and with 2 or 4 vectors a norm thread."""
     for mt, warps, unroll, bps, split, early in itertools.product((8, 16), (8, 16), (2, 4), (1, 2), (False, True),
@@ -244,6 +245,9 @@ def latent_tail_candidates():
     for mt, cluster, loads in itertools.product((8, 16), (2, 4), (8, 16)):   # the split norm kernel's shape
         yield "fused", dict(max_tokens=mt, warps=8, unroll=2, cluster=cluster, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, **({"norm_loads": loads} if loads != 16 else {}))
+    for mt, unroll, cluster in itertools.product((8, 16), (2, 4), (4, 8)):   # items of 8 rows (even SM shares)
+        yield "fused", dict(max_tokens=mt, warps=8, unroll=unroll, cluster=cluster, blocks_per_sm=2, pdl=True,
+                            split=True, early_weights=True, item_rows=8)
     for cluster, loads, b16 in itertools.product((1, 2, 4, 8), (2, 4, 8, 16), (False, True)):
         yield "norm_gemm", dict(cluster=cluster, pdl=True, **({"norm_loads": loads} if loads != 16 else {}),
                                 **({"gemm_bf16": True} if b16 else {}))

@@ -778,3 +778,23 @@ def test_the_phase_probe_instruments_the_split_kernels(T):
     assert src.count("kg_stamp(0, ") == len(probe.NORM_STAMPS) and src.count("kg_stamp(1, ") == len(probe.PROJ_STAMPS)
     cubin, _ = nvrtc_compile(src, "latent_phases", "sm_90a", "latent_phases", None)
     assert cubin[:4] == b"\x7fELF" and b"latent_tail_proj" in cubin and b"kg_ts" in cubin
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_split_items_of_8_rows_build_without_spills_and_double_the_items(early, tmp_path):
+    """item_rows = 8 (split builds): the projection compiles for sm_90a without spills, with its items of 8 rows
+    (twice as many, for the grid's bound); 16 stays the default, and other values or a fused build are named
+    errors."""
+    m = tiers.load().model("kimi-k3")
+    base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
+    mk = lambda **over: lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, "early_weights": early, **over}),  # noqa: E731
+                                     m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
+    s8 = mk(item_rows=8)
+    assert lt.item_rows(s8) == 8 and lt.item_rows(mk()) == 16
+    src = render.render(s8)
+    assert "constexpr int IR = 8;" in src
+    built = jit.build(s8, store=DiskCache(tmp_path))
+    assert_no_spills(built.files)
+    for bad in (dict(item_rows=12), dict(item_rows=8, split=False)):
+        with pytest.raises(kerngen.InputError, match="item_rows"):
+            lt.persistent(mk(**bad))

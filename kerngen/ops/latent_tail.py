@@ -125,6 +125,16 @@ def split(s: plan_mod.KernelSpec) -> bool:
     return s.variant == "fused" and bool(dict(s.params).get("split", False))
 
 
+def item_rows(s: plan_mod.KernelSpec) -> int:
+    """up_proj rows a work item of the persistent kernel takes: 16, or the split rule's item_rows (8: twice the
+    items, so that the SMs' shares of the weights differ by at most 8 rows where 16-row items leave some SMs a
+    whole item more)."""
+    rows = dict(s.params).get("item_rows", 16)
+    if rows not in (8, 16) or (rows != 16 and not split(s)):
+        raise InputError(OP, "tier params", "item_rows 16 or 8, and 8 only with split = true", str(s.params))
+    return rows
+
+
 def _norm_launch(s: plan_mod.KernelSpec) -> Launch:
     """latent_tail_norm's CTA (split and norm_gemm builds): a thread norm_vectors of the CTA's slice of
     ceil(L / 8 / cluster) vectors, rounded up to warps (the template's NORM_T), at most 1024."""
@@ -147,6 +157,7 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
         return {NORM: _norm_launch(s), ADD: Launch(256, 0, 1)}
     if s.variant != "fused":
         return {}
+    item_rows(s)   # (checked here: explain and warmup too)
     c, p = dict(s.constants), dict(s.params)
     L, K = c["L"], c["K"]
     mt, warps, cl = p["max_tokens"], p["warps"], p.get("cluster", 1)
@@ -179,7 +190,7 @@ def launch_shape(s: plan_mod.KernelSpec, device: int) -> tuple[tuple, tuple, int
     plain)."""
     name = PROJ if split(s) else FUNCTION
     launch, cl = persistent(s)[name], 1 if split(s) else dict(s.params).get("cluster", 1)
-    items = -(-dict(s.constants)["H"] // 16)
+    items = -(-dict(s.constants)["H"] // item_rows(s))
     ctas = _common.persistent_ctas(OP, resolve(s) if device >= 0 else None, name, device, launch)
     grid = max(cl, min(items, ctas) // cl * cl)
     return (grid, 1, 1), (launch.threads, 1, 1), launch.dynamic_smem

@@ -220,6 +220,19 @@ def test_split_is_bitwise_the_fused_kernel(T):
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("T", [1, 5, 8, 16])
+def test_split_items_of_8_rows_keep_the_bits(T, early):
+    """item_rows = 8: each item one m16 half (the other zeros), twice the items; each output column's dot product
+    is the same sum in the same order: the same bits as the fused kernel."""
+    args = make(T, *KIMI, seed=90 + T)
+    one = run_fused({}, *args, torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
+    two = run_fused({"split": True, "item_rows": 8, "early_weights": early}, *args,
+                    torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(one, two)
+
+
 @pytest.mark.parametrize("loads,vectors", [(1, 1), (3, 1), (8, 1), (8, 2), (4, 3)])
 @pytest.mark.parametrize("T", [1, 5, 16])
 def test_split_norm_loads_keep_the_bits(T, loads, vectors):
