@@ -405,3 +405,34 @@ def test_racecheck_builds_are_their_own_kernels_whose_idle_groups_meet_their_bar
     monkeypatch.setenv("KERNGEN_RACECHECK", "perhaps")
     with pytest.raises(kerngen.EnvError, match="KERNGEN_RACECHECK"):
         rt.spec(896, 16, "sigmoid_bias", 1, "sm_90a", bdtype="float32")
+
+
+def _racecheck_specs():
+    import os
+    before = os.environ.get("KERNGEN_RACECHECK")
+    os.environ["KERNGEN_RACECHECK"] = "1"
+    try:
+        t = tiers.load()
+        specs = []
+        for m in t.models.values():
+            specs += [s for s in rt.model_specs(m, t, "sm_90a") if s.variant == "fused" and s not in specs]
+        specs.append(rt.spec(64, 6, "softmax_topk", 1, "sm_90a", renormalize=False, tbl=t))   # the full softmax
+        return specs
+    finally:
+        if before is None:
+            del os.environ["KERNGEN_RACECHECK"]
+        else:
+            os.environ["KERNGEN_RACECHECK"] = before
+
+
+@pytest.mark.parametrize("spec", _racecheck_specs(), ids=lambda s: f"{s.variant}-{s.tag}-{dict(s.params)}")
+def test_every_racecheck_build_of_the_shipped_models_compiles(spec, tmp_path):
+    """The KERNGEN_RACECHECK builds of every fused routing kernel the shipped models take (and the full-softmax
+    method): their idle groups call idle_group_syncs, routing groups meet the exact threshold's barriers anyway."""
+    from kerngen import render
+    assert dict(spec.constants)["IDLE_SYNCS"] is True
+    src = render.render(spec)
+    assert "else idle_group_syncs();" in src and "the exact threshold's barriers met anyway" in src
+    built = jit.build(spec, store=DiskCache(tmp_path))
+    assert built.files["kernel.cubin"][:4] == b"\x7fELF"
+    assert_no_spills(built.files)
