@@ -411,13 +411,8 @@ def _racecheck_specs():
     import os
     before = os.environ.get("KERNGEN_RACECHECK")
     os.environ["KERNGEN_RACECHECK"] = "1"
-    try:
-        t = tiers.load()
-        specs = []
-        for m in t.models.values():
-            specs += [s for s in rt.model_specs(m, t, "sm_90a") if s.variant == "fused" and s not in specs]
-        specs.append(rt.spec(64, 6, "softmax_topk", 1, "sm_90a", renormalize=False, tbl=t))   # the full softmax
-        return specs
+    try:   # the fused ones of every routing kernel the tiers compile test builds, as racecheck builds
+        return [s for s in all_routing_specs() if s.variant == "fused"]
     finally:
         if before is None:
             del os.environ["KERNGEN_RACECHECK"]
@@ -427,8 +422,9 @@ def _racecheck_specs():
 
 @pytest.mark.parametrize("spec", _racecheck_specs(), ids=lambda s: f"{s.variant}-{s.tag}-{dict(s.params)}")
 def test_every_racecheck_build_of_the_shipped_models_compiles(spec, tmp_path):
-    """The KERNGEN_RACECHECK builds of every fused routing kernel the shipped models take (and the full-softmax
-    method): their idle groups call idle_group_syncs, routing groups meet the exact threshold's barriers anyway."""
+    """The KERNGEN_RACECHECK builds of every fused routing kernel the shipped models take and of the generic shapes
+    (the full softmax and grouped methods among them): their idle groups call idle_group_syncs, routing groups meet
+    the exact threshold's barriers anyway."""
     from kerngen import render
     assert dict(spec.constants)["IDLE_SYNCS"] is True
     src = render.render(spec)
