@@ -119,7 +119,7 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                                "early_weights": FLAG,   # the first weight steps loaded into registers before the wait
                                "norm_loads": _n(1, 16),   # split: rows a norm thread loads at once (default 16)
                                "norm_vectors": _n(1, 8),   # split: vectors a norm thread computes (default 1)
-                               "item_rows": _n(8, 16),   # split: up_proj rows a projection item takes (16 or 8)
+                               "even_rows": FLAG,   # split: each projection CTA an even share of up_proj's rows
                                "split": FLAG},   # the norm in a first kernel of its own, the projection waiting on it
     ("latent_tail", "norm_gemm"): {"backend": NVRTC, "cluster": _n(1, 8), "pdl": FLAG,   # norm kernel, torch.mm, add
                                    "norm_loads": _n(1, 16),   # rows a norm thread loads at once (default 16)

@@ -245,9 +245,9 @@ def latent_tail_candidates():
     for mt, cluster, loads in itertools.product((8, 16), (2, 4), (8, 16)):   # the split norm kernel's shape
         yield "fused", dict(max_tokens=mt, warps=8, unroll=2, cluster=cluster, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, **({"norm_loads": loads} if loads != 16 else {}))
-    for mt, unroll, cluster in itertools.product((8, 16), (2, 4), (4, 8)):   # items of 8 rows (even SM shares)
+    for mt, unroll, cluster in itertools.product((8, 16), (2, 4), (4, 8)):   # even shares of the rows a CTA
         yield "fused", dict(max_tokens=mt, warps=8, unroll=unroll, cluster=cluster, blocks_per_sm=2, pdl=True,
-                            split=True, early_weights=True, item_rows=8)
+                            split=True, early_weights=True, even_rows=True)
     for cluster, loads, b16 in itertools.product((1, 2, 4, 8), (2, 4, 8, 16), (False, True)):
         yield "norm_gemm", dict(cluster=cluster, pdl=True, **({"norm_loads": loads} if loads != 16 else {}),
                                 **({"gemm_bf16": True} if b16 else {}))

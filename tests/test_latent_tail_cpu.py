@@ -781,20 +781,22 @@ def test_the_phase_probe_instruments_the_split_kernels(T):
 
 
 @pytest.mark.parametrize("early", [False, True])
-def test_split_items_of_8_rows_build_without_spills_and_double_the_items(early, tmp_path):
-    """item_rows = 8 (split builds): the projection compiles for sm_90a without spills, with its items of 8 rows
-    (twice as many, for the grid's bound); 16 stays the default, and other values or a fused build are named
-    errors."""
+def test_split_even_rows_build_without_spills_and_a_cta_a_row_at_most(early, tmp_path):
+    """even_rows (split builds): the projection compiles for sm_90a without spills, each CTA's share of rows from its
+    index and the grid; the grid is the persistent one but never more CTAs than up_proj has rows; without
+    split = true it is a named error."""
     m = tiers.load().model("kimi-k3")
     base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
-    mk = lambda **over: lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, "early_weights": early, **over}),  # noqa: E731
-                                     m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
-    s8 = mk(item_rows=8)
-    assert lt.item_rows(s8) == 8 and lt.item_rows(mk()) == 16
-    src = render.render(s8)
-    assert "constexpr int IR = 8;" in src
-    built = jit.build(s8, store=DiskCache(tmp_path))
-    assert_no_spills(built.files)
-    for bad in (dict(item_rows=12), dict(item_rows=8, split=False)):
-        with pytest.raises(kerngen.InputError, match="item_rows"):
-            lt.persistent(mk(**bad))
+    mk = lambda H=m.model_hidden, **over: lt.rule_spec(  # noqa: E731
+        tiers.Rule(lt.OP, "fused", {}, {**base, "early_weights": early, **over}), m.hidden, H, m.top_k, "float32",
+        "sm_90a")
+    even = mk(even_rows=True)
+    assert lt.even_rows(even) and not lt.even_rows(mk())
+    src = render.render(even)
+    assert "share_begin(blockIdx.x + 1)" in src and "share_begin" not in render.render(mk())
+    assert_no_spills(jit.build(even, store=DiskCache(tmp_path)).files)
+    grid = lambda s: lt.launch_shape(s, -1)[0][0]  # noqa: E731
+    assert grid(even) == grid(mk()) == min(-(-m.model_hidden // 16), grid(mk()))
+    assert grid(mk(H=40, even_rows=True)) == 40 and grid(mk(H=40)) == 3
+    with pytest.raises(kerngen.InputError, match="even_rows"):
+        lt.persistent(mk(even_rows=True, split=False))

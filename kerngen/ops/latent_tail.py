@@ -125,14 +125,13 @@ def split(s: plan_mod.KernelSpec) -> bool:
     return s.variant == "fused" and bool(dict(s.params).get("split", False))
 
 
-def item_rows(s: plan_mod.KernelSpec) -> int:
-    """up_proj rows a work item of the persistent kernel takes: 16, or the split rule's item_rows (8: twice the
-    items, so that the SMs' shares of the weights differ by at most 8 rows where 16-row items leave some SMs a
-    whole item more)."""
-    rows = dict(s.params).get("item_rows", 16)
-    if rows not in (8, 16) or (rows != 16 and not split(s)):
-        raise InputError(OP, "tier params", "item_rows 16 or 8, and 8 only with split = true", str(s.params))
-    return rows
+def even_rows(s: plan_mod.KernelSpec) -> bool:
+    """A split rule with even_rows = true: each projection CTA takes an even share of up_proj's rows (a contiguous
+    range, in tiles of 16 whose rows past it read as zeros) instead of 16-row items striding by the grid."""
+    even = bool(dict(s.params).get("even_rows", False))
+    if even and not split(s):
+        raise InputError(OP, "tier params", "even_rows only with split = true", str(s.params))
+    return even
 
 
 def _norm_launch(s: plan_mod.KernelSpec) -> Launch:
@@ -157,7 +156,7 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
         return {NORM: _norm_launch(s), ADD: Launch(256, 0, 1)}
     if s.variant != "fused":
         return {}
-    item_rows(s)   # (checked here: explain and warmup too)
+    even_rows(s)   # (checked here: explain and warmup too)
     c, p = dict(s.constants), dict(s.params)
     L, K = c["L"], c["K"]
     mt, warps, cl = p["max_tokens"], p["warps"], p.get("cluster", 1)
@@ -186,11 +185,12 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
 def launch_shape(s: plan_mod.KernelSpec, device: int) -> tuple[tuple, tuple, int]:
     """(grid, block, dynamic shared memory) of a fused spec's persistent kernel on `device` (a split build's
     projection): a persistent grid of the rule's blocks_per_sm CTAs an SM (no more than an SM holds), at most one a
-    work item (16 columns of the projection), in whole clusters (the fused kernel's; the projection's CTAs are
-    plain)."""
+    work item (16 columns of the projection; with even_rows, at most one a row), in whole clusters (the fused
+    kernel's; the projection's CTAs are plain)."""
     name = PROJ if split(s) else FUNCTION
     launch, cl = persistent(s)[name], 1 if split(s) else dict(s.params).get("cluster", 1)
-    items = -(-dict(s.constants)["H"] // item_rows(s))
+    H = dict(s.constants)["H"]
+    items = H if even_rows(s) else -(-H // 16)
     ctas = _common.persistent_ctas(OP, resolve(s) if device >= 0 else None, name, device, launch)
     grid = max(cl, min(items, ctas) // cl * cl)
     return (grid, 1, 1), (launch.threads, 1, 1), launch.dynamic_smem

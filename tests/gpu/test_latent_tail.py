@@ -222,15 +222,24 @@ def test_split_is_bitwise_the_fused_kernel(T):
 
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("T", [1, 5, 8, 16])
-def test_split_items_of_8_rows_keep_the_bits(T, early):
-    """item_rows = 8: each item one m16 half (the other zeros), twice the items; each output column's dot product
-    is the same sum in the same order: the same bits as the fused kernel."""
+def test_split_even_rows_keep_the_bits(T, early):
+    """even_rows: each projection CTA a contiguous share of up_proj's rows in tiles of 16 (rows past the share read
+    as zeros); each output column's dot product is the same sum in the same order: the same bits as the fused
+    kernel."""
     args = make(T, *KIMI, seed=90 + T)
     one = run_fused({}, *args, torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
-    two = run_fused({"split": True, "item_rows": 8, "early_weights": early}, *args,
+    two = run_fused({"split": True, "even_rows": True, "early_weights": early}, *args,
                     torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
     torch.cuda.synchronize()
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("H", [8, 200, 1000, 4104])
+@pytest.mark.parametrize("early", [False, True])
+def test_split_even_rows_small_shares(H, early):
+    """even_rows where the shares are short: one row a CTA (H at or below the grid), 3-4 rows, 15-16 rows, every
+    output column written once and right."""
+    check(3, 8, 256, H, {"split": True, "even_rows": True, "early_weights": early}, seed=H)
 
 
 @pytest.mark.parametrize("loads,vectors", [(1, 1), (3, 1), (8, 1), (8, 2), (4, 3)])
