@@ -120,6 +120,7 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                                "norm_loads": _n(1, 16),   # split: rows a norm thread loads at once (default 16)
                                "norm_vectors": _n(1, 8),   # split: vectors a norm thread computes (default 1)
                                "even_rows": FLAG,   # split: each projection CTA an even share of up_proj's rows
+                               "n_global": FLAG,   # split: the projection reads n from global memory (no copy)
                                "split": FLAG},   # the norm in a first kernel of its own, the projection waiting on it
     ("latent_tail", "norm_gemm"): {"backend": NVRTC, "cluster": _n(1, 8), "pdl": FLAG,   # norm kernel, torch.mm, add
                                    "norm_loads": _n(1, 16),   # rows a norm thread loads at once (default 16)

@@ -319,6 +319,9 @@ def fused(L, H, K, wdtype="float32", **params):
     return spec_for(tiers.Rule("latent_tail", "fused", {}, p), *lt.tag_constants(L, H, K, wdtype), "sm_90a")
 
 
+SPLIT_ONLY = ("split", "n_global", "even_rows")   # params only split builds take
+
+
 def with_params(s, params):
     return spec_for(tiers.Rule("latent_tail", "fused", {}, params), s.tag, dict(s.constants), s.arch)
 
@@ -327,7 +330,7 @@ def fused_specs():
     """kimi-k3's (warmup's list), a square deepseek-width projection at 8 tokens, and odd widths: L not a multiple
     of 64 (a partial last k step) nor of 8 * cluster, H not of 16, plain CTAs, K = 64, bf16 weights."""
     t = tiers.load()
-    specs = [with_params(s, {k: v for k, v in s.params if k not in ("split", "early_weights")})   # one launch
+    specs = [with_params(s, {k: v for k, v in s.params if k not in ("early_weights",) + SPLIT_ONLY})   # one launch
              for s in lt.model_specs(t.model("kimi-k3"), t, "sm_90a") if s.variant == "fused"]
     specs += [fused(7168, 7168, 8, max_tokens=8), fused(2048, 4096, 10, "bfloat16", warps=8, unroll=4, cluster=4),
               fused(1000, 1224, 64, max_tokens=4, warps=8, cluster=1, pdl=False), fused(136, 8, 1, max_tokens=1,
@@ -354,7 +357,8 @@ def early_specs():
     rules = [lt.spec(136, 8, 2, "float32", T, "sm_90a") for T in (1, 8)]
     shapes = [s for s in kimi if not lt.split(s)] + [fused(3584, 7168, 16, max_tokens=8, warps=8, unroll=2,
                                                            blocks_per_sm=2)] + fused_specs()[len(kimi):] + rules
-    return [with_params(s, {**{k: v for k, v in s.params if k != "split"}, "early_weights": True}) for s in shapes]
+    return [with_params(s, {**{k: v for k, v in s.params if k not in SPLIT_ONLY}, "early_weights": True})
+            for s in shapes]
 
 
 @pytest.mark.parametrize("spec", early_specs(), ids=lambda s: f"{s.tag}-{dict(s.params)['max_tokens']}")
@@ -764,16 +768,20 @@ def test_the_torch_op_gives_each_call_its_own_scratch(monkeypatch):
     assert seen["own_scratch"] is True
 
 
+@pytest.mark.parametrize("ng", [False, True])
 @pytest.mark.parametrize("T", [1, 8])
-def test_the_phase_probe_instruments_the_split_kernels(T):
-    """tools/diagnose/latent_phases.py finds each boundary of kimi-k3's split kernels (its anchors are template text:
-    this fails when they drift) and the instrumented source compiles for sm_90a with a stamp at each."""
+def test_the_phase_probe_instruments_the_split_kernels(T, ng):
+    """tools/diagnose/latent_phases.py finds each boundary of kimi-k3's split kernels, with n copied into shared
+    memory or read from global memory (n_global) (its anchors are template text: this fails when they drift) and the
+    instrumented source compiles for sm_90a with a stamp at each."""
     from kerngen.compile import nvrtc_compile
     from kerngen.render import render
     from tools.diagnose import latent_phases as probe
     m = tiers.load().model("kimi-k3")
     s = lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", T, "sm_90a")
     assert s.variant == "fused" and lt.split(s)
+    s = lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**dict(s.params), "n_global": ng}), m.hidden, m.model_hidden,
+                     m.top_k, "float32", "sm_90a")
     src = probe.instrument(render(s))
     assert src.count("kg_stamp(0, ") == len(probe.NORM_STAMPS) and src.count("kg_stamp(1, ") == len(probe.PROJ_STAMPS)
     cubin, _ = nvrtc_compile(src, "latent_phases", "sm_90a", "latent_phases", None)
@@ -800,3 +808,26 @@ def test_split_even_rows_build_without_spills_and_a_cta_a_row_at_most(early, tmp
     assert grid(mk(H=40, even_rows=True)) == 40 and grid(mk(H=40)) == 3
     with pytest.raises(kerngen.InputError, match="even_rows"):
         lt.persistent(mk(even_rows=True, split=False))
+
+
+@pytest.mark.parametrize("even", [False, True])
+def test_split_n_global_builds_without_spills_or_dynamic_shared_memory(even, tmp_path):
+    """n_global (split builds): the projection reads n from p.n (no copy into shared memory, so no dynamic shared
+    memory); it compiles for sm_90a without spills within the rule's 2 CTAs an SM; without split = true it is a
+    named error."""
+    m = tiers.load().model("kimi-k3")
+    base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
+    mk = lambda **over: lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, "even_rows": even, "n_global": False,  # noqa: E731
+                                                                   **over}),
+                                     m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
+    ng = mk(n_global=True)
+    assert lt.n_global(ng) and not lt.n_global(mk())
+    assert lt.persistent(ng)[lt.PROJ].dynamic_smem == 0 < lt.persistent(mk())[lt.PROJ].dynamic_smem
+    src = render.render(ng)
+    assert "constexpr int NP = L;" in src and "project(p, p.n" in src and "smem_raw" not in src.split("latent_tail_proj")[-1]
+    built = jit.build(ng, store=DiskCache(tmp_path))
+    assert_no_spills(built.files)
+    regs = dict(resources.usage(built.files))[lt.PROJ]["REG"]
+    assert regs * 256 * 2 <= 65536, regs
+    with pytest.raises(kerngen.InputError, match="n_global"):
+        lt.persistent(mk(n_global=True, split=False, even_rows=False))

@@ -134,6 +134,12 @@ def even_rows(s: plan_mod.KernelSpec) -> bool:
     return even
 
 
+def n_global(s: plan_mod.KernelSpec) -> bool:
+    """A rule with n_global = true: the projection reads n from the scratch in global memory at each step (no
+    copy into shared memory, no dynamic shared memory)."""
+    return bool(dict(s.params).get("n_global", False))
+
+
 def _norm_launch(s: plan_mod.KernelSpec) -> Launch:
     """latent_tail_norm's CTA (split and norm_gemm builds): a thread norm_vectors of the CTA's slice of
     ceil(L / 8 / cluster) vectors, rounded up to warps (the template's NORM_T), at most 1024."""
@@ -157,6 +163,8 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     if s.variant != "fused":
         return {}
     even_rows(s)   # (checked here: explain and warmup too)
+    if n_global(s) and not split(s):
+        raise InputError(OP, "tier params", "n_global only with split = true", str(s.params))
     c, p = dict(s.constants), dict(s.params)
     L, K = c["L"], c["K"]
     mt, warps, cl = p["max_tokens"], p["warps"], p.get("cluster", 1)
@@ -171,7 +179,7 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
         if red > 48 * 1024 or red + dyn > SMEM_PER_CTA:
             raise InputError(OP, "tier params", f"shared memory within the CTA's {SMEM_PER_CTA} bytes (static <= 48 KiB)",
                              f"{red} static + {dyn} dynamic bytes from {s.params} at L = {L}")
-        return {NORM: norm, PROJ: Launch(nt, dyn, p.get("blocks_per_sm", 1))}
+        return {NORM: norm, PROJ: Launch(nt, 0 if n_global(s) else dyn, p.get("blocks_per_sm", 1))}
     static = mt * K * 8 + mt * vs * 4 + mt * 8 + red
     if vpt > 8:
         raise InputError(OP, "tier params", "warps * 32 * 8 >= max_tokens * ceil(L / 8 / cluster) (at most 8 "

@@ -73,7 +73,8 @@ def run_fused(over, gemm2, e2p, w, nw, up, sh, res, out, eps=1e-6):
     T, K = e2p.shape
     L, H, wd, arch = nw.shape[0], up.shape[0], DTYPE_NAMES[w.dtype], target_arch()
     rule = lt.spec(L, H, K, wd, T, arch)
-    base = {k: v for k, v in rule.params if k not in ("split", "early_weights")} if rule.variant == "fused" else FUSED16
+    split_only = ("split", "early_weights", "n_global", "even_rows")   # `over` sets these: the base is one launch
+    base = {k: v for k, v in rule.params if k not in split_only} if rule.variant == "fused" else FUSED16
     s = spec_for(tiers.Rule(lt.OP, "fused", {}, {**base, **over}), *lt.tag_constants(L, H, K, wd), arch)
     return lt.run(lt.kernel(s, T, torch.cuda.current_device()), gemm2, e2p, w, nw, up, sh, res, eps, out)
 
@@ -220,26 +221,31 @@ def test_split_is_bitwise_the_fused_kernel(T):
     assert torch.equal(one, two)
 
 
+SPLIT_SHAPES = [{"even_rows": True}, {"n_global": True}, {"even_rows": True, "n_global": True}]
+
+
+@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=variant_id)
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("T", [1, 5, 8, 16])
-def test_split_even_rows_keep_the_bits(T, early):
+def test_split_even_rows_and_n_global_keep_the_bits(T, early, shape):
     """even_rows: each projection CTA a contiguous share of up_proj's rows in tiles of 16 (rows past the share read
-    as zeros); each output column's dot product is the same sum in the same order: the same bits as the fused
-    kernel."""
+    as zeros); n_global: the steps read n from global memory, not a shared-memory copy. Each output column's dot
+    product is the same sum in the same order: the same bits as the fused kernel."""
     args = make(T, *KIMI, seed=90 + T)
     one = run_fused({}, *args, torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
-    two = run_fused({"split": True, "even_rows": True, "early_weights": early}, *args,
+    two = run_fused({"split": True, "early_weights": early, **shape}, *args,
                     torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
     torch.cuda.synchronize()
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=variant_id)
 @pytest.mark.parametrize("H", [8, 200, 1000, 4104])
 @pytest.mark.parametrize("early", [False, True])
-def test_split_even_rows_small_shares(H, early):
+def test_split_even_rows_small_shares(H, early, shape):
     """even_rows where the shares are short: one row a CTA (H at or below the grid), 3-4 rows, 15-16 rows, every
-    output column written once and right."""
-    check(3, 8, 256, H, {"split": True, "even_rows": True, "early_weights": early}, seed=H)
+    output column written once and right (and the n_global builds at those widths, L not a multiple of 64)."""
+    check(3, 8, 264, H, {"split": True, "early_weights": early, **shape}, seed=H)
 
 
 @pytest.mark.parametrize("loads,vectors", [(1, 1), (3, 1), (8, 1), (8, 2), (4, 3)])

@@ -30,13 +30,18 @@ ANCHORS = [
     (0, 1, "    kg_grid_wait();   // gemm2_out and the routing may come from the kernels just before us; p.n from the "
            "last call\n", True),
     (1, 1, "    kg_grid_wait();   // n from latent_tail_norm;", False),
-    (1, 2, "    kg_launch_dependents();\n    {   // n into shared memory", False),
-    (1, 3, "    __syncthreads();\n    project(p, ns", False),
-]
+    (1, 2, ("    kg_launch_dependents();\n    {   // n into shared memory", "    project(p, p.n"), False),
+    (1, 3, ("    __syncthreads();\n    project(p, ns", "    project(p, p.n"), False),
+]   # (n_global builds copy nothing: "n copied" and "n in shared memory" stamp where their steps begin)
 
 
-def _insert(src: str, anchor: str, text: str, after: bool, start: int = 0) -> str:
-    i = src.find(anchor, start)
+def _insert(src: str, anchor, text: str, after: bool, start: int = 0) -> str:
+    """text inserted before (or after) the first of the anchors (a string, or alternatives) found in src."""
+    for a in (anchor,) if isinstance(anchor, str) else anchor:
+        i = src.find(a, start)
+        if i >= 0:
+            anchor = a
+            break
     if i < 0:
         raise ValueError(f"latent_phases: the split kernels have no {anchor!r}; update ANCHORS")
     i += len(anchor) if after else 0

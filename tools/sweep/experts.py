@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
 """kerngen.experts' quantized builds (fp8, MXFP4) over launch shapes, for their tier rules (GPU).
 
-    python3 -m tools.sweep.experts FORMAT MODELS TOKENS [sweep]      (FORMAT fp8, mxfp4, fp8-a8: fp8_activations,
+    python3 -m tools.sweep.experts FORMAT MODELS TOKENS [sweep|deep] (FORMAT fp8, mxfp4, fp8-a8: fp8_activations,
                                                                       fp8-x16 / mxfp4-x16: f16x launch shapes)
     python3 -m tools.sweep.experts fp8 deepseek-v3,kimi-k2 1,8,64 sweep
     python3 -m tools.sweep.experts mxfp4-x16 gpt-oss-120b,kimi-k3 1,8,64 sweep
+    python3 -m tools.sweep.experts mxfp4-x16 gpt-oss-120b,kimi-k3 1,2 deep     # deeper load batches only
 
 Random quantized weights (kerngen.tune.random_expert_weights: every code but NaN; scale bytes 118..123 for MXFP4) of
 up to 4 layers cycled, a routing per call, CUDA graphs, each step after a 4 MB producer kernel (its time taken off);
 the floor is the active experts' quantized weight and scale bytes at the streaming-read bandwidth. Prints the tier
 rule's time, its variant without prefetch, and with `sweep` the six fastest of 4 warps x unroll x blocks_per_sm x
 prefetch_x (for -x16 formats also two m16 tiles an item, two weight buffers taking turns, 8 warps an item, no early
-weight loads, and early_l2: the first weights toward L2 before the wait, beside the rule as "rule-early"), each
+weight loads, and early_l2: the first weights toward L2 before the wait, beside the rule as "rule-early"; `deep`
+times instead only the f16x shapes of 3-6 steps a load batch: more weight bytes in flight a warp at few tokens), each
 launched at most as many CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). A
 -x16 format times the rule with f16x (activations carried as f16) beside it, and sweeps the f16x shapes. Every
 candidate is built first by a pool of processes. Correctness is the GPU tests' job
@@ -42,6 +44,12 @@ def occupancy(k):
         out.append(n)
     return min(out)
 
+def spills(spec) -> bool:
+    """Whether a built spec's kernels spill registers (a stack of more than 16 bytes, or local memory)."""
+    from kerngen import jit, resources
+    return any(u.get("STACK", 0) > 16 or u.get("LOCAL", 0) for _, u in resources.usage(jit.build(spec).files))
+
+
 def prebuild(specs):
     """Build the specs into the kernel cache, several at a time (each compile is one NVRTC process's work)."""
     from kerngen import jit
@@ -58,7 +66,8 @@ def main():
     a8 = fmt == "fp8-a8"   # fp8 weights with fp8 activations (experts(..., fp8_activations=True))
     x16 = fmt.endswith("-x16")   # the f16x launch shapes
     fmt = "fp8" if a8 else fmt.removesuffix("-x16")
-    sweep = len(sys.argv) > 4 and sys.argv[4] == "sweep"
+    sweep = len(sys.argv) > 4 and sys.argv[4] in ("sweep", "deep")
+    deep = sweep and sys.argv[4] == "deep"
     bw = read_bandwidth_tbs()
     dev, arch = 0, target_arch(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -92,7 +101,13 @@ def main():
             if a8 or x16 or dict(rule.params).get("f16x"):   # the rule with its first weights to L2 before the wait
                 cands.append(("rule-early", build({**dict(rule.params), "early_l2": True,
                                                    **({} if a8 else {"f16x": True})})))
-            if sweep:
+            if deep:   # 3-6 steps a load batch (with and without the next batch's loads issued first)
+                for u, b, pf, mt in itertools.product((3, 4, 6), (3, 4), (False, True), (1, 2)):
+                    cands.append((f"w4 u{u} b{b} t{mt}" + " nopf" * (not pf) + " h deep",
+                                  build(dict(warps=4, unroll=u, blocks_per_sm=b, pdl=True, prefetch=pf,
+                                             prefetch_x=True, f16x=True, **({"mtiles": 2} if mt == 2 else {}),
+                                             **({"min_blocks": b} if b <= 4 else {})))))
+            if sweep and not deep:
                 for w, u, b, px in itertools.product((4,), (1, 2), (4, 5, 6, 8), (False, True)):
                     cands.append((f"w{w} u{u} b{b}" + " x" * px + " h" * x16,
                                   build(dict(warps=w, unroll=u, blocks_per_sm=b, pdl=True, prefetch_x=px,
@@ -134,6 +149,8 @@ def main():
                                       build(dict(warps=4, unroll=1, blocks_per_sm=b, pdl=True, prefetch_x=px,
                                                  min_blocks=b, **({"f16x": True} if x16 else {})))))
             prebuild([s for _, s in cands])
+            if deep:   # shapes that spill are not timed
+                cands = [(label, s) for label, s in cands if label == "rule" or not spills(s)]
             res, seen = [], set()
             for label, s in cands:
                 k = ex.Kernels(s, dev)
