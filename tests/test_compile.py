@@ -33,6 +33,23 @@ def test_every_finalize_tier_compiles_to_sm90a_cubin(spec, tmp_path):
     assert_no_spills(built.files)
 
 
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("H,K", [(5120, 1), (4096, 2), (2880, 4), (7168, 8)])
+def test_small_k_finalize_issues_every_load_before_it_waits_on_a_row(H, K, wdtype, tmp_path):
+    """The small-K rules' finalize (small_batch, one group of loads): a thread's K weights are read with its K
+    indices, so after those two round trips its row loads are the only ones left: in the SASS every global load
+    comes before the first instruction that reads a row's bits (the PRMT that splits a bf16 pair)."""
+    import re
+    from kerngen import resources
+    s = fin.spec(H, K, "bfloat16", wdtype, 1, "sm_90a")
+    assert s.variant == "small_batch" and dict(s.params)["loads_per_group"] >= K
+    ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?P\d\s+)?([A-Z0-9_.]+)",
+                                           resources.sass(jit.build(s, store=DiskCache(tmp_path)).files))]
+    first_use = ops.index("PRMT")
+    loads = [i for i, op in enumerate(ops) if op.startswith("LDG")]
+    assert len(loads) == 2 * K + K and max(loads) < first_use, (loads, first_use)
+
+
 def test_render_is_strict_about_missing_values():
     spec = KernelSpec(op="finalize", variant="large_batch", backend="nvrtc", tag="t",
                       constants=(("H", 64), ("K", 2), ("DTYPE", "bfloat16"), ("WDTYPE", "float32")),

@@ -65,6 +65,24 @@ __device__ __forceinline__ uint4 kg_ldg_stream(const void* p) {
     return __ldcs(reinterpret_cast<const uint4*>(p));
 }
 
+// A read-only load issued where it is written, as a float (an asm statement: the compiler neither sinks it toward
+// its use nor into a branch, so it does not wait behind loads issued after it).
+__device__ __forceinline__ float kg_ld_now(const float* p) {
+    float v;
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float kg_ld_now(const __nv_bfloat16* p) {
+    unsigned short v;
+    asm volatile("ld.global.nc.b16 %0, [%1];" : "=h"(v) : "l"(p));
+    return __uint_as_float((unsigned)v << 16);
+}
+__device__ __forceinline__ float kg_ld_now(const __half* p) {
+    unsigned short v;
+    asm volatile("ld.global.nc.b16 %0, [%1];" : "=h"(v) : "l"(p));
+    return __half2float(__ushort_as_half(v));
+}
+
 // acc += w * x, rounded as a separate multiply and add (no FMA): bitwise equal to an fp32 torch loop.
 __device__ __forceinline__ void kg_axpy8(float acc[8], float w, const float x[8]) {
 #pragma unroll

@@ -8,6 +8,7 @@ import kerngen
 from .lib import graph_time_us
 
 TAIL_CASES = [("kimi-k3", 3584, 16), ("deepseek-v3", 7168, 8), ("gpt-oss-120b", 2880, 4), ("mixtral-8x7b", 4096, 2),
+              ("k22", 2048, 22),
               ("llama-4-maverick", 5120, 1)]
 EPS = 1e-6
 
@@ -38,7 +39,7 @@ def tail_inputs(T, H, K, seed=0):
     return g, e2p, w, nw, sh, res
 
 
-def bench_tail(tokens, bw) -> list[dict]:
+def bench_tail(tokens, bw, timer=graph_time_us) -> list[dict]:
     compiled = torch.compile(tail_torch, dynamic=False)
     rows = []
     for name, H, K in TAIL_CASES:
@@ -47,10 +48,10 @@ def bench_tail(tokens, bw) -> list[dict]:
             g, e2p, w, nw, sh, res = args
             out = torch.empty(T, H, dtype=g.dtype, device="cuda")
             fin = torch.empty(T, H, dtype=g.dtype, device="cuda")
-            ours = graph_time_us(lambda: kerngen.moe_tail(g, e2p, w, nw, shared=sh, residual=res, out=out))
-            eager = graph_time_us(lambda: tail_torch(*args))
-            comp = graph_time_us(lambda: compiled(*args))
-            unf = graph_time_us(lambda: unfused(*args, fin))
+            ours = timer(lambda: kerngen.moe_tail(g, e2p, w, nw, shared=sh, residual=res, out=out))
+            eager = timer(lambda: tail_torch(*args))
+            comp = timer(lambda: compiled(*args))
+            unf = timer(lambda: unfused(*args, fin))
             nbytes = T * K * H * 2 + 3 * T * H * 2 + T * K * 8 + H * 2
             rows.append(dict(op="tail", case=f"{name} H={H} K={K}", T=T, ours=ours, eager=eager, compile=comp,
                              unfused=unf, floor_us=nbytes / (bw * 1e12) * 1e6, tbs=nbytes / (ours * 1e-6) / 1e12))

@@ -3,6 +3,12 @@
 under CUDA graphs, each checked bitwise against the reference; print the best per case.
 
     python3 -m tools.sweep.finalize [--cases 3584x16,7168x8,2048x22] [--tokens 1,8,32,64,128,512,4096]
+    python3 -m tools.sweep.finalize --cases 2880x4,5120x1 --tokens 1,8,64 --variants small_batch --producer
+    python3 -m tools.sweep.finalize --cases 2880x4 --tokens 1 --variants small_batch --where block_x=16|64,loads_per_group=2|32
+
+--producer times each call right behind a producer kernel (tools.bench's: no early start), less the producer's own
+time, and torch.compile of the plain torch finalize beside the candidates; --variants and --where (params, values
+separated by |) narrow the candidates.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import itertools
 
 import torch
 
+from ..bench.__main__ import finalize_torch, producer_timer
 from ..bench.lib import graph_time_us, require_gpu
 from kerngen.launch import current_stream
 from kerngen.ops import finalize as fin
@@ -34,8 +41,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="3584x16,7168x8,2048x22")
     ap.add_argument("--tokens", default="1,8,32,64,128,256,512,4096")
+    ap.add_argument("--variants", default="small_batch,large_batch,cute")
+    ap.add_argument("--where", default="", help="only candidates with these params, e.g. block_x=16|64,pdl=false")
+    ap.add_argument("--producer", action="store_true", help="each call after a producer kernel (its time taken off)")
     args = ap.parse_args()
     require_gpu("python3 -m tools.sweep.finalize")
+    timer = producer_timer(args.producer)
+    compiled = torch.compile(finalize_torch, dynamic=False)
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.cache_size_limit = 1024
     dev = torch.cuda.current_device()
     arch = target_arch(dev)
     for case in args.cases.split(","):
@@ -47,7 +61,12 @@ def main():
             out = torch.empty(T, H, dtype=torch.bfloat16, device="cuda")
             ref = fin.reference(g, e2p, w)
             res = []
+            where = dict(kv.split("=") for kv in args.where.split(",") if kv)
             for variant, params in candidates():
+                if variant not in args.variants.split(","):
+                    continue
+                if any(k in params and str(params[k]).lower() not in v.lower().split("|") for k, v in where.items()):
+                    continue
                 if variant == "small_batch" and params["block_x"] > 1024:
                     continue
                 if variant == "small_batch" and T > 512:
@@ -58,10 +77,11 @@ def main():
                 call = lambda: run(current_stream(dev))
                 out.fill_(float("nan")); call(); torch.cuda.synchronize()
                 assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), (variant, params)
-                res.append((graph_time_us(call), variant, params))
+                res.append((timer(call), variant, params))
             res.sort(key=lambda r: r[0])
             best = res[0]
-            print(f"H={H} K={K} T={T}: best {best[0]:.2f} µs {best[1]} {best[2]}")
+            comp = timer(lambda: compiled(g, e2p, w))
+            print(f"H={H} K={K} T={T}: best {best[0]:.2f} µs {best[1]} {best[2]} (torch.compile {comp:.2f} µs)")
             for r in res[1:4]:
                 print(f"      {r[0]:.2f} µs {r[1]} {r[2]}")
             for name in ("small_batch", "large_batch", "cute"):
