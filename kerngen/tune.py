@@ -251,6 +251,9 @@ def latent_tail_candidates():
     for mt, unroll, even in itertools.product((8, 16), (2, 4), (False, True)):   # n read from global memory
         yield "fused", dict(max_tokens=mt, warps=8, unroll=unroll, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, **({"even_rows": True} if even else {}))
+    for mt, loads in itertools.product((8, 16), (4, 8)):   # a register bound: the norm CTA beside two projections
+        yield "fused", dict(max_tokens=mt, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
+                            early_weights=True, n_global=True, proj_registers=112, norm_loads=loads)
     for cluster, loads, b16 in itertools.product((1, 2, 4, 8), (2, 4, 8, 16), (False, True)):
         yield "norm_gemm", dict(cluster=cluster, pdl=True, **({"norm_loads": loads} if loads != 16 else {}),
                                 **({"gemm_bf16": True} if b16 else {}))

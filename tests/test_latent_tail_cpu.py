@@ -831,3 +831,24 @@ def test_split_n_global_builds_without_spills_or_dynamic_shared_memory(even, tmp
     assert regs * 256 * 2 <= 65536, regs
     with pytest.raises(kerngen.InputError, match="n_global"):
         lt.persistent(mk(n_global=True, split=False, even_rows=False))
+
+
+@pytest.mark.parametrize("loads", [4, 8])
+def test_split_proj_registers_bound_the_projection_without_spills(loads, tmp_path):
+    """proj_registers (split builds): the projection compiles for sm_90a within that many registers a thread (112:
+    two of its CTAs and a norm CTA of norm_loads 4-8 within an SM sub-partition's 16384 registers: two warps of
+    each projection CTA, one norm warp), without spills; without split = true it is a named error."""
+    m = tiers.load().model("kimi-k3")
+    base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
+    s = lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, "proj_registers": 112, "norm_loads": loads}),
+                     m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
+    assert "__maxnreg__(112)" in render.render(s)
+    built = jit.build(s, store=DiskCache(tmp_path))
+    assert_no_spills(built.files)
+    regs = {k: -(-u["REG"] // 8) * 8 for k, u in resources.usage(built.files)}
+    assert regs[lt.PROJ] <= 112
+    assert 2 * 2 * regs[lt.PROJ] * 32 + regs[lt.NORM] * 32 <= 16384, regs
+    with pytest.raises(kerngen.InputError, match="proj_registers"):
+        lt.persistent(lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, "split": False, "n_global": False,
+                                                                    "proj_registers": 112}),
+                                   m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a"))

@@ -163,8 +163,9 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     if s.variant != "fused":
         return {}
     even_rows(s)   # (checked here: explain and warmup too)
-    if n_global(s) and not split(s):
-        raise InputError(OP, "tier params", "n_global only with split = true", str(s.params))
+    for name in ("n_global", "proj_registers"):
+        if name in dict(s.params) and not split(s):
+            raise InputError(OP, "tier params", f"{name} only with split = true", str(s.params))
     c, p = dict(s.constants), dict(s.params)
     L, K = c["L"], c["K"]
     mt, warps, cl = p["max_tokens"], p["warps"], p.get("cluster", 1)

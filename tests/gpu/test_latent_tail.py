@@ -221,7 +221,8 @@ def test_split_is_bitwise_the_fused_kernel(T):
     assert torch.equal(one, two)
 
 
-SPLIT_SHAPES = [{"even_rows": True}, {"n_global": True}, {"even_rows": True, "n_global": True}]
+SPLIT_SHAPES = [{"even_rows": True}, {"n_global": True}, {"even_rows": True, "n_global": True},
+                {"n_global": True, "proj_registers": 112, "norm_loads": 8}]
 
 
 @pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=variant_id)
