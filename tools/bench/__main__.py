@@ -17,7 +17,7 @@ import argparse
 import torch
 
 import kerngen
-from .lib import copy_bandwidth_tbs, empty_kernel_us, graph_time_us, host_us, require_gpu
+from .lib import copy_bandwidth_tbs, empty_kernel_us, graph_time_us, host_us, producer_timer, require_gpu
 
 # (hidden, top_k): the large-K models, a K past the shipped ones, and the small-K models (gpt-oss-120b,
 # mixtral-8x7b, llama-4-maverick) whose rows lost to torch.compile
@@ -38,15 +38,6 @@ def finalize_inputs(T, H, K, seed=0):
     e2p = torch.randperm(rows, device="cuda", generator=gen).view(T, K).int()
     w = torch.rand(T, K, device="cuda", generator=gen)
     return g, e2p, w
-
-
-def producer_timer(on: bool):
-    """graph_time_us, or (with the producer) the time of a producer kernel then fn, less the producer's own."""
-    if not on:
-        return graph_time_us
-    buf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
-    producer = lambda: buf.mul_(1.0)  # noqa: E731   a 4 MB write, no early trigger
-    return lambda fn: graph_time_us(lambda: (producer(), fn())) - graph_time_us(producer)
 
 
 def bench_finalize(tokens, bw, rows, timer=graph_time_us):

@@ -18,8 +18,8 @@ import itertools
 
 import torch
 
-from ..bench.__main__ import finalize_torch, producer_timer
-from ..bench.lib import graph_time_us, require_gpu
+from ..bench.__main__ import finalize_torch
+from ..bench.lib import graph_time_us, producer_timer, require_gpu
 from kerngen.launch import current_stream
 from kerngen.ops import finalize as fin
 from kerngen.plan import spec_for, target_arch
