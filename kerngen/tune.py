@@ -254,6 +254,9 @@ def latent_tail_candidates():
     for mt, loads in itertools.product((8, 16), (4, 8)):   # a register bound: the norm CTA beside two projections
         yield "fused", dict(max_tokens=mt, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, proj_registers=112, norm_loads=loads)
+    for unroll in (1, 2):   # three projection CTAs an SM (no shared memory for n with n_global)
+        yield "fused", dict(max_tokens=8, warps=8, unroll=unroll, cluster=8, blocks_per_sm=3, pdl=True, split=True,
+                            early_weights=True, n_global=True)
     for cluster, loads, b16 in itertools.product((1, 2, 4, 8), (2, 4, 8, 16), (False, True)):
         yield "norm_gemm", dict(cluster=cluster, pdl=True, **({"norm_loads": loads} if loads != 16 else {}),
                                 **({"gemm_bf16": True} if b16 else {}))
