@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU_TOOLS = ["tools.bench.__main__", "tools.bench.routing", "tools.bench.routing_peers", "tools.bench.tail_tp",
              "tools.bench.moe_layer_demo", "tools.bench.moe_block", "tools.diagnose.routing_phases",
              "tools.diagnose.sanitize_run", "tools.bench.experts", "tools.bench.latent_tail", "tools.sweep.finalize",
-             "tools.sweep.tail", "tools.sweep.experts fp8 deepseek-v3 1", "tools.diagnose.experts_alone"]
+             "tools.sweep.tail", "tools.sweep.experts fp8 deepseek-v3 1", "tools.diagnose.experts_alone",
+             "tools.diagnose.pdl_cost"]
 
 
 @pytest.mark.parametrize("command", GPU_TOOLS)
@@ -45,3 +46,16 @@ def test_the_experts_sweep_without_arguments_prints_its_usage(monkeypatch, capsy
     with pytest.raises(SystemExit) as e:
         importlib.import_module("tools.sweep.experts").main()
     assert e.value.code == 2 and "FORMAT MODELS TOKENS" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("wait,trigger", [(False, False), (True, False), (True, True)])
+def test_the_pdl_probe_compiles_with_and_without_the_grid_dependency_instructions(wait, trigger):
+    """tools/diagnose/pdl_cost.py's kernels compile for sm_90a; the chased kernel holds griddepcontrol.wait only in
+    its waiting build, the producer launch_dependents only in its triggering one."""
+    from kerngen.compile import nvrtc_compile
+    from kerngen.resources import sass
+    from tools.diagnose import pdl_cost
+    cubin, _ = nvrtc_compile(pdl_cost.source(wait, trigger), "pdl_cost", "sm_90a", "pdl_cost", None)
+    fns = {part.split()[0]: part for part in sass({"kernel.cubin": cubin}).split("Function : ")[1:]}
+    assert ("ACQBULK" in fns["chase"]) == wait and ("PREEXIT" in fns["chase"]) == wait
+    assert ("PREEXIT" in fns["produce"]) == trigger and "ACQBULK" not in fns["produce"]
