@@ -234,8 +234,9 @@ def _time_experts(model: tiers.Model, T: int, variant: str, params: dict, fmt: s
 def latent_tail_candidates():
     """The fused kernel (one launch, or split: the norm kernel then the projection; with and without the first
     weight steps in registers before the wait; 2 or 4 steps a load batch) for up to 8 and 16 tokens, the split
-    norm kernel at 2 and 4 CTAs a token with 8 or 16 rows loaded at once, the split projection in items of 8 rows,
-    and norm_gemm (any token count) at each
+    norm kernel at 2 and 4 CTAs a token with 8 or 16 rows loaded at once, the split projection with even shares of
+    the rows, with n read from global memory, with a register bound beside the norm CTA and at three CTAs an SM, and
+    norm_gemm (any token count) at each
     cluster size with 2, 4, 8 or 16 rows loaded at once (fewer: fewer registers, more norm CTAs an SM), h in fp32
     or bf16, and with 2 or 4 vectors a norm thread."""
     for mt, warps, unroll, bps, split, early in itertools.product((8, 16), (8, 16), (2, 4), (1, 2), (False, True),

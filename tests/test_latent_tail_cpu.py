@@ -319,7 +319,7 @@ def fused(L, H, K, wdtype="float32", **params):
     return spec_for(tiers.Rule("latent_tail", "fused", {}, p), *lt.tag_constants(L, H, K, wdtype), "sm_90a")
 
 
-SPLIT_ONLY = ("split", "n_global", "even_rows")   # params only split builds take
+SPLIT_ONLY = ("split",) + lt.SPLIT_ONLY   # params only split builds take
 
 
 def with_params(s, params):

@@ -125,13 +125,13 @@ def split(s: plan_mod.KernelSpec) -> bool:
     return s.variant == "fused" and bool(dict(s.params).get("split", False))
 
 
+SPLIT_ONLY = ("even_rows", "n_global", "proj_registers")   # fused params that only split builds take
+
+
 def even_rows(s: plan_mod.KernelSpec) -> bool:
     """A split rule with even_rows = true: each projection CTA takes an even share of up_proj's rows (a contiguous
     range, in tiles of 16 whose rows past it read as zeros) instead of 16-row items striding by the grid."""
-    even = bool(dict(s.params).get("even_rows", False))
-    if even and not split(s):
-        raise InputError(OP, "tier params", "even_rows only with split = true", str(s.params))
-    return even
+    return bool(dict(s.params).get("even_rows", False))
 
 
 def n_global(s: plan_mod.KernelSpec) -> bool:
@@ -162,9 +162,8 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
         return {NORM: _norm_launch(s), ADD: Launch(256, 0, 1)}
     if s.variant != "fused":
         return {}
-    even_rows(s)   # (checked here: explain and warmup too)
-    for name in ("n_global", "proj_registers"):
-        if name in dict(s.params) and not split(s):
+    for name in SPLIT_ONLY:   # (checked here: explain and warmup too)
+        if dict(s.params).get(name) and not split(s):
             raise InputError(OP, "tier params", f"{name} only with split = true", str(s.params))
     c, p = dict(s.constants), dict(s.params)
     L, K = c["L"], c["K"]

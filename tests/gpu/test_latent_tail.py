@@ -73,7 +73,7 @@ def run_fused(over, gemm2, e2p, w, nw, up, sh, res, out, eps=1e-6):
     T, K = e2p.shape
     L, H, wd, arch = nw.shape[0], up.shape[0], DTYPE_NAMES[w.dtype], target_arch()
     rule = lt.spec(L, H, K, wd, T, arch)
-    split_only = ("split", "early_weights", "n_global", "even_rows")   # `over` sets these: the base is one launch
+    split_only = ("split", "early_weights") + lt.SPLIT_ONLY   # `over` sets these: the base is one launch
     base = {k: v for k, v in rule.params if k not in split_only} if rule.variant == "fused" else FUSED16
     s = spec_for(tiers.Rule(lt.OP, "fused", {}, {**base, **over}), *lt.tag_constants(L, H, K, wd), arch)
     return lt.run(lt.kernel(s, T, torch.cuda.current_device()), gemm2, e2p, w, nw, up, sh, res, eps, out)

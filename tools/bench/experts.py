@@ -44,7 +44,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 import kerngen
-from .lib import graph_time_us, read_bandwidth_tbs, require_gpu
+from .lib import graph_time_us, read_bandwidth_tbs, require_gpu, timed
 from kerngen import jit
 from kerngen.errors import TierError
 from kerngen.ops import experts as ex
@@ -183,12 +183,6 @@ def grouped_step(x, r, w13, w2, b13, b2, act):
     y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=r.expert_offsets[1:])
     return y if b2 is None else y + b2[e]
 
-
-def timed(step, producer, chained: bool) -> float:
-    if chained:
-        return graph_time_us(step, calls=20)
-    both = graph_time_us(lambda: (producer(), step()), calls=20)
-    return both - graph_time_us(producer, calls=20)
 
 
 def case(name, T, bw, args, kernels_of, bf16_kernel):

@@ -20,7 +20,7 @@ import os
 import torch
 import kerngen
 from kerngen.ops import experts as ex
-from tools.bench.lib import graph_time_us, read_bandwidth_tbs
+from tools.bench.lib import graph_time_us, read_bandwidth_tbs, timed
 
 
 def load_peer(folder):
@@ -67,7 +67,7 @@ def main():
             prod = lambda: pbuf.mul_(1.0)
             outs = [torch.empty(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda") for r in rt]
             def t_of(step):
-                return graph_time_us(lambda: (prod(), step()), calls=20) - graph_time_us(prod, calls=20)
+                return timed(step, prod)
             it = iter(range(10 ** 9))
             def kg():
                 n = next(it); (w13, s13), (w2, s2) = q[n % L]

@@ -28,7 +28,7 @@ import json
 import torch
 
 import kerngen
-from .lib import copy_bandwidth_tbs, graph_time_us, require_gpu
+from .lib import copy_bandwidth_tbs, require_gpu, timed
 from kerngen.ops import latent_tail as lt
 from kerngen.plan import spec_for, target_arch
 from kerngen.tiers import Rule
@@ -64,11 +64,6 @@ def unfused_all(g, e2p, w, nw, up, sh, res, eps: float = 1e-6):
     y = (rows * torch.where(ok, w.float(), 0.0).unsqueeze(-1)).sum(1)
     return unfused_rest(y, nw, up, sh, res, eps)
 
-
-def timed(step, producer, chained: bool) -> float:
-    if chained:
-        return graph_time_us(step, calls=20)
-    return graph_time_us(lambda: (producer(), step()), calls=20) - graph_time_us(producer, calls=20)
 
 
 def check(got, ref, what):

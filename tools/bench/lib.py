@@ -142,10 +142,17 @@ def events_us(fn, n: int = 200, warmup: int = 5) -> float:
     return a.elapsed_time(b) * 1000.0 / n
 
 
+def timed(step, producer, chained: bool = False) -> float:
+    """µs a call of `step` in a CUDA graph: back to back (chained), or each right behind a call of `producer`, less
+    the producer's own time."""
+    if chained:
+        return graph_time_us(step, calls=20)
+    return graph_time_us(lambda: (producer(), step()), calls=20) - graph_time_us(producer, calls=20)
+
+
 def producer_timer(on: bool):
-    """graph_time_us, or (with the producer) the time of a producer kernel then fn, less the producer's own."""
+    """graph_time_us, or (with the producer) `timed` behind a 4 MB elementwise write that does not trigger early."""
     if not on:
         return graph_time_us
     buf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
-    producer = lambda: buf.mul_(1.0)  # noqa: E731   a 4 MB write, no early trigger
-    return lambda fn: graph_time_us(lambda: (producer(), fn())) - graph_time_us(producer)
+    return lambda fn: timed(fn, lambda: buf.mul_(1.0))

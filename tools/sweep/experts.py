@@ -31,7 +31,7 @@ from kerngen.launch import _drv
 from kerngen.ops import experts as ex
 from kerngen.plan import target_arch
 from kerngen.tune import random_expert_weights
-from tools.bench.lib import graph_time_us, read_bandwidth_tbs, require_gpu
+from tools.bench.lib import read_bandwidth_tbs, require_gpu, timed
 
 SHAPES = {"deepseek-v3": (7168, 2048, 256, 8, "silu", False), "kimi-k2": (7168, 2048, 384, 8, "silu", False),
           "gpt-oss-120b": (2880, 2880, 128, 4, "gpt_oss", True), "kimi-k3": (3584, 2048, 896, 16, "situglu", False)}
@@ -168,7 +168,7 @@ def main():
                     k(x, rt[i], w13, w2, outs[i], acts[i], interleaved=gpt, w13_scale=s13, w2_scale=s2,
                       a0=1.702 if gpt else 1.0, a1=7.0 if gpt else 0.0)
                 prod = lambda: pbuf.mul_(1.0)
-                us = graph_time_us(lambda: (prod(), step()), calls=20) - graph_time_us(prod, calls=20)
+                us = timed(step, prod)
                 res.append((us, label, occ, dict(s.params)))
             res.sort()
             rr = next(r for r in res if r[1] == "rule")
