@@ -64,18 +64,20 @@ def main(argv=None) -> int:
         cubin, _ = nvrtc_compile(source(wait, trigger), "pdl_cost", arch, "pdl_cost", None)
         return Module(cubin, f"pdl_cost-{wait}-{trigger}")
 
-    stream = current_stream(dev)
+    def stream():   # read at each call: graph_time_us captures on a stream of its own
+        return current_stream(dev)
+
     for trigger in (False, True):
         prod = Launcher(module(False, trigger), "produce", dev, (264, 1, 1), (256, 1, 1), "Qq")
-        base = graph_time_us(lambda: prod(stream, buf.data_ptr(), buf.numel()), calls=20)
+        base = graph_time_us(lambda: prod(stream(), buf.data_ptr(), buf.numel()), calls=20)
         print(f"producer ({'triggers its dependents first' if trigger else 'does not trigger'}): {base:.2f} µs")
         for wait in (False, True):
             for pdl in (False, True):
                 if pdl and not wait:
                     continue   # a PDL launch must wait before reading what its predecessor wrote
                 k = Launcher(module(wait, trigger), "chase", dev, (a.ctas, 1, 1), (a.threads, 1, 1), "QQQi4x", pdl=pdl)
-                both = graph_time_us(lambda: (prod(stream, buf.data_ptr(), buf.numel()),
-                                              k(stream, idx.data_ptr(), val.data_ptr(), out.data_ptr(), n)), calls=20)
+                both = graph_time_us(lambda: (prod(stream(), buf.data_ptr(), buf.numel()),
+                                              k(stream(), idx.data_ptr(), val.data_ptr(), out.data_ptr(), n)), calls=20)
                 torch.cuda.synchronize()
                 assert torch.equal(out, val[idx.long()] * 2)
                 print(f"  chase: griddepcontrol {'in' if wait else 'out'}, launch attribute {'on' if pdl else 'off'}: "
