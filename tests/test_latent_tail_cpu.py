@@ -852,30 +852,3 @@ def test_split_proj_registers_bound_the_projection_without_spills(loads, tmp_pat
         lt.persistent(lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, "split": False, "n_global": False,
                                                                     "proj_registers": 112}),
                                    m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a"))
-
-
-@pytest.mark.parametrize("even", [False, True])
-def test_split_next_l2_prefetches_the_next_item_without_spills(even, tmp_path):
-    """next_l2 (split builds): as a projection CTA starts an item it sends its next item's rows toward L2; the
-    projection's SASS gains L2 prefetches beyond the first item's, compiles for sm_90a without spills within the
-    rule's 2 CTAs an SM, and the norm kernel's SASS is unchanged; without split = true it is a named error."""
-    m = tiers.load().model("kimi-k3")
-    base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
-    mk = lambda **over: lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, "even_rows": even, **over}),  # noqa: E731
-                                     m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
-    assert "next_l2: the CTA's next item" in render.render(mk(next_l2=True))
-    assert "next_l2: the CTA's next item" not in render.render(mk())
-    on, off = (jit.build(s, store=DiskCache(tmp_path)) for s in (mk(next_l2=True), mk()))
-    assert_no_spills(on.files)
-    sass_on, sass_off = (resources.sass(b.files) for b in (on, off))
-
-    def kernel(sass, name):   # one kernel's SASS text from a cuobjdump -sass listing
-        return sass.split(f"Function : {name}")[1].split("Function :")[0]
-
-    pf = lambda txt: txt.count("PF2")  # noqa: E731
-    assert pf(kernel(sass_on, lt.PROJ)) > pf(kernel(sass_off, lt.PROJ)) > 0
-    assert kernel(sass_on, lt.NORM) == kernel(sass_off, lt.NORM)
-    regs = dict(resources.usage(on.files))[lt.PROJ]["REG"]
-    assert regs * 256 * 2 <= 65536, regs
-    with pytest.raises(kerngen.InputError, match="next_l2"):
-        lt.persistent(mk(next_l2=True, split=False, even_rows=False, n_global=False))

@@ -222,8 +222,7 @@ def test_split_is_bitwise_the_fused_kernel(T):
 
 
 SPLIT_SHAPES = [{"even_rows": True}, {"n_global": True}, {"even_rows": True, "n_global": True},
-                {"n_global": True, "proj_registers": 112, "norm_loads": 8}, {"n_global": True, "next_l2": True},
-                {"even_rows": True, "next_l2": True}]
+                {"n_global": True, "proj_registers": 112, "norm_loads": 8}]
 
 
 @pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=variant_id)
