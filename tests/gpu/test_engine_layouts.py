@@ -114,7 +114,14 @@ def test_against_sglangs_own_kernel_where_installed():
     E, K, bs, T = 256, 8, 128, 64
     ids = ids_for(T, E, K, 9)
     s, e, n = adapters.moe_align_block_size(ids, bs, E)
-    ss, se, sn = moe_align.moe_align_block_size(ids, bs, E)[:3]
+    # SGLang 0.5.23's signature: E + 1 buckets (bucket 0 for id -1), caller's buffers, padding filled with T * K
+    numel = T * K
+    pad = -(-(numel + (E + 1) * (bs - 1)) // 4) * 4
+    ss = torch.empty(pad, dtype=torch.int32, device="cuda")
+    se = torch.empty(-(-pad // bs), dtype=torch.int32, device="cuda")
+    sn = torch.empty(1, dtype=torch.int32, device="cuda")
+    cumsum = torch.empty(E + 2, dtype=torch.int32, device="cuda")
+    moe_align.moe_align_block_size(ids.to(torch.int32), E + 1, bs, ss, se, sn, cumsum, True)
     assert int(n) == int(sn.flatten()[0])
     blocks = int(n) // bs
     assert torch.equal(e[:blocks].cpu(), se[:blocks].cpu())
