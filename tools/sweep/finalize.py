@@ -28,7 +28,7 @@ from kerngen.tune import cute_finalize_candidates
 
 
 def candidates():
-    for bx, lpg, pdl, early in itertools.product((8, 16, 32, 64), (2, 4, 8, 32), (False, True), (False, True)):
+    for bx, lpg, pdl, early in itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8, 32), (False, True), (False, True)):
         if early and not pdl:
             continue
         yield "small_batch", dict(block_x=bx, loads_per_group=lpg, pdl=pdl, early_read=early)
