@@ -162,6 +162,7 @@ def _moe_tail_cpu(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, ep
                   residual=None):
     check_env()
     _tail.check_args(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, shared, residual, cuda=False)
+    _tail.check_eps(eps)
     return _tail.reference(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, eps=eps, shared=shared,
                            residual=residual)[0]
 
@@ -211,6 +212,7 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     rule serves read which experts were hit on the host (not capturable)."""
     E, T = w13.shape[0], x.shape[0]
     ids = _ids(topk_ids, "topk_ids")
+    _check_weights(topk_weights, ids, x)
     tile = _tile(x, w13, w2, activation, fp8_activations)
     ws = _pm.RoutingWorkspace(max(T, 1), E, ids.shape[1], tile, device=x.device, separate=True)
     r = _pm.permute(ids, num_experts=E, tile=tile, workspace=ws)
@@ -227,6 +229,19 @@ def _ids(topk_ids: Tensor, name: str) -> Tensor:
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise InputError("moe_experts", name, "int32 or int64 expert ids [T, K]", str(topk_ids.dtype))
     return topk_ids.to(torch.int32).contiguous()
+
+
+def _check_weights(w, ids: Tensor, x: Tensor) -> None:
+    """topk_weights: a floating [T, K] tensor like topk_ids, on x's device (the CPU and CUDA paths alike)."""
+    if not isinstance(w, Tensor):
+        raise InputError("moe_experts", "topk_weights", "a torch.Tensor", type(w).__name__)
+    if not w.is_floating_point():
+        raise InputError("moe_experts", "topk_weights", "a floating-point tensor (fp32 or bf16)", str(w.dtype))
+    if tuple(w.shape) != tuple(ids.shape):
+        raise InputError("moe_experts", "topk_weights", f"of shape {tuple(ids.shape)} like topk_ids",
+                         f"shape {tuple(w.shape)}")
+    if w.device != x.device:
+        raise InputError("moe_experts", "topk_weights", f"on {x.device} (same device as x)", str(w.device))
 
 
 def _weights(w: Tensor) -> Tensor:
@@ -249,6 +264,7 @@ def _moe_experts_cpu(x, topk_ids, topk_weights, w13, w2, activation, b13=None, b
                      w2_scale=None, interleaved=False, alpha=1.702, limit=7.0, fp8_activations=False):
     check_env()
     ids = _ids(topk_ids, "topk_ids")
+    _check_weights(topk_weights, ids, x)
     r = _pm.Routing(ids, topk_weights, **_pm.permute_reference(ids, w13.shape[0], 1), tile=1)
     g = _ex.experts(x, r, w13, w2, activation=activation, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale,
                     interleaved=interleaved, alpha=alpha, limit=limit, fp8_activations=fp8_activations)

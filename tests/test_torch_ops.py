@@ -150,3 +150,63 @@ def test_moe_align_block_size_skips_ids_outside_the_experts_on_cpu_as_the_kernel
     torch.ops.kerngen.moe_align_block_size(ids, 5, 4, s, e, n)
     assert n.tolist() == [4] and s[:4].tolist() == [0, 3, 4, 4] and e[0] == 2
     assert [t.tolist() for t in moe_align_block_size(ids, 4, 5)][2] == [4]
+
+
+def test_finalize_on_cpu_with_no_rows_sums_nothing():
+    """gemm2_out with no rows: every index lies outside [0, rows), so every slot is skipped (zeros), as the kernel
+    skips them; the reference does not index an empty tensor."""
+    _, e2p, w = finalize_args(T=4, K=2, H=64, rows=8)
+    g = torch.empty(0, 64, dtype=torch.bfloat16)
+    out = torch.ops.kerngen.finalize(g, e2p, w)
+    assert out.shape == (4, 64) and out.dtype == torch.bfloat16 and not out.any()
+    assert torch.equal(fin.reference(g, e2p, w), out)
+
+
+@pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf"), "1e-6", True])
+def test_moe_tail_checks_eps_on_cpu_and_before_any_launch(eps):
+    """eps: a finite number >= 0, in torch.ops.kerngen.moe_tail on CPU tensors and in kerngen.moe_tail (checked
+    before the tensors, so no GPU is needed to see it), as latent_tail does; a bool is not a number here."""
+    g, e2p, w = finalize_args(T=4, K=2, H=64, rows=8)
+    nw = torch.ones(64, dtype=torch.bfloat16)
+    if isinstance(eps, float):   # (torch's schema itself refuses a str for the op's float argument)
+        with pytest.raises(kerngen.InputError, match="eps"):
+            torch.ops.kerngen.moe_tail(g, e2p, w, nw, eps)
+    with pytest.raises(kerngen.InputError, match="eps"):
+        kerngen.moe_tail(g, e2p, w, nw, eps=eps)
+    torch.ops.kerngen.moe_tail(g, e2p, w, nw, 0)   # an int is a number
+
+
+def _experts_args(T=3, K=2, E=4, H=64, I=32):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).int()
+    w = torch.rand(T, K, generator=gen)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen) / 8).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=gen) / 8).to(torch.bfloat16)
+    return x, ids, w, w13, w2
+
+
+@pytest.mark.parametrize("bad", ["wide", "tall", "flat", "ints"])
+def test_moe_experts_on_cpu_checks_topk_weights(bad):
+    """torch.ops.kerngen.moe_experts names topk_weights when it is not a floating [T, K] tensor like topk_ids (a K + 1
+    column was once read as if it were not there, a wrong T raised torch's own error); the same check runs on the
+    CUDA path, before any launch."""
+    x, ids, w, w13, w2 = _experts_args()
+    ok = torch.ops.kerngen.moe_experts(x, ids, w, w13, w2, "silu")
+    assert ok.shape == (3, 64)
+    bad_w = {"wide": torch.rand(3, 3), "tall": torch.rand(4, 2), "flat": torch.rand(6),
+             "ints": torch.ones(3, 2, dtype=torch.int32)}[bad]
+    with pytest.raises(kerngen.InputError, match="topk_weights"):
+        torch.ops.kerngen.moe_experts(x, ids, bad_w, w13, w2, "silu")
+
+
+def test_each_op_named_in_the_cpu_refusal_has_its_reference():
+    """The CUDA-only entry points refuse CPU tensors pointing at kerngen.ops.<op>.reference: it exists for every op
+    that says so (permute's included)."""
+    import importlib
+    for op in ("finalize", "tail", "latent_tail", "routing", "permute", "experts"):
+        assert callable(importlib.import_module(f"kerngen.ops.{op}").reference), op
+    from kerngen.ops import permute as pm
+    assert pm.reference is pm.permute_reference
+    with pytest.raises(kerngen.InputError, match=r"kerngen\.ops\.permute\.reference"):
+        kerngen.permute(torch.zeros(2, 2, dtype=torch.int32), num_experts=4, tile=16)

@@ -31,6 +31,8 @@ def reference(gemm2_out, expanded_to_permuted, topk_weights, hidden=None):
     T, K = expanded_to_permuted.shape
     acc = torch.zeros(T, H, dtype=torch.float32, device=gemm2_out.device)
     rows = gemm2_out.shape[0]
+    if rows == 0:   # every index lies outside [0, rows): nothing contributes
+        return acc.to(gemm2_out.dtype)
     for k in range(K):
         idx = expanded_to_permuted[:, k].long()
         valid = (idx >= 0) & (idx < rows)

@@ -627,3 +627,6 @@ def check_workspace(op, ws, T, E, K, tile, nl, device, layout="kerngen"):
 
 
 on_clear(_clear_scratch)
+
+
+reference = permute_reference   # each op's CPU semantics are kerngen.ops.<op>.reference

@@ -188,6 +188,8 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
                            local_tail=moe_tail, eps=eps, shared=shared, residual=residual, residual_out=residual_out,
                            out=out, out_dtype=out_dtype, out_scales=out_scales)
     g, e2p, w, nw = gemm2_out, expanded_to_permuted, topk_weights, norm_weight
+    if eps.__class__ is not float or not 0.0 <= eps < _INF:
+        check_eps(eps)
     try:  # the signature pins everything the full checks establish, except alignment (the kernel checks it)
         sig = (g.dtype, g.shape, g.stride(), g.device, e2p.dtype, e2p.shape, e2p.stride(), e2p.device,
                w.dtype, w.shape, w.stride(), w.device, nw.dtype, nw.shape, nw.stride(), nw.device,
@@ -224,8 +226,6 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
                     check_aligned(OP, name, t)
             if scales is not None:
                 check_aligned(OP, "out_scales", scales, 4)
-            if not isinstance(eps, (int, float)):
-                raise InputError(OP, "eps", "a float", type(eps).__name__) from None
             raise
     return (out, scales) if blocks else out
 
@@ -243,6 +243,15 @@ def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
     # the kernel loads row 0 for skipped slots (no branch around loads): give it a row when gemm2_out has none
     g_arg = torch.zeros(1, H, dtype=g.dtype, device=g.device) if not g.shape[0] else (True if g.shape[1] != H else None)
     return fn, T, H, odt, g_arg, dev, H // FP8_BLOCK if odt == FP8 else 0
+
+
+_INF = float("inf")
+
+
+def check_eps(eps) -> None:
+    """eps: a finite number >= 0 (the RMSNorm's, as latent_tail takes it)."""
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 <= eps < _INF:
+        raise InputError(OP, "eps", "a finite number >= 0", repr(eps))
 
 
 def check_args(g, e2p, w, nw, shared=None, residual=None, residual_out=None, out_dtype=None, *, cuda: bool = True):
