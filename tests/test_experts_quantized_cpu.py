@@ -313,31 +313,3 @@ def test_early_l2_without_quantized_activations_prefetches_in_gemm2_only(fmt, a8
     for part in resources.sass(built.files).split("Function : ")[1:]:
         seen[part.split()[0]] = "CCTL.E.PF2" in _before_the_wait(part)
     assert seen == {"experts_gemm1": False, "experts_gemm2": layout == "nk"}
-
-
-@pytest.mark.parametrize("params", [dict(), dict(f16x=True, unroll=2), dict(f16x=True, pingpong=True),
-                                    dict(f16x=True, prefetch=False), dict(f16x=True, warps=8, stages=8)])
-def test_stages_need_f16x_unroll_1_and_room(params):
-    """stages: only f16x builds with one step a batch and prefetch, without pingpong, and slots within 40 KiB of
-    static shared memory a CTA; any other rule is a TierError naming stages."""
-    rule = tiers.Rule("experts", "mma", {"tokens": (1, 8)}, {**dict(tile=8, warps=4, unroll=1, stages=4), **params})
-    with pytest.raises(kerngen.TierError, match="stages"):
-        ex.rule_spec(rule, 7168, 2048, "silu", "sm_90a", "fp8")
-
-
-@pytest.mark.parametrize("fmt,H,I", [("fp8", 7168, 2048), ("mxfp4", 2880, 2880)])
-@pytest.mark.parametrize("params", [dict(stages=2), dict(stages=4), dict(stages=4, prefetch_x=True),
-                                    dict(stages=2, mtiles=2, prefetch_x=True)])
-def test_stages_build_cp_async_slots_without_spills(fmt, H, I, params, tmp_path):
-    """stages: the weights travel by cp.async (LDGSTS, absent from the plain build) into static shared memory of the
-    CTA, exactly its slots more (stages x tiles x 2 rows x 16 bytes a vector x its threads, fp8's two vectors a
-    row), and the build has no spills."""
-    staged, plain = (jit.build(shape_spec(fmt, H, I, **p), store=DiskCache(tmp_path))
-                     for p in (params, {k: v for k, v in params.items() if k != "stages"}))
-    assert_no_spills(staged.files)
-    has = lambda b: any(op.startswith("LDGSTS") for op in resources.opcodes(b.files))  # noqa: E731
-    assert has(staged) and not has(plain)
-    shared = {k: u["SHARED"] for k, u in resources.usage(staged.files) if "gemm" in k}
-    slots = params["stages"] * params.get("mtiles", 1) * 2 * (2 if fmt == "fp8" else 1) * 4 * 32 * 16
-    base = {k: u["SHARED"] for k, u in resources.usage(plain.files) if "gemm" in k}
-    assert all(shared[k] == base[k] + slots for k in shared), (shared, base, slots)

@@ -37,7 +37,6 @@ OP = "experts"
 TORCH_OPS = ("moe_experts",)   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
 SHAPE_FLAGS = ("hidden", "intermediate")   # the shape `kerngen explain --op experts` needs (default: top_k, hidden)
 VARIANTS = ("mma",)
-STAGE_BYTES = 40 * 1024   # stages: a CTA's slots of staged weights (static shared memory, 48 KiB with the rest)
 MAX_TILE = 16   # rows of a tile the kernels take (two 8-row n-blocks of mma accumulators)
 # struct Params of templates/experts/mma.cu.j2 (both kernels)
 PARAMS = Params(("x", "ptr"), ("w13", "ptr"), ("b13", "ptr"), ("inw", "ptr"), ("w2", "ptr"), ("b2", "ptr"),
@@ -76,17 +75,6 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
     if params.get("pingpong") and not (params.get("f16x") and params.get("prefetch", True)):
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets pingpong without "
                         "f16x and prefetch: only the f16-activation builds that load the next steps ahead take it")
-    if "stages" in params and not (params.get("f16x") and params.get("unroll") == 1 and not params.get("pingpong")
-                                   and params.get("prefetch", True)):
-        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets stages without "
-                        "f16x, unroll 1 and prefetch (or with pingpong): only those builds stage their weights in "
-                        "shared memory")
-    if "stages" in params:
-        nbytes = params["stages"] * params.get("mtiles", 1) * 2 * (2 if fmt == "fp8" else 1) * params["warps"] * 32 * 16
-        if nbytes > STAGE_BYTES:
-            raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} stages {nbytes} bytes "
-                            f"of weights a CTA (stages x mtiles x warps); at most {STAGE_BYTES} fit its static "
-                            "shared memory")
     if params.get("mtiles", 1) != 1 and not params.get("f16x"):
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets mtiles without "
                         "f16x: only the f16-activation builds take more than one tile of weight rows an item")
