@@ -33,17 +33,17 @@ from .. import plan as plan_mod
 from ..errors import InputError
 from ..dispatch import Dispatch, calls, lookup, rule_spec
 from ..launch import Launcher, Params, current_stream
-from ..tiers import MAX_EXPERTS, MAX_TOPK, METHODS, SMS, Model, Table
+from ..tiers import SMS, Model, Table
 from . import permute as permute_op
-from ._common import SHORT, DTYPE_NAMES, arch, check_int, check_local, check_tensor, resolve, table
+from ._common import SHORT, DTYPE_NAMES, arch, check_local, resolve, table
 from .permute import Routing, RoutingWorkspace, check_layout, check_workspace, with_align
+# the reference and the checks live in modules of their own; re-exported here
+from .routing_checks import check_args, model_args  # noqa: F401
+from .routing_reference import _SIGMOID_BIAS, reference  # noqa: F401
 
 OP = "routing"
 TORCH_OPS = ("route", "route_permute")   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
 SHAPE_FLAGS = ("experts", "top_k")   # the shape `kerngen explain --op routing` needs (default: top_k, hidden)
-_LOGITS = (torch.float32, torch.bfloat16)
-_BIAS = (torch.float32, torch.bfloat16)
-_SIGMOID_BIAS = ("sigmoid_bias", "grouped_sigmoid_bias")
 _SHORT_METHOD = {"softmax_topk": "smk", "topk_softmax": "tks", "sigmoid_bias": "sgb",
                  "grouped_sigmoid_bias": "gsb", "top1_sigmoid": "t1s"}
 # struct Params of templates/routing/_routing.cuh.j2 (topk and fused kernels)
@@ -51,64 +51,6 @@ PARAMS = Params(("logits", "ptr"), ("bias", "ptr"), ("ids", "ptr"), ("weights", 
                 ("offsets", "ptr"), ("e2p", "ptr"), ("p2t", "ptr"), ("t2e", "ptr"), ("num_rows", "ptr"),
                 ("rsf", "float"), ("tokens", "int"), ("ld", "int"), ("tile", "int"), ("local_start", "int"),
                 ("num_local", "int"), ("max_rows", "int"))
-
-
-# --------------------------------------------------------------------------------------------- reference
-def _key_and_values(logits, method, bias):
-    s = logits.float()
-    s = torch.where(torch.isnan(s), torch.full_like(s, float("-inf")), s)
-    if method in _SIGMOID_BIAS or method == "top1_sigmoid":
-        g = 1.0 / (1.0 + torch.exp(-s))                  # reciprocal of (1 + exp(-s)), as the kernels round it
-    else:
-        g = None
-    if method in _SIGMOID_BIAS:
-        key = g if bias is None else g + bias.float()
-        key = torch.where(s == float("-inf"), s, key)
-    else:
-        key = s
-    return s, g, key
-
-
-def _topk_stable(key, k):
-    return torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :k]
-
-
-def reference(logits: torch.Tensor, top_k: int, method: str, bias: torch.Tensor | None = None, n_group: int = 1,
-              topk_group: int = 1, routed_scaling_factor: float = 1.0,
-              renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch (module docstring semantics): (topk_ids int32 [T,K], topk_weights fp32 [T,K])."""
-    T, E = logits.shape
-    K, rsf = top_k, routed_scaling_factor
-    ninf = float("-inf")
-    s, g, key = _key_and_values(logits, method, bias)
-    if method == "grouped_sigmoid_bias":
-        gs = E // n_group
-        top = key.view(T, n_group, gs).topk(min(2, gs), dim=-1).values
-        score = top[..., 0] if gs == 1 else torch.where(top[..., 1] == ninf, top[..., 0], top[..., 0] + top[..., 1])
-        keep = torch.zeros(T, n_group, dtype=torch.bool, device=s.device)
-        keep.scatter_(1, _topk_stable(score, topk_group), True)
-        key = key.masked_fill(~keep.repeat_interleave(gs, dim=1), ninf)
-    ids = _topk_stable(key, K)
-    if method in _SIGMOID_BIAS:
-        w = g.gather(-1, ids)
-        w = w * rsf / (w.sum(-1, keepdim=True) + 1e-20) if renormalize else w * rsf
-    elif method == "softmax_topk":
-        finite = s.amax(-1, keepdim=True) > ninf
-        p = torch.where(finite, s.softmax(-1), torch.zeros_like(s))
-        w = p.gather(-1, ids)
-        if renormalize:
-            total = w.sum(-1, keepdim=True)
-            w = torch.where(total > 0, w / total, torch.zeros_like(w))
-        w = w * rsf
-    elif method == "topk_softmax":
-        sel = s.gather(-1, ids)
-        finite = sel[:, :1] > ninf
-        w = torch.where(finite, sel.softmax(-1), torch.zeros_like(sel)) * rsf
-    elif method == "top1_sigmoid":
-        w = g.gather(-1, ids) * rsf
-    else:
-        raise InputError(OP, "method", f"one of {', '.join(METHODS)}", repr(method))
-    return ids.to(torch.int32), w.float()
 
 
 # ----------------------------------------------------------------------------------------------- planning
@@ -298,81 +240,3 @@ def _prepare(logits, top_k, method, bias, n_group, topk_group, rsf, renormalize,
                  wdtype=DTYPE_NAMES[wdt], align=layout == "align", permute=tile is not None)
     r = d.served(T)
     return r, proto, T, tile, ls, nl, float(rsf), dev
-
-
-# ----------------------------------------------------------------------------------------------- checks
-def check_args(logits, K, method, bias=None, n_group=1, topk_group=1, renormalize=True, tile=None,
-               local_experts=None, rsf=1.0, *, cuda: bool = True) -> None:
-    """Every check of `route`'s arguments, naming the argument; shape and scalar checks come before the device
-    check (skipped with cuda=False: the CPU entry points that run the reference validate the same way)."""
-    check_tensor(OP, "logits", logits, dtypes=_LOGITS, ndim=2, device=getattr(logits, "device", None))
-    if logits.stride(1) != 1:
-        raise InputError(OP, "logits", "row-major with a contiguous last dim", f"strides {logits.stride()}")
-    T, E = logits.shape
-    if not 1 <= E <= MAX_EXPERTS:
-        raise InputError(OP, "logits", f"[T, E] with 1 <= E <= {MAX_EXPERTS}", f"E = {E}")
-    if method not in METHODS:
-        raise InputError(OP, "method", f"one of {', '.join(METHODS)} (or give model=)", repr(method))
-    check_int(OP, "top_k", K, 1, min(MAX_TOPK, E))
-    if method == "top1_sigmoid" and K != 1:
-        raise InputError(OP, "top_k", "1 for method 'top1_sigmoid'", repr(K))
-    check_int(OP, "n_group", n_group, 1, E)
-    if E % n_group:
-        raise InputError(OP, "n_group", f"a divisor of the expert count {E}", repr(n_group))
-    check_int(OP, "topk_group", topk_group, 1, n_group)
-    if method == "grouped_sigmoid_bias":
-        if K > topk_group * (E // n_group):
-            raise InputError(OP, "top_k", f"at most topk_group * E / n_group = {topk_group * (E // n_group)}", repr(K))
-    elif n_group != 1 or topk_group != 1:
-        raise InputError(OP, "n_group", "1 (and topk_group 1) unless method is 'grouped_sigmoid_bias'",
-                         f"n_group={n_group}, topk_group={topk_group}")
-    if not isinstance(renormalize, bool):
-        raise InputError(OP, "renormalize", "True or False", repr(renormalize))
-    if bias is not None:
-        if method not in _SIGMOID_BIAS:
-            raise InputError(OP, "bias", "None for method " + repr(method), "a tensor")
-        check_tensor(OP, "bias", bias, dtypes=_BIAS, ndim=1, device=logits.device, contiguous=True)
-        if bias.shape[0] != E:
-            raise InputError(OP, "bias", f"of length {E} (one per expert)", f"length {bias.shape[0]}")
-    _check_unkeyed(tile, local_experts, rsf, E)
-    if T * K >= 2**31 - 1:
-        raise InputError(OP, "logits", "fewer than 2**31 / K tokens", f"T = {T}")
-    if cuda:
-        check_tensor(OP, "logits", logits)
-
-
-def _check_unkeyed(tile, local_experts, rsf, E) -> tuple[int, int]:
-    """The arguments route's kernel cache does not key on, so checked on every call; (local_start, num_local)."""
-    if tile is not None and (type(tile) is not int or not 1 <= tile <= permute_op.MAX_TILE):
-        check_int(OP, "tile", tile, 1, permute_op.MAX_TILE)
-    ls_nl = (0, E) if local_experts is None else check_local(OP, local_experts, E)
-    if not (isinstance(rsf, (int, float)) and not isinstance(rsf, bool) and 0 < rsf < float("inf")):
-        raise InputError(OP, "routed_scaling_factor", "a positive finite number", repr(rsf))
-    return ls_nl
-
-
-_KINDS = {"top_k": int, "method": str, "n_group": int, "topk_group": int, "routed_scaling_factor": (int, float),
-          "renormalize": bool}   # what model_args compares with the model's value (only renormalize a bool)
-
-
-def model_args(name, top_k, method, n_group, topk_group, rsf, renormalize, logits=None) -> tuple:
-    """route's (top_k, method, n_group, topk_group, routed_scaling_factor, renormalize) from model `name` of
-    the tier table; an explicit value that disagrees with the model is an InputError, and so are `logits` whose
-    expert count is not the model's."""
-    if not isinstance(name, str):
-        raise InputError(OP, "model", "a model name of the tier table (a str)", repr(name))
-    m = table().model(name)
-    given = {"top_k": (top_k, m.top_k, None), "method": (method, m.routing, None),
-             "n_group": (n_group, m.n_group, 1), "topk_group": (topk_group, m.topk_group, 1),
-             "routed_scaling_factor": (rsf, m.routed_scaling_factor, 1.0),
-             "renormalize": (renormalize, m.renormalize, True)}
-    for arg, (v, want, default) in given.items():   # of the value's kind first: a tensor is not compared
-        if v is not None and (not isinstance(v, _KINDS[arg]) or isinstance(v, bool) != (arg == "renormalize")
-                              or v != default and v != want):
-            raise InputError(OP, arg, f"{want!r} as model '{name}' says (or left out)", repr(v))
-    if isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.shape[1] != m.num_experts:
-        raise InputError(OP, "logits", f"[T, {m.num_experts}] (model '{name}' has {m.num_experts} experts)",
-                         f"shape {tuple(logits.shape)}")
-    return m.top_k, m.routing, m.n_group, m.topk_group, m.routed_scaling_factor, m.renormalize
-
-
