@@ -122,6 +122,7 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                                "even_rows": FLAG,   # split: each projection CTA an even share of up_proj's rows
                                "n_global": FLAG,   # split: the projection reads n from global memory (no copy)
                                "proj_registers": _n(32, 255),   # split: the projection's register bound
+                               "l2_lines": _n(0, 4096),   # split: lines of each first-item row sent toward L2
                                "split": FLAG},   # the norm in a first kernel of its own, the projection waiting on it
     ("latent_tail", "norm_gemm"): {"backend": NVRTC, "cluster": _n(1, 8), "pdl": FLAG,   # norm kernel, torch.mm, add
                                    "norm_loads": _n(1, 16),   # rows a norm thread loads at once (default 16)

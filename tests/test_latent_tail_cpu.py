@@ -852,3 +852,27 @@ def test_split_proj_registers_bound_the_projection_without_spills(loads, tmp_pat
         lt.persistent(lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, "split": False, "n_global": False,
                                                                     "proj_registers": 112}),
                                    m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a"))
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_split_l2_lines_bound_the_first_items_l2_prefetch(early, tmp_path):
+    """l2_lines (split builds): only the first l2_lines 128-byte lines of each first-item row (past the early_weights
+    steps) go toward L2 before the wait; 0 leaves no L2 prefetch in the projection (its SASS has no CCTL.E.PF2), a
+    positive count keeps them; no spills within 2 CTAs an SM; without split = true it is a named error."""
+    m = tiers.load().model("kimi-k3")
+    base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
+    mk = lambda **over: lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, "early_weights": early, **over}),  # noqa: E731
+                                     m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
+    assert "l2_lines of each row" not in render.render(mk())   # the rule's own build: its code unchanged
+    assert "l2_lines of each row" in render.render(mk(l2_lines=8))
+
+    def proj_sass(s):
+        b = jit.build(s, store=DiskCache(tmp_path))
+        assert_no_spills(b.files)
+        assert dict(resources.usage(b.files))[lt.PROJ]["REG"] * 256 * 2 <= 65536
+        return resources.sass(b.files).split(f"Function : {lt.PROJ}")[1].split("Function :")[0]
+
+    assert "PF2" not in proj_sass(mk(l2_lines=0))
+    assert "PF2" in proj_sass(mk(l2_lines=8)) and "PF2" in proj_sass(mk())
+    with pytest.raises(kerngen.InputError, match="l2_lines"):
+        lt.persistent(mk(l2_lines=8, split=False, n_global=False))

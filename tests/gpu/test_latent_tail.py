@@ -222,7 +222,8 @@ def test_split_is_bitwise_the_fused_kernel(T):
 
 
 SPLIT_SHAPES = [{"even_rows": True}, {"n_global": True}, {"even_rows": True, "n_global": True},
-                {"n_global": True, "proj_registers": 112, "norm_loads": 8}]
+                {"n_global": True, "proj_registers": 112, "norm_loads": 8}, {"n_global": True, "l2_lines": 0},
+                {"n_global": True, "l2_lines": 8}]
 
 
 @pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=variant_id)
