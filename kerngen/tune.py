@@ -235,8 +235,8 @@ def latent_tail_candidates():
     """The fused kernel (one launch, or split: the norm kernel then the projection; with and without the first
     weight steps in registers before the wait; 2 or 4 steps a load batch) for up to 8 and 16 tokens, the split
     norm kernel at 2 and 4 CTAs a token with 8 or 16 rows loaded at once, the split projection with even shares of
-    the rows, with n read from global memory, with a register bound beside the norm CTA and at three CTAs an SM, and
-    norm_gemm (any token count) at each
+    the rows, with n read from global memory, with a register bound beside the norm CTA, with less of the first item
+    sent toward L2 before the wait, and at three CTAs an SM, and norm_gemm (any token count) at each
     cluster size with 2, 4, 8 or 16 rows loaded at once (fewer: fewer registers, more norm CTAs an SM), h in fp32
     or bf16, and with 2 or 4 vectors a norm thread."""
     for mt, warps, unroll, bps, split, early in itertools.product((8, 16), (8, 16), (2, 4), (1, 2), (False, True),
@@ -255,6 +255,9 @@ def latent_tail_candidates():
     for mt, loads in itertools.product((8, 16), (4, 8)):   # a register bound: the norm CTA beside two projections
         yield "fused", dict(max_tokens=mt, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, proj_registers=112, norm_loads=loads)
+    for lines in (0, 8):   # less of the first item toward L2 before the wait, ahead of the norm's loads
+        yield "fused", dict(max_tokens=8, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
+                            early_weights=True, n_global=True, l2_lines=lines)
     for unroll in (1, 2):   # three projection CTAs an SM (no shared memory for n with n_global)
         yield "fused", dict(max_tokens=8, warps=8, unroll=unroll, cluster=8, blocks_per_sm=3, pdl=True, split=True,
                             early_weights=True, n_global=True)
