@@ -339,7 +339,8 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("one shape (--op), or with --model its shape at --tokens")
     g.add_argument("--op", choices=shape_ops(), help="the op whose kernel for this shape is meant")
     g.add_argument("--experts", type=int, help="number of routed experts E (routing, permute)")
-    g.add_argument("--topk", type=int, help="experts per token K (routing, permute, finalize, tail)")
+    g.add_argument("--topk", "--top-k", dest="topk", type=int,
+                   help="experts per token K (routing, permute, finalize, tail)")
     g.add_argument("--hidden", type=int, help="hidden size H, a multiple of 8 (finalize, tail, experts)")
     g.add_argument("--intermediate", type=int, help="the experts' intermediate size I (experts)")
     g.add_argument("--activation", default="silu", choices=tiers.EXPERT_ACTIVATIONS, help="the experts' gate (experts)")

@@ -31,6 +31,14 @@ def test_explain_names_tier_variant_key_and_cache_state(tmp_path):
     assert "key       finalize-large_batch-H3584-K16-bf16-wf32-sm_90a-" in out
 
 
+def test_top_k_is_spelled_either_way(tmp_path):
+    """--top-k (the name of the top_k argument everywhere else) is --topk's other spelling: the same kernel."""
+    args = ("explain", "--op", "finalize", "--hidden", "3584", "--tokens", "8")
+    one = kerngen(*args, "--topk", "16", cache=tmp_path).stdout
+    two = kerngen(*args, "--top-k", "16", cache=tmp_path).stdout
+    assert one == two and "K16" in one
+
+
 def test_unknown_model_is_a_clean_error(tmp_path):
     r = kerngen("warmup", "--model", "nope", cache=tmp_path, check=False)
     assert r.returncode == 2 and "unknown model 'nope'" in r.stderr and "Traceback" not in r.stderr
