@@ -30,3 +30,23 @@ def graph_time_us(fn, calls: int = 20, replays: int = 30) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) * 1000.0 / calls)
     return statistics.median(times)
+
+
+def after_producer_us(step, producer, calls: int = 20, replays: int = 30) -> float:
+    """Median µs a call of `step` adds right behind a call of `producer` in one CUDA graph (their pair's time less
+    the producer's own): `step` as it runs after another library's kernel, which gives it no early start."""
+    return (graph_time_us(lambda: (producer(), step()), calls, replays)
+            - graph_time_us(producer, calls, replays))
+
+
+def elementwise_producer():
+    """A 4 MB elementwise write on the current stream (torch's, so it never triggers a dependent's early start):
+    the producer of after_producer_us that tools.bench and kerngen tune put before a step."""
+    buf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
+    return lambda: buf.mul_(1.0)
+
+
+def both_settings_us(step, calls: int = 20, replays: int = 30) -> float:
+    """The slower of a step's two times: back to back (chained) and behind an elementwise producer. A choice by it is
+    never the one that wins one setting by losing the other."""
+    return max(graph_time_us(step, calls, replays), after_producer_us(step, elementwise_producer(), calls, replays))

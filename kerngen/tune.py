@@ -16,14 +16,14 @@ import torch
 from . import env, tiers
 from .errors import CompileError, KerngenError
 from .plan import spec_for, target_arch
-from .timing import graph_time_us
+from .timing import both_settings_us, graph_time_us
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def finalize_candidates():
-    for bx, lpg in itertools.product((8, 16, 32, 64), (2, 4, 8, 32)):
-        yield "small_batch", dict(block_x=bx, loads_per_group=lpg, pdl=True, early_read=False)
+    for bx, lpg, pdl in itertools.product((8, 16, 32, 64), (2, 4, 8, 32), (True, False)):
+        yield "small_batch", dict(block_x=bx, loads_per_group=lpg, pdl=pdl, early_read=False)
     for vpt, unroll in itertools.product((1, 2, 4), (2, 4, 8)):
         yield "large_batch", dict(vectors_per_thread=vpt, unroll=unroll, pdl=True, early_read=False)
     yield from cute_finalize_candidates()
@@ -47,7 +47,7 @@ def _time_finalize(model: tiers.Model, T: int, variant: str, params: dict) -> fl
     run = fin.bound(fin.kernel(spec, T, dev), g, e2p, w, out, H)
     call = lambda: run(current_stream(dev))
     return _checked_time(call, lambda: torch.equal(out.view(torch.int16), fin.reference(g, e2p, w).view(torch.int16)),
-                         f"finalize {variant} {params}", T)
+                         f"finalize {variant} {params}", T, both=True)
 
 
 def _moe_inputs(model: tiers.Model, T: int):
@@ -59,13 +59,15 @@ def _moe_inputs(model: tiers.Model, T: int):
     return g, e2p, w, torch.empty(T, H, dtype=dt, device="cuda")
 
 
-def _checked_time(call, correct, what: str, T: int) -> float:
-    """Run a candidate once, check its result with correct(), then time it: µs per call in a CUDA graph."""
+def _checked_time(call, correct, what: str, T: int, both: bool = False) -> float:
+    """Run a candidate once, check its result with correct(), then time it: µs per call in a CUDA graph, back to
+    back; with `both`, the slower of that and its time behind an elementwise producer (finalize: programmatic
+    dependent launch wins back to back and costs behind a producer that does not trigger early)."""
     call()
     torch.cuda.synchronize()
     if not correct():
         raise KerngenError(f"tune: candidate {what} gave a wrong result at T={T}")
-    return graph_time_us(call, calls=10, replays=15)
+    return both_settings_us(call, calls=10, replays=15) if both else graph_time_us(call, calls=10, replays=15)
 
 
 def tail_candidates():

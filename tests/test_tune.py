@@ -1,5 +1,6 @@
 """The tuner's output file: rules merged over token buckets, provenance, refusal to touch tiers.toml."""
 import pytest
+import torch
 
 from kerngen import env, tiers, tune
 from kerngen.errors import KerngenError
@@ -159,3 +160,27 @@ def test_every_latent_tail_candidate_is_a_valid_rule():
         tiers.check_params("latent_tail", "latent_tail", variant, params)
         s = lt.rule_spec(tiers.Rule("latent_tail", variant, {}, params), 3584, 7168, 16, "float32", "sm_90a")
         assert lt.persistent(s)
+
+
+def test_finalize_candidates_are_timed_in_both_settings(monkeypatch):
+    """finalize's small_batch candidates come with and without programmatic dependent launch, and the tuner times
+    each at the slower of back to back and behind an elementwise producer (PDL wins the first and costs in the
+    second), where the other ops' candidates keep the back-to-back time."""
+    cands = [p for v, p in tune.finalize_candidates() if v == "small_batch"]
+    assert {p["pdl"] for p in cands} == {True, False}
+    seen = []
+    monkeypatch.setattr(tune, "graph_time_us", lambda fn, calls, replays: seen.append("chained") or 1.0)
+    monkeypatch.setattr(tune, "both_settings_us", lambda fn, calls, replays: seen.append("both") or 2.0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert tune._checked_time(lambda: None, lambda: True, "x", 1, both=True) == 2.0
+    assert tune._checked_time(lambda: None, lambda: True, "x", 1) == 1.0
+    assert seen == ["both", "chained"]
+
+
+def test_both_settings_is_the_slower_of_the_two(monkeypatch):
+    from kerngen import timing
+    monkeypatch.setattr(timing, "elementwise_producer", lambda: None)
+    monkeypatch.setattr(timing, "after_producer_us", lambda step, producer, calls, replays: 1.5)
+    for chained, want in ((1.0, 1.5), (2.0, 2.0)):
+        monkeypatch.setattr(timing, "graph_time_us", lambda step, calls, replays: chained)
+        assert timing.both_settings_us(lambda: None) == want

@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from kerngen.timing import graph_time_us  # noqa: F401  (re-exported for the bench scripts)
+from kerngen.timing import after_producer_us, elementwise_producer, graph_time_us  # noqa: F401  (re-exported)
 
 
 def require_gpu(tool: str) -> None:
@@ -144,15 +144,15 @@ def events_us(fn, n: int = 200, warmup: int = 5) -> float:
 
 def timed(step, producer, chained: bool = False) -> float:
     """µs a call of `step` in a CUDA graph: back to back (chained), or each right behind a call of `producer`, less
-    the producer's own time."""
+    the producer's own time (kerngen.timing.after_producer_us)."""
     if chained:
         return graph_time_us(step, calls=20)
-    return graph_time_us(lambda: (producer(), step()), calls=20) - graph_time_us(producer, calls=20)
+    return after_producer_us(step, producer)
 
 
 def producer_timer(on: bool):
     """graph_time_us, or (with the producer) `timed` behind a 4 MB elementwise write that does not trigger early."""
     if not on:
         return graph_time_us
-    buf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
-    return lambda fn: timed(fn, lambda: buf.mul_(1.0))
+    producer = elementwise_producer()
+    return lambda fn: timed(fn, producer)
