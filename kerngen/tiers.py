@@ -96,7 +96,8 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
     ("permute", "histogram"): {"backend": NVRTC, "tokens_per_block": _n(16, required=True)},
     ("finalize", "small_batch"): {"backend": NVRTC, "block_x": _n(1, 1024, required=True),
                                   "loads_per_group": _n(1, 64, required=True), "early_read": NEEDED_FLAG,
-                                  "pdl": FLAG},
+                                  "pdl": FLAG,
+                                  "stream": FLAG},   # false: rows read with the default cache policy (not evict-first)
     ("finalize", "large_batch"): {"backend": NVRTC, "vectors_per_thread": _n(1, 1024, required=True),
                                   "unroll": _n(1, 64, required=True), "early_read": NEEDED_FLAG, "pdl": FLAG},
     ("finalize", "cute"): {"backend": CUTE, "ctas": _n(1, 1024), "threads": _n(32, 1024), "max_loads": _n(1, 64),

@@ -22,8 +22,9 @@ DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def finalize_candidates():
-    for bx, lpg, pdl in itertools.product((8, 16, 32, 64), (2, 4, 8, 32), (True, False)):
-        yield "small_batch", dict(block_x=bx, loads_per_group=lpg, pdl=pdl, early_read=False)
+    for bx, lpg, pdl, stream in itertools.product((8, 16, 32, 64), (2, 4, 8, 32), (True, False), (True, False)):
+        yield "small_batch", dict(block_x=bx, loads_per_group=lpg, pdl=pdl, early_read=False,
+                                  **({} if stream else {"stream": False}))
     for vpt, unroll in itertools.product((1, 2, 4), (2, 4, 8)):
         yield "large_batch", dict(vectors_per_thread=vpt, unroll=unroll, pdl=True, early_read=False)
     yield from cute_finalize_candidates()

@@ -105,3 +105,22 @@ def test_a_compile_with_an_empty_log_leaves_the_interpreter_s_bytes_alone():
     cubin, log = nvrtc_compile('extern "C" __global__ void k() {}', "k", "sm_90a", "empty-log", None)
     assert log == "" and cubin[:4] == b"\x7fELF"
     assert b" "[0] == 32 and (b" " * 1)[0] == 32 and " ".encode()[0] == 32 and "a b".split() == ["a", "b"]
+
+
+def test_finalize_stream_false_reads_rows_with_the_default_cache_policy(tmp_path):
+    """small_batch's row loads are evict-first (LDG.E.EF) by default; stream = false reads them with the default
+    policy (no EF), the index and weight loads unchanged, and the default build's source has no trace of it."""
+    from kerngen import resources
+    from kerngen.plan import spec_for
+    from kerngen.tiers import Rule
+
+    def spec(**extra):
+        rule = Rule(op="finalize", variant="small_batch", ranges={},
+                    params=dict(block_x=32, loads_per_group=8, pdl=False, early_read=False, **extra))
+        return spec_for(rule, *fin.tag_constants(2880, 4, "bfloat16", "float32"), "sm_90a")
+
+    assert "kg_ldg_keep" not in render.render(spec()) and render.render(spec()) == render.render(spec(stream=True))
+    loads = {s: [o for o in resources.opcodes(jit.build(spec(stream=s), store=DiskCache(tmp_path)).files)
+                 if o.startswith("LDG")] for s in (True, False)}
+    assert sum(".EF." in o for o in loads[True]) == 4 and not any(".EF" in o for o in loads[False])
+    assert len(loads[True]) == len(loads[False])

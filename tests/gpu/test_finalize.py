@@ -258,3 +258,23 @@ def test_cute_variant_in_a_graph_and_prepared(cute_tiers, T):
     ref = reference(gemm2, e2p, w).view(torch.int16)
     assert torch.equal(out.view(torch.int16), ref) and torch.equal(prepared.out.view(torch.int16), ref)
     assert uses_cute(cute_tiers)
+
+
+@pytest.mark.parametrize("params", [dict(block_x=32, loads_per_group=8), dict(block_x=16, loads_per_group=2),
+                                    dict(block_x=8, loads_per_group=1)])
+@pytest.mark.parametrize("K", [1, 4, 16])
+@pytest.mark.parametrize("T", [1, 8, 40])
+def test_small_batch_rows_with_the_default_cache_policy_give_the_same_bits(params, K, T):
+    """stream = false (rows read without the evict-first hint) is the same kernel otherwise: the reference's bits."""
+    from kerngen.launch import current_stream
+    from kerngen.ops import finalize as fin
+    from kerngen.plan import spec_for, target_arch
+    from kerngen.tiers import Rule
+    g, e2p, w = make(T, K, 2880, seed=T * 10 + K)
+    rule = Rule(op="finalize", variant="small_batch", ranges={}, params=dict(pdl=False, early_read=False, stream=False,
+                                                                              **params))
+    spec = spec_for(rule, *fin.tag_constants(2880, K, "bfloat16", "float32"), target_arch(0))
+    out = torch.full((T, 2880), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fin.bound(fin.kernel(spec, T, 0), g, e2p, w, out, 2880)(current_stream(0))
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), reference(g, e2p, w).view(torch.int16))

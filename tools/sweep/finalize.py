@@ -5,6 +5,7 @@ under CUDA graphs, each checked bitwise against the reference; print the best pe
     python3 -m tools.sweep.finalize [--cases 3584x16,7168x8,2048x22] [--tokens 1,8,32,64,128,512,4096]
     python3 -m tools.sweep.finalize --cases 2880x4,5120x1 --tokens 1,8,64 --variants small_batch --producer
     python3 -m tools.sweep.finalize --cases 2880x4 --tokens 1 --variants small_batch --where block_x=16|64,loads_per_group=2|32
+    python3 -m tools.sweep.finalize --cases 5120x1,3584x16 --tokens 1,8 --variants small_batch --where "stream=false|true" --producer
 
 --producer times each call right behind a producer kernel (tools.bench's: no early start), less the producer's own
 time, and torch.compile of the plain torch finalize beside the candidates; --variants and --where (params, values
@@ -28,10 +29,11 @@ from kerngen.tune import cute_finalize_candidates
 
 
 def candidates():
-    for bx, lpg, pdl, early in itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8, 32), (False, True), (False, True)):
+    for bx, lpg, pdl, early, stream in itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8, 32), (False, True),
+                                                         (False, True), (True, False)):
         if early and not pdl:
             continue
-        yield "small_batch", dict(block_x=bx, loads_per_group=lpg, pdl=pdl, early_read=early)
+        yield "small_batch", dict(block_x=bx, loads_per_group=lpg, pdl=pdl, early_read=early, stream=stream)
     for vpt, unroll, pdl in itertools.product((1, 2, 4), (2, 4, 8), (False, True)):
         yield "large_batch", dict(vectors_per_thread=vpt, unroll=unroll, pdl=pdl, early_read=False)
     yield from cute_finalize_candidates()
