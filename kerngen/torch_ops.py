@@ -162,7 +162,7 @@ def _moe_tail_cpu(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, ep
                   residual=None):
     check_env()
     _tail.check_args(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, shared, residual, cuda=False)
-    _tail.check_eps(eps)
+    _common.check_eps(_tail.OP, eps)
     return _tail.reference(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, eps=eps, shared=shared,
                            residual=residual)[0]
 

@@ -35,6 +35,12 @@ def check_tensor(op: str, name: str, t, *, dtypes=None, ndim=None, device=None, 
         raise InputError(op, name, "contiguous", f"strides {t.stride()}")
 
 
+def check_eps(op: str, eps) -> None:
+    """A norm's eps: a finite number >= 0 (a bool is not one)."""
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 <= eps < float("inf"):
+        raise InputError(op, "eps", "a finite number >= 0", repr(eps))
+
+
 def check_int(op: str, name: str, v, lo: int, hi: int) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise InputError(op, name, f"an integer in [{lo}, {hi}]", repr(v))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from ._common import check_aligned, check_gather_inputs, check_rows, check_tensor
+from ._common import check_aligned, check_eps, check_gather_inputs, check_rows, check_tensor
 
 OP = "latent_tail"
 MAX_K = 64
@@ -40,8 +40,7 @@ def check_args(g, e2p, w, nw, up, shared, residual, eps, *, cuda: bool = True) -
             check_tensor(OP, name, t, dtypes=_BF16, ndim=2, device=dev, contiguous=True)
             if tuple(t.shape) != (T, H):
                 raise InputError(OP, name, f"of shape {(T, H)} (tokens, up_proj's rows)", f"shape {tuple(t.shape)}")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 <= eps < float("inf"):
-        raise InputError(OP, "eps", "a finite number >= 0", repr(eps))
+    check_eps(OP, eps)
     for name, t in (("gemm2_out", g), ("norm_weight", nw), ("up_proj", up)):
         check_aligned(OP, name, t)
     return T, L, H

@@ -28,8 +28,8 @@ from .. import plan as plan_mod
 from ..errors import InputError
 from ..dispatch import Dispatch, calls, lookup
 from ..tiers import Model, Rule, Table
-from ._common import (DTYPE_NAMES, SHORT, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
-                      check_tensor, resolve, table)
+from ._common import (DTYPE_NAMES, SHORT, arch, check_aligned, check_buffer, check_eps, check_gather_inputs,
+                      check_rows, check_tensor, resolve, table)
 from .tail_tp import moe_tail_tp
 
 OP = "tail"
@@ -188,8 +188,8 @@ def moe_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_w
                            local_tail=moe_tail, eps=eps, shared=shared, residual=residual, residual_out=residual_out,
                            out=out, out_dtype=out_dtype, out_scales=out_scales)
     g, e2p, w, nw = gemm2_out, expanded_to_permuted, topk_weights, norm_weight
-    if eps.__class__ is not float or not 0.0 <= eps < _INF:
-        check_eps(eps)
+    if eps.__class__ is not float or not 0.0 <= eps < _INF:   # (a float in range passes with one test)
+        check_eps(OP, eps)
     try:  # the signature pins everything the full checks establish, except alignment (the kernel checks it)
         sig = (g.dtype, g.shape, g.stride(), g.device, e2p.dtype, e2p.shape, e2p.stride(), e2p.device,
                w.dtype, w.shape, w.stride(), w.device, nw.dtype, nw.shape, nw.stride(), nw.device,
@@ -246,12 +246,6 @@ def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
 
 
 _INF = float("inf")
-
-
-def check_eps(eps) -> None:
-    """eps: a finite number >= 0 (the RMSNorm's, as latent_tail takes it)."""
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 <= eps < _INF:
-        raise InputError(OP, "eps", "a finite number >= 0", repr(eps))
 
 
 def check_args(g, e2p, w, nw, shared=None, residual=None, residual_out=None, out_dtype=None, *, cuda: bool = True):
