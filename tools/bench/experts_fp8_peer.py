@@ -20,7 +20,7 @@ import os
 import torch
 import kerngen
 from kerngen.ops import experts as ex
-from tools.bench.lib import graph_time_us, read_bandwidth_tbs, timed
+from tools.bench.lib import elementwise_producer, graph_time_us, read_bandwidth_tbs, timed
 
 
 def load_peer(folder):
@@ -63,8 +63,7 @@ def main():
             rt = [kerngen.route(l, top_k=K, method="softmax_topk", tile=tile) for l in lg]
             active = sum(int(torch.unique(r.topk_ids).numel()) for r in rt) / calls
             floor = active * 3 * H * I * (1 + 4 / 128 ** 2) / (bw * 1e12) * 1e6
-            pbuf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
-            prod = lambda: pbuf.mul_(1.0)
+            prod = elementwise_producer()
             outs = [torch.empty(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda") for r in rt]
             def t_of(step):
                 return timed(step, prod)

@@ -21,7 +21,7 @@ import sys
 import torch
 
 import kerngen
-from .lib import graph_time_us, require_gpu
+from .lib import elementwise_producer, graph_time_us, require_gpu
 
 MODELS = ("kimi-k3", "deepseek-v3", "kimi-k2", "glm-4.5")
 
@@ -100,8 +100,7 @@ def main(argv=None) -> int:
     require_gpu("python3 -m tools.bench.routing_peers")
     if a.sglang:
         sys.path.insert(0, a.sglang)
-    producer_buf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
-    producer = lambda: producer_buf.mul_(1.0)  # noqa: E731
+    producer = elementwise_producer()
     print("µs per call (after a producer / chained); topk: ids + weights; perm: with the permutation")
     for name in a.models.split(","):
         for T in map(int, a.tokens.split(",")):

@@ -31,7 +31,7 @@ from kerngen.launch import _drv
 from kerngen.ops import experts as ex
 from kerngen.plan import target_arch
 from kerngen.tune import random_expert_weights
-from tools.bench.lib import read_bandwidth_tbs, require_gpu, timed
+from tools.bench.lib import elementwise_producer, read_bandwidth_tbs, require_gpu, timed
 
 SHAPES = {"deepseek-v3": (7168, 2048, 256, 8, "silu", False), "kimi-k2": (7168, 2048, 384, 8, "silu", False),
           "gpt-oss-120b": (2880, 2880, 128, 4, "gpt_oss", True), "kimi-k3": (3584, 2048, 896, 16, "situglu", False)}
@@ -88,7 +88,7 @@ def main():
             floor = active * 3 * H * I * per_weight / (bw * 1e12) * 1e6
             outs = [torch.empty(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda") for r in rt]
             acts = [torch.empty(r.tile_to_expert.shape[0] * tile, I, dtype=torch.bfloat16, device="cuda") for r in rt]
-            pbuf = torch.empty(2 << 20, dtype=torch.bfloat16, device="cuda")
+            prod = elementwise_producer()
             rule = ex.spec(H, I, tile, act, T, arch, fmt=fmt, a8=a8)
             build = lambda p: ex.rule_spec(tiers.Rule("experts", "mma", {}, {**p, "tile": tile}),  # noqa: E731
                                            H, I, act, arch, fmt, "nk", a8)
@@ -167,7 +167,6 @@ def main():
                     n = next(it); i = n % calls; (w13, s13), (w2, s2) = W[n % layers]
                     k(x, rt[i], w13, w2, outs[i], acts[i], interleaved=gpt, w13_scale=s13, w2_scale=s2,
                       a0=1.702 if gpt else 1.0, a1=7.0 if gpt else 0.0)
-                prod = lambda: pbuf.mul_(1.0)
                 us = timed(step, prod)
                 res.append((us, label, occ, dict(s.params)))
             res.sort()
