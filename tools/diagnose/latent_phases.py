@@ -6,7 +6,8 @@ latent_tail_proj, replayed from a CUDA graph right behind a producer kernel.
 
 The split build the tier table picks at each T (or the tier rule with --rule's params laid over it) is rendered with
 a stamp by thread 0 of each CTA at each boundary (`instrument`): the norm kernel's entry, the return of its grid
-wait, its end; the projection's entry, the end of its first weights' loads and L2 prefetches (weights_first), the
+wait, its routing (indices and weights) in shared memory, its rows gathered (sums of squares in shared memory), the
+cluster's rstd known, its end; the projection's entry, the end of its first weights' loads and L2 prefetches (weights_first), the
 return of its grid wait (n complete), n in shared memory, its end. The graph replays producer (a 4 MB write that
 does not trigger early) then the split build; the stamps of the last replay are printed in µs after the first
 CTA's entry: per kernel and boundary the least, median and largest over its CTAs. The weight
@@ -23,12 +24,16 @@ import statistics
 from ..bench.lib import require_gpu
 
 MAX_CTAS = 4096
-NORM_STAMPS = ("entry", "wait", "end")
+NORM_STAMPS = ("entry", "wait", "routing", "gathered", "rstd", "end")
 PROJ_STAMPS = ("entry", "first weights", "wait", "n copied", "end")
 # (kernel index, stamp index, anchor, insert after the anchor?)
 ANCHORS = [
     (0, 1, "    kg_grid_wait();   // gemm2_out and the routing may come from the kernels just before us; p.n from the "
            "last call\n", True),
+    (0, 2, "        w_s[i] = kg_to_float(p.w[t * K + i]);\n    }\n    __syncthreads();\n", True),
+    (0, 3, "    if (wid == 0) {   // the fused kernel's order", False),
+    (0, 4, "    if (CLUSTER > 1) kg_cluster_arrive();   // done reading the cluster's shared memory (waited for before "
+           "exiting)\n    __syncthreads();\n", True),
     (1, 1, "    kg_grid_wait();   // n from latent_tail_norm;", False),
     (1, 2, ("    kg_launch_dependents();\n    {   // n into shared memory", "    project(p, p.n"), False),
     (1, 3, ("    __syncthreads();\n    project(p, ns", "    project(p, p.n"), False),
@@ -64,7 +69,8 @@ def instrument(source: str) -> str:
                     ("latent_tail_proj(const __grid_constant__ Params p) {\n", 1)):
         src = _insert(src, name, f"    kg_stamp({k}, 0);\n", True)
     for k, i, anchor, after in ANCHORS:
-        src = _insert(src, anchor, f"    kg_stamp({k}, {i});\n", after)
+        start = src.index(("latent_tail_norm", "latent_tail_proj")[k] + "(const __grid_constant__ Params p) {")
+        src = _insert(src, anchor, f"    kg_stamp({k}, {i});\n", after, start)
     # the ends: the last closing brace of each kernel's body
     for k, name in ((0, "latent_tail_norm(const __grid_constant__ Params p) {"),
                     (1, "latent_tail_proj(const __grid_constant__ Params p) {")):
