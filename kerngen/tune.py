@@ -258,7 +258,7 @@ def latent_tail_candidates():
     for mt, loads in itertools.product((8, 16), (4, 8)):   # a register bound: the norm CTA beside two projections
         yield "fused", dict(max_tokens=mt, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, proj_registers=112, norm_loads=loads)
-    for lines in (0, 8):   # less of the first item toward L2 before the wait, ahead of the norm's loads
+    for lines in (0, 8, 16, 24):   # less of the first item toward L2 before the wait, ahead of the norm's loads
         yield "fused", dict(max_tokens=8, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, l2_lines=lines)
     for unroll in (1, 2):   # three projection CTAs an SM (no shared memory for n with n_global)

@@ -861,9 +861,11 @@ def test_split_l2_lines_bound_the_first_items_l2_prefetch(early, tmp_path):
     positive count keeps them; no spills within 2 CTAs an SM; without split = true it is a named error."""
     m = tiers.load().model("kimi-k3")
     base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
+    assert base["l2_lines"] == 16   # the shipped rule's
+    base.pop("l2_lines")
     mk = lambda **over: lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, "early_weights": early, **over}),  # noqa: E731
                                      m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
-    assert "l2_lines of each row" not in render.render(mk())   # the rule's own build: its code unchanged
+    assert "l2_lines of each row" not in render.render(mk())   # without it: every line of the first item
     assert "l2_lines of each row" in render.render(mk(l2_lines=8))
 
     def proj_sass(s):
@@ -876,3 +878,45 @@ def test_split_l2_lines_bound_the_first_items_l2_prefetch(early, tmp_path):
     assert "PF2" in proj_sass(mk(l2_lines=8)) and "PF2" in proj_sass(mk())
     with pytest.raises(kerngen.InputError, match="l2_lines"):
         lt.persistent(mk(l2_lines=8, split=False, n_global=False))
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_items_per_cta_sizes_the_grid_and_leaves_the_source(split):
+    """items_per_cta: a grid of at most ceil(items / items_per_cta) CTAs (kimi-k3: 448 items of 16 rows, 264 CTAs
+    at 2 an SM; 2 a CTA: 224, every CTA two items), never more than the persistent grid, whole clusters for the fused
+    kernel; the kernel source is the rule's without it."""
+    m = tiers.load().model("kimi-k3")
+    base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
+    base.update(split=split)
+    if not split:
+        base.update(n_global=False, l2_lines=None)
+        base = {k: v for k, v in base.items() if v is not None}
+    mk = lambda H=m.model_hidden, **over: lt.rule_spec(  # noqa: E731
+        tiers.Rule(lt.OP, "fused", {}, {**base, **over}), m.hidden, H, m.top_k, "float32", "sm_90a")
+    grid = lambda s: lt.launch_shape(s, -1)[0][0]  # noqa: E731
+    full = grid(mk())
+    assert full == 2 * tiers.SMS
+    assert grid(mk(items_per_cta=1)) == full
+    assert grid(mk(items_per_cta=2)) == 224
+    assert grid(mk(items_per_cta=3)) == (150 if split else 144)   # ceil(448 / 3); the fused kernel's clusters of 8
+    assert grid(mk(H=40, items_per_cta=2)) == (2 if split else 8)
+    assert render.render(mk(items_per_cta=2)) == render.render(mk())
+    with pytest.raises(kerngen.TierError, match="items_per_cta"):
+        tiers.check_params("a rule", lt.OP, "fused", {**base, "items_per_cta": 0})
+
+
+def test_split_weights_delay_holds_the_first_loads_back(tmp_path):
+    """weights_delay (split builds): the projection sleeps on the global timer before its first weight loads (its
+    SASS gains NANOSLEEP), without spills; the rule's own build is unchanged; without split = true a named error."""
+    m = tiers.load().model("kimi-k3")
+    base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
+    mk = lambda **over: lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, **over}),  # noqa: E731
+                                     m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
+    assert "weights_delay:" not in render.render(mk()).split("latent_tail_proj(")[-1]
+    assert render.render(mk(weights_delay=0)) == render.render(mk())
+    b = jit.build(mk(weights_delay=600), store=DiskCache(tmp_path))
+    assert_no_spills(b.files)
+    proj = resources.sass(b.files).split(f"Function : {lt.PROJ}")[1].split("Function :")[0]
+    assert "NANOSLEEP" in proj and "600" not in render.render(mk())
+    with pytest.raises(kerngen.InputError, match="weights_delay"):
+        lt.persistent(mk(weights_delay=600, split=False, n_global=False))

@@ -125,7 +125,7 @@ def split(s: plan_mod.KernelSpec) -> bool:
     return s.variant == "fused" and bool(dict(s.params).get("split", False))
 
 
-SPLIT_ONLY = ("even_rows", "n_global", "proj_registers", "l2_lines")   # fused params that only split builds take
+SPLIT_ONLY = ("even_rows", "n_global", "proj_registers", "l2_lines", "weights_delay")   # fused params that only split builds take
 
 
 def even_rows(s: plan_mod.KernelSpec) -> bool:
@@ -194,12 +194,17 @@ def launch_shape(s: plan_mod.KernelSpec, device: int) -> tuple[tuple, tuple, int
     """(grid, block, dynamic shared memory) of a fused spec's persistent kernel on `device` (a split build's
     projection): a persistent grid of the rule's blocks_per_sm CTAs an SM (no more than an SM holds), at most one a
     work item (16 columns of the projection; with even_rows, at most one a row), in whole clusters (the fused
-    kernel's; the projection's CTAs are plain)."""
+    kernel's; the projection's CTAs are plain). With items_per_cta, at most ceil(items / items_per_cta) CTAs (items
+    of 16 rows), so that every CTA streams the same number of items where the persistent grid would leave some SMs
+    one more than others (kimi-k3: 448 items over 264 CTAs)."""
     name = PROJ if split(s) else FUNCTION
-    launch, cl = persistent(s)[name], 1 if split(s) else dict(s.params).get("cluster", 1)
+    p = dict(s.params)
+    launch, cl = persistent(s)[name], 1 if split(s) else p.get("cluster", 1)
     H = dict(s.constants)["H"]
     items = H if even_rows(s) else -(-H // 16)
     ctas = _common.persistent_ctas(OP, resolve(s) if device >= 0 else None, name, device, launch)
+    if p.get("items_per_cta"):
+        ctas = min(ctas, -(-((H + 15) // 16) // p["items_per_cta"]))
     grid = max(cl, min(items, ctas) // cl * cl)
     return (grid, 1, 1), (launch.threads, 1, 1), launch.dynamic_smem
 

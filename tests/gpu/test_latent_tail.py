@@ -223,7 +223,9 @@ def test_split_is_bitwise_the_fused_kernel(T):
 
 SPLIT_SHAPES = [{"even_rows": True}, {"n_global": True}, {"even_rows": True, "n_global": True},
                 {"n_global": True, "proj_registers": 112, "norm_loads": 8}, {"n_global": True, "l2_lines": 0},
-                {"n_global": True, "l2_lines": 8}]
+                {"n_global": True, "l2_lines": 8}, {"n_global": True, "items_per_cta": 2},
+                {"n_global": True, "items_per_cta": 3, "l2_lines": 16}, {"even_rows": True, "items_per_cta": 2},
+                {"n_global": True, "l2_lines": 16, "weights_delay": 500}]
 
 
 @pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=variant_id)
