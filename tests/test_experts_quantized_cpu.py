@@ -313,25 +313,3 @@ def test_early_l2_without_quantized_activations_prefetches_in_gemm2_only(fmt, a8
     for part in resources.sass(built.files).split("Function : ")[1:]:
         seen[part.split()[0]] = "CCTL.E.PF2" in _before_the_wait(part)
     assert seen == {"experts_gemm1": False, "experts_gemm2": layout == "nk"}
-
-
-@pytest.mark.parametrize("fmt,H,I", [("fp8", 7168, 2048), ("mxfp4", 2880, 2880)])
-def test_quantizing_grids_follow_the_tokens(fmt, H, I, monkeypatch):
-    """f16x builds: with the token count and top-k, experts_quant_x takes ceil(T * H/128 / 8) CTAs (a warp a group)
-    and experts_quant_act ceil(min(T * K, tiles * tile) * I/128 / 8), never more than the persistent cap; without
-    them (tools) the tiles' rows bound both; the GEMMs' grids do not depend on T."""
-    s = shape_spec(fmt, H, I, mtiles=2, prefetch_x=True)
-    stub_launches(monkeypatch)
-    k = ex.Kernels(s, -1)
-    gx, act = -(-H // 128), -(-I // 128)
-    cap = ex.QUANT_CTAS * tiers.SMS
-    tiles = 40   # 320 permuted rows at tile 8
-    for T, K in ((1, 8), (3, 4), (8, 16), (256, 8)):
-        qx, g1, qa, g2 = k.launchers(tiles, T, K)
-        assert qx.grid[0] == min(cap, -(-T * gx // 8)), (T, K)
-        assert qa.grid[0] == min(cap, -(-min(T * K, tiles * 8) * act // 8)), (T, K)
-        assert (g1.grid, g2.grid) == tuple(L.grid for L in k.launchers(tiles)[1::2])
-    qx, _, qa, _ = k.launchers(tiles)
-    assert qx.grid[0] == min(cap, -(-tiles * 8 * gx // 8))
-    assert qa.grid[0] == min(cap, -(-tiles * 8 * act // 8))
-    assert k.launchers(tiles, 1, 8) is k.launchers(tiles, 1, 8)   # built once per (tiles, T, K)

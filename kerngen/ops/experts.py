@@ -145,13 +145,9 @@ class Kernels:
             out.update(dict.fromkeys(("experts_quant_x", "experts_quant_act"), Launch(256, 0, QUANT_CTAS)))
         return out
 
-    def launchers(self, tiles: int, T: int = 0, K: int = 0) -> tuple[Launcher, ...]:
-        """gemm1, gemm2 (and with fp8 or f16 activations quant_x, gemm1, quant_act, gemm2) for this many tiles.
-        With the token count T and top-k K the quantizing launches take no more CTAs than the 128-column groups of
-        x's T rows and of the T * K routed rows hold (deepseek-v3 at T = 1: 7 and 16 CTAs, not the up to 1056 that
-        the tiles' rows allow, which fill every SM while the GEMM after them waits for their exit)."""
-        key = (tiles, T, K) if self.qx else tiles
-        pair = self._grids.get(key)
+    def launchers(self, tiles: int) -> tuple[Launcher, ...]:
+        """gemm1, gemm2 (and with fp8 or f16 activations quant_x, gemm1, quant_act, gemm2) for this many tiles."""
+        pair = self._grids.get(tiles)
         if pair is None:
             block = (32 * self._warps, 1, 1)
             grid1 = (min(self._ctas["experts_gemm1"], tiles * -(-self._I // self._cols[0])), 1, 1)
@@ -159,16 +155,12 @@ class Kernels:
             params = params_struct(self.spec)
             pair = (Launcher(self._mod, "experts_gemm1", self.device, grid1, block, params, pdl=self._pdl),
                     Launcher(self._mod, "experts_gemm2", self.device, grid2, block, params, pdl=self._pdl))
-            if self.qx:   # a warp per 128 values; grids striding over the rows
-                rows = tiles * self.tile   # the permuted rows' bound (the routing's buffers)
-                x_rows, act_rows = (T, min(T * K, rows)) if T > 0 and K > 0 else (rows, rows)
-
-                def quant(name, n, cols):
-                    grid = (max(1, min(self._ctas[name], -(-n * -(-cols // QBLOCK) // 8))), 1, 1)
+            if self.qx:   # a warp per 128 values; grids striding over the rows (x: at most tiles * tile)
+                def quant(name, cols):
+                    grid = (max(1, min(self._ctas[name], -(-tiles * self.tile * -(-cols // QBLOCK) // 8))), 1, 1)
                     return Launcher(self._mod, name, self.device, grid, (256, 1, 1), params, pdl=self._pdl)
-                pair = (quant("experts_quant_x", x_rows, self._H), pair[0],
-                        quant("experts_quant_act", act_rows, self._I), pair[1])
-            self._grids[key] = pair
+                pair = (quant("experts_quant_x", self._H), pair[0], quant("experts_quant_act", self._I), pair[1])
+            self._grids[tiles] = pair
         return pair
 
     def quant_scratch(self, stream: int, T: int, tiles: int, device: torch.device) -> tuple[tuple, tuple]:
@@ -216,7 +208,7 @@ class Kernels:
         own = act is None   # the caller's scratch: its quantized activations are this call's too, not kept
         if own:
             act = self.scratch(stream, tiles, x.device)
-        pair = self.launchers(tiles, T, routing.topk_ids.shape[1]) if self.qx else self.launchers(tiles)
+        pair = self.launchers(tiles)
         inw = 0 if input_weights is None else input_weights.float().reshape(T).contiguous().data_ptr()
         fields = (x.data_ptr(), w13.data_ptr(), 0 if b13 is None else b13.data_ptr(), inw, w2.data_ptr(),
                   0 if b2 is None else b2.data_ptr(), routing.permuted_to_token.data_ptr(),
