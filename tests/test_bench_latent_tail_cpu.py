@@ -1,4 +1,6 @@
 """tools/bench/latent_tail.py on the CPU, no timing: what --rule times at each T beside the tier rule."""
+import pytest
+
 from kerngen import tiers
 from kerngen.ops import latent_tail as lt
 from tools.bench import latent_tail as bench
@@ -67,3 +69,11 @@ def test_several_rules_each_a_column():
                      {"max_tokens": 8, "warps": 8, "unroll": 2}]
     assert bench.parse_rules(None) == [] and bench.parse_rules("") == []
     assert [bench.rule_params(r, tier_spec(12), 12) is None for r in rules] == [True, False, True]
+
+
+def test_rows_written_needs_a_producer_step(capsys):
+    """--rows-written rewrites the routed rows in the producer's step; with --chained (no producer) it is a usage
+    error before anything needs a GPU."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--rows-written", "--chained"])
+    assert e.value.code == 2 and "--rows-written" in capsys.readouterr().err

@@ -3,7 +3,7 @@
 (finalize in the latent width, RMSNorm, the up projection, the shared + residual add), CUDA graphs.
 
     python3 -m tools.bench.latent_tail [--tokens 1,2,4,8,16,32,64] [--shape 16,3584,7168] [--layers 4]
-                                       [--chained] [--rule early_weights=true | split=true | max_tokens=16,...
+                                       [--chained | --rows-written] [--rule early_weights=true | split=true | max_tokens=16,...
                                                     | variant=norm_gemm,cluster=8,pdl=true [;...]] [--json FILE]
 
 Peers, on the same inputs in the same process: "unfused" is what an engine runs today (kerngen.finalize, torch
@@ -11,7 +11,8 @@ RMSNorm in fp32, torch.matmul in bf16, the adds: four launches and more); "compi
 finalize under torch.compile (the norm, matmul and adds fused where Inductor can); "all comp" is torch.compile of
 the whole unfused tail, the finalize's gather and weighted sum included. Both are compiled afresh at each T.
 Each step follows a producer kernel (an elementwise write of 4 MB that does not trigger early) unless --chained;
-its time is taken off. Consecutive steps use `--layers` different up_proj copies, as consecutive layers do, so the
+its time is taken off (--rows-written: the producer then also rewrites gemm2_out, the routed rows, so they are
+read from L2 as after the experts' second GEMM in a model; without it they come from DRAM). Consecutive steps use `--layers` different up_proj copies, as consecutive layers do, so the
 weights are read from memory and not L2. The floor is the up projection's weights, L * H * 2 bytes, at the
 measured copy bandwidth (the streaming-read rate the experts bench uses). Every result is checked against the
 reference before it is timed. --rule times params beside the tier rule's: laid over the tier rule's params at
@@ -101,6 +102,12 @@ def case(T, K, L, H, bw, args):
     gemm2, e2p, w, nw, ups, sh, res = inputs(T, K, L, H, args.layers, seed=T)
     ref = lt.reference(gemm2, e2p, w, nw, ups[0], shared=sh, residual=res)
     producer = elementwise_producer()   # a 4 MB write, no early trigger
+    if args.rows_written:   # ... then gemm2_out rewritten, as the experts' second GEMM writes it in a model
+        write4 = producer
+
+        def producer():
+            write4()
+            gemm2.add_(0)
     floor = L * H * 2 / (bw * 1e12) * 1e6
     out = torch.empty(T, H, dtype=BF, device="cuda")
     y = torch.empty(T, L, dtype=BF, device="cuda")
@@ -160,17 +167,23 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="16,3584,7168", help="K,L,H (default kimi-k3: H assumed, Kimi K2's)")
     ap.add_argument("--layers", type=int, default=4, help="up_proj copies cycled through (cold weights)")
     ap.add_argument("--chained", action="store_true", help="back to back, no producer kernel between steps")
+    ap.add_argument("--rows-written", action="store_true", help="the producer also rewrites the routed rows "
+                    "(gemm2_out), so they are in L2 as after the experts' GEMM in a model")
     ap.add_argument("--rule", default=None, help="params to time beside the tier rule's: over its params "
                     "(early_weights=true), a whole launch shape (max_tokens=16,warps=16,unroll=2,cluster=8), or a "
                     "variant (variant=norm_gemm,cluster=1); several separated by ';', a column each")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.rule = parse_rules(args.rule)
+    if args.rows_written and args.chained:
+        ap.error("--rows-written rewrites the rows in the producer step; --chained has none")
     K, L, H = (int(v) for v in args.shape.split(","))
     require_gpu("python3 -m tools.bench.latent_tail")
     bw = copy_bandwidth_tbs()
     print(f"latent_tail K={K} L={L} H={H}; copy bandwidth {bw:.2f} TB/s; "
-          f"{'chained' if args.chained else 'after a producer kernel'}; floor = L*H*2 bytes at that bandwidth"
+          f"{'chained' if args.chained else 'after a producer kernel'}"
+          f"{' that also rewrites the routed rows' if args.rows_written else ''}"
+          "; floor = L*H*2 bytes at that bandwidth"
           + "".join(f"; rule {i + 1}: {r}" for i, r in enumerate(args.rule)))
     print(f"{'T':>4s} {'variant':>9s} {'kerngen':>9s} {'unfused':>9s} {'compiled':>9s} {'all comp':>9s} {'floor':>7s} "
           f"{'% floor':>8s} {'vs best peer':>12s}" + "".join(f"  rule {i + 1}" for i in range(len(args.rule))))
