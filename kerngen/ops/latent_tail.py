@@ -125,7 +125,8 @@ def split(s: plan_mod.KernelSpec) -> bool:
     return s.variant == "fused" and bool(dict(s.params).get("split", False))
 
 
-SPLIT_ONLY = ("even_rows", "n_global", "proj_registers", "l2_lines", "weights_delay")   # fused params that only split builds take
+# fused params that only split builds take
+SPLIT_ONLY = ("even_rows", "n_global", "proj_registers", "l2_lines", "weights_delay")
 
 
 def even_rows(s: plan_mod.KernelSpec) -> bool:

@@ -10,15 +10,16 @@ Peers, on the same inputs in the same process: "unfused" is what an engine runs 
 RMSNorm in fp32, torch.matmul in bf16, the adds: four launches and more); "compiled" is the same after
 finalize under torch.compile (the norm, matmul and adds fused where Inductor can); "all comp" is torch.compile of
 the whole unfused tail, the finalize's gather and weighted sum included. Both are compiled afresh at each T.
-Each step follows a producer kernel (an elementwise write of 4 MB that does not trigger early) unless --chained;
-its time is taken off (--rows-written: the producer then also rewrites gemm2_out, the routed rows, so they are
-read from L2 as after the experts' second GEMM in a model; without it they come from DRAM). Consecutive steps use `--layers` different up_proj copies, as consecutive layers do, so the
-weights are read from memory and not L2. The floor is the up projection's weights, L * H * 2 bytes, at the
-measured copy bandwidth (the streaming-read rate the experts bench uses). Every result is checked against the
-reference before it is timed. --rule times params beside the tier rule's: laid over the tier rule's params at
-each T it serves with the fused kernel (e.g. early_weights=true, or split=true: the norm kernel and the projection
-waiting on it); when they name max_tokens, one fused launch shape on its own at every T <= its max_tokens; when
-they name a variant (variant=norm_gemm: the norm kernel, torch.mm and the adds), that variant at every T.
+Each step follows a producer kernel (an elementwise write of 4 MB that does not trigger early) unless --chained; its
+time is taken off (--rows-written: the producer then also rewrites gemm2_out, the routed rows, so they are read from
+L2 as after the experts' second GEMM in a model; without it they come from DRAM). Consecutive steps use `--layers`
+different up_proj copies, as consecutive layers do, so the weights are read from memory and not L2. The floor is the
+up projection's weights, L * H * 2 bytes, at the measured copy bandwidth (the streaming-read rate the experts bench
+uses). Every result is checked against the reference before it is timed. --rule times params beside the tier rule's:
+laid over the tier rule's params at each T it serves with the fused kernel (e.g. early_weights=true, or split=true:
+the norm kernel and the projection waiting on it); when they name max_tokens, one fused launch shape on its own at
+every T <= its max_tokens; when they name a variant (variant=norm_gemm: the norm kernel, torch.mm and the adds),
+that variant at every T.
 Several rules separated by ';' each get a column ("-" where one times nothing at that T).
 """
 from __future__ import annotations
