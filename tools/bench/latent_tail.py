@@ -3,8 +3,9 @@
 (finalize in the latent width, RMSNorm, the up projection, the shared + residual add), CUDA graphs.
 
     python3 -m tools.bench.latent_tail [--tokens 1,2,4,8,16,32,64] [--shape 16,3584,7168] [--layers 4]
-                                       [--chained | --rows-written] [--rule early_weights=true | split=true | max_tokens=16,...
-                                                    | variant=norm_gemm,cluster=8,pdl=true [;...]] [--json FILE]
+                                       [--chained | --rows-written]
+                                       [--rule early_weights=true | split=true | max_tokens=16,...
+                                               | variant=norm_gemm,cluster=8,pdl=true [;...]] [--json FILE]
 
 Peers, on the same inputs in the same process: "unfused" is what an engine runs today (kerngen.finalize, torch
 RMSNorm in fp32, torch.matmul in bf16, the adds: four launches and more); "compiled" is the same after
