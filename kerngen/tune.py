@@ -238,8 +238,9 @@ def latent_tail_candidates():
     """The fused kernel (one launch, or split: the norm kernel then the projection; with and without the first
     weight steps in registers before the wait; 2 or 4 steps a load batch) for up to 8 and 16 tokens, the split
     norm kernel at 2 and 4 CTAs a token with 8 or 16 rows loaded at once, the split projection with even shares of
-    the rows, with n read from global memory, with a register bound beside the norm CTA, with less of the first item
-    sent toward L2 before the wait, and at three CTAs an SM, and norm_gemm (any token count) at each
+    the rows (also over a grid that leaves each norm CTA's SM a slot: beside_norm), with n read from global memory,
+    with a register bound beside the norm CTA, with less of the first item sent toward L2 before the wait, and at
+    three CTAs an SM, and norm_gemm (any token count) at each
     cluster size with 2, 4, 8 or 16 rows loaded at once (fewer: fewer registers, more norm CTAs an SM), h in fp32
     or bf16, and with 2 or 4 vectors a norm thread."""
     for mt, warps, unroll, bps, split, early in itertools.product((8, 16), (8, 16), (2, 4), (1, 2), (False, True),
@@ -261,6 +262,10 @@ def latent_tail_candidates():
     for lines in (0, 8, 16, 24):   # less of the first item toward L2 before the wait, ahead of the norm's loads
         yield "fused", dict(max_tokens=8, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, l2_lines=lines)
+    for lines in (16, None):   # even shares over a grid that leaves each norm CTA's SM a slot
+        yield "fused", dict(max_tokens=8, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
+                            early_weights=True, n_global=True, even_rows=True, beside_norm=True,
+                            **({"l2_lines": lines} if lines is not None else {}))
     for unroll in (1, 2):   # three projection CTAs an SM (no shared memory for n with n_global)
         yield "fused", dict(max_tokens=8, warps=8, unroll=unroll, cluster=8, blocks_per_sm=3, pdl=True, split=True,
                             early_weights=True, n_global=True)

@@ -920,3 +920,23 @@ def test_split_weights_delay_holds_the_first_loads_back(tmp_path):
     assert "NANOSLEEP" in proj and "600" not in render.render(mk())
     with pytest.raises(kerngen.InputError, match="weights_delay"):
         lt.persistent(mk(weights_delay=600, split=False, n_global=False))
+
+
+def test_beside_norm_leaves_a_slot_for_each_norm_cta():
+    """beside_norm (split builds): the projection's grid is the persistent one less a CTA for each norm CTA at this
+    token count (kimi-k3: 264 - 8 at T = 1, 264 - 64 at T = 8), so every projection CTA can start at once; with
+    even_rows the shares follow the grid; the source is the rule's; without split = true a named error."""
+    m = tiers.load().model("kimi-k3")
+    base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
+    mk = lambda **over: lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, **over}),  # noqa: E731
+                                     m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
+    grid = lambda s, T=0: lt.launch_shape(s, -1, T)[0][0]  # noqa: E731
+    s = mk(beside_norm=True, even_rows=True)
+    assert [grid(s, T) for T in (0, 1, 2, 8)] == [264, 256, 248, 200]
+    assert [grid(mk(), T) for T in (0, 1, 8)] == [264, 264, 264]
+    assert grid(mk(beside_norm=True, cluster=4), 8) == 264 - 32
+    assert render.render(mk(beside_norm=True)) == render.render(mk())
+    one = {k: v for k, v in base.items() if k not in lt.SPLIT_ONLY}
+    with pytest.raises(kerngen.InputError, match="beside_norm"):
+        lt.persistent(lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**one, "split": False, "beside_norm": True}),
+                                   m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a"))

@@ -126,7 +126,7 @@ def split(s: plan_mod.KernelSpec) -> bool:
 
 
 # fused params that only split builds take
-SPLIT_ONLY = ("even_rows", "n_global", "proj_registers", "l2_lines", "weights_delay")
+SPLIT_ONLY = ("even_rows", "n_global", "proj_registers", "l2_lines", "weights_delay", "beside_norm")
 
 
 def even_rows(s: plan_mod.KernelSpec) -> bool:
@@ -191,13 +191,15 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     return {FUNCTION: Launch(nt, dyn, p.get("blocks_per_sm", 1))}
 
 
-def launch_shape(s: plan_mod.KernelSpec, device: int) -> tuple[tuple, tuple, int]:
+def launch_shape(s: plan_mod.KernelSpec, device: int, tokens: int = 0) -> tuple[tuple, tuple, int]:
     """(grid, block, dynamic shared memory) of a fused spec's persistent kernel on `device` (a split build's
     projection): a persistent grid of the rule's blocks_per_sm CTAs an SM (no more than an SM holds), at most one a
     work item (16 columns of the projection; with even_rows, at most one a row), in whole clusters (the fused
     kernel's; the projection's CTAs are plain). With items_per_cta, at most ceil(items / items_per_cta) CTAs (items
     of 16 rows), so that every CTA streams the same number of items where the persistent grid would leave some SMs
-    one more than others (kimi-k3: 448 items over 264 CTAs)."""
+    one more than others (kimi-k3: 448 items over 264 CTAs). With beside_norm (split builds, at `tokens`), one CTA
+    fewer for each of the norm kernel's CTAs (tokens * cluster), whose SM holds a projection CTA fewer beside it: every
+    projection CTA then starts at once, none waits on an SM for a norm CTA to end (kimi-k3 T = 1: 256 CTAs)."""
     name = PROJ if split(s) else FUNCTION
     p = dict(s.params)
     launch, cl = persistent(s)[name], 1 if split(s) else p.get("cluster", 1)
@@ -206,6 +208,8 @@ def launch_shape(s: plan_mod.KernelSpec, device: int) -> tuple[tuple, tuple, int
     ctas = _common.persistent_ctas(OP, resolve(s) if device >= 0 else None, name, device, launch)
     if p.get("items_per_cta"):
         ctas = min(ctas, -(-((H + 15) // 16) // p["items_per_cta"]))
+    if p.get("beside_norm") and split(s) and tokens > 0:
+        ctas = max(1, ctas - tokens * p.get("cluster", 1))
     grid = max(cl, min(items, ctas) // cl * cl)
     return (grid, 1, 1), (launch.threads, 1, 1), launch.dynamic_smem
 
@@ -227,7 +231,7 @@ class Split:
         self.spec, self._L, self._rows = s, dict(s.constants)["L"], dict(s.params)["max_tokens"]
         self._scratch = {} if scratch is None else scratch
         self.norm = Launcher(mod, NORM, device, grid, block, PARAMS_SPLIT, pdl=pdl)
-        grid, block, smem = launch_shape(s, device)
+        grid, block, smem = launch_shape(s, device, tokens)
         self.proj = Launcher(mod, PROJ, device, grid, block, PARAMS_SPLIT, smem=smem, pdl=pdl)
 
     def scratch(self, stream: int, device: torch.device) -> torch.Tensor:

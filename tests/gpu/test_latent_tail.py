@@ -225,7 +225,8 @@ SPLIT_SHAPES = [{"even_rows": True}, {"n_global": True}, {"even_rows": True, "n_
                 {"n_global": True, "proj_registers": 112, "norm_loads": 8}, {"n_global": True, "l2_lines": 0},
                 {"n_global": True, "l2_lines": 8}, {"n_global": True, "items_per_cta": 2},
                 {"n_global": True, "items_per_cta": 3, "l2_lines": 16}, {"even_rows": True, "items_per_cta": 2},
-                {"n_global": True, "l2_lines": 16, "weights_delay": 500}]
+                {"n_global": True, "l2_lines": 16, "weights_delay": 500}, {"even_rows": True, "beside_norm": True},
+                {"n_global": True, "even_rows": True, "beside_norm": True, "l2_lines": 16}]
 
 
 @pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=variant_id)
