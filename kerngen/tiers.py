@@ -120,6 +120,7 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                                "early_weights": FLAG,   # the first weight steps loaded into registers before the wait
                                "norm_loads": _n(1, 16),   # split: rows a norm thread loads at once (default 16)
                                "norm_vectors": _n(1, 8),   # split: vectors a norm thread computes (default 1)
+                               "norm_async": FLAG,   # split: the norm CTAs' sums by st.async, no cluster barrier
                                "even_rows": FLAG,   # split: each projection CTA an even share of up_proj's rows
                                "n_global": FLAG,   # split: the projection reads n from global memory (no copy)
                                "proj_registers": _n(32, 255),   # split: the projection's register bound
@@ -131,6 +132,7 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
     ("latent_tail", "norm_gemm"): {"backend": NVRTC, "cluster": _n(1, 8), "pdl": FLAG,   # norm kernel, torch.mm, add
                                    "norm_loads": _n(1, 16),   # rows a norm thread loads at once (default 16)
                                    "norm_vectors": _n(1, 8),   # vectors a norm thread computes (default 1)
+                                   "norm_async": FLAG,   # the norm CTAs' sums by st.async, no cluster barrier
                                    "gemm_bf16": FLAG},   # the GEMM's h in bf16 (rounded before the adds)
     ("latent_tail", "unfused"): {},   # kerngen.finalize + torch (host code)
     ("tail_tp", "allreduce"): {"allreduce": Param(str, required=True, choices=("nccl", "symm_mem")),

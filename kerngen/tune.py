@@ -239,10 +239,10 @@ def latent_tail_candidates():
     weight steps in registers before the wait; 2 or 4 steps a load batch) for up to 8 and 16 tokens, the split
     norm kernel at 2 and 4 CTAs a token with 8 or 16 rows loaded at once, the split projection with even shares of
     the rows (also over a grid that leaves each norm CTA's SM a slot: beside_norm), with n read from global memory,
-    with a register bound beside the norm CTA, with less of the first item sent toward L2 before the wait, and at
-    three CTAs an SM, and norm_gemm (any token count) at each
+    with a register bound beside the norm CTA, with less of the first item sent toward L2 before the wait, with the
+    norm's sums handed over by st.async (norm_async), and at three CTAs an SM, and norm_gemm (any token count) at each
     cluster size with 2, 4, 8 or 16 rows loaded at once (fewer: fewer registers, more norm CTAs an SM), h in fp32
-    or bf16, and with 2 or 4 vectors a norm thread."""
+    or bf16, with 2 or 4 vectors a norm thread, and with norm_async at 2, 4 and 8 CTAs a token."""
     for mt, warps, unroll, bps, split, early in itertools.product((8, 16), (8, 16), (2, 4), (1, 2), (False, True),
                                                                   (False, True)):
         yield "fused", dict(max_tokens=mt, warps=warps, unroll=unroll, cluster=8, blocks_per_sm=bps, pdl=True,
@@ -266,6 +266,10 @@ def latent_tail_candidates():
         yield "fused", dict(max_tokens=8, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, even_rows=True, beside_norm=True,
                             **({"l2_lines": lines} if lines is not None else {}))
+    for even in (False, True):   # the norm's sums by st.async (no cluster barrier's GPU-wide fence)
+        yield "fused", dict(max_tokens=8, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
+                            early_weights=True, n_global=True, l2_lines=16, norm_async=True,
+                            **({"even_rows": True, "beside_norm": True} if even else {}))
     for unroll in (1, 2):   # three projection CTAs an SM (no shared memory for n with n_global)
         yield "fused", dict(max_tokens=8, warps=8, unroll=unroll, cluster=8, blocks_per_sm=3, pdl=True, split=True,
                             early_weights=True, n_global=True)
@@ -274,6 +278,8 @@ def latent_tail_candidates():
                                 **({"gemm_bf16": True} if b16 else {}))
     for cluster, vectors, loads in itertools.product((1, 2), (2, 4), (4, 8)):   # fewer norm threads a token
         yield "norm_gemm", dict(cluster=cluster, pdl=True, norm_vectors=vectors, norm_loads=loads, gemm_bf16=True)
+    for cluster, b16 in itertools.product((2, 4, 8), (False, True)):   # the norm's sums by st.async
+        yield "norm_gemm", dict(cluster=cluster, pdl=True, norm_async=True, **({"gemm_bf16": True} if b16 else {}))
 
 
 def _time_latent_tail(model: tiers.Model, T: int, variant: str, params: dict) -> float:

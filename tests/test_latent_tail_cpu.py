@@ -768,20 +768,21 @@ def test_the_torch_op_gives_each_call_its_own_scratch(monkeypatch):
     assert seen["own_scratch"] is True
 
 
-@pytest.mark.parametrize("ng", [False, True])
+@pytest.mark.parametrize("ng,na", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("T", [1, 8])
-def test_the_phase_probe_instruments_the_split_kernels(T, ng):
+def test_the_phase_probe_instruments_the_split_kernels(T, ng, na):
     """tools/diagnose/latent_phases.py finds each boundary of kimi-k3's split kernels, with n copied into shared
-    memory or read from global memory (n_global) (its anchors are template text: this fails when they drift) and the
-    instrumented source compiles for sm_90a with a stamp at each."""
+    memory or read from global memory (n_global), the norm's sums exchanged by cluster barriers or st.async
+    (norm_async) (its anchors are template text: this fails when they drift) and the instrumented source compiles
+    for sm_90a with a stamp at each."""
     from kerngen.compile import nvrtc_compile
     from kerngen.render import render
     from tools.diagnose import latent_phases as probe
     m = tiers.load().model("kimi-k3")
     s = lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", T, "sm_90a")
     assert s.variant == "fused" and lt.split(s)
-    s = lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**dict(s.params), "n_global": ng}), m.hidden, m.model_hidden,
-                     m.top_k, "float32", "sm_90a")
+    s = lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**dict(s.params), "n_global": ng, "norm_async": na}), m.hidden,
+                     m.model_hidden, m.top_k, "float32", "sm_90a")
     src = probe.instrument(render(s))
     assert src.count("kg_stamp(0, ") == len(probe.NORM_STAMPS) and src.count("kg_stamp(1, ") == len(probe.PROJ_STAMPS)
     cubin, _ = nvrtc_compile(src, "latent_phases", "sm_90a", "latent_phases", None)
@@ -940,3 +941,30 @@ def test_beside_norm_leaves_a_slot_for_each_norm_cta():
     with pytest.raises(kerngen.InputError, match="beside_norm"):
         lt.persistent(lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**one, "split": False, "beside_norm": True}),
                                    m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a"))
+
+
+@pytest.mark.parametrize("variant,T", [("fused", 1), ("norm_gemm", 16)])
+def test_norm_async_hands_the_sums_over_without_a_gpu_wide_fence(variant, T, tmp_path):
+    """norm_async (clusters of 2 or more): latent_tail_norm exchanges its CTAs' sums of squares by st.async counted
+    by an mbarrier (SASS: STAS, SYNCS) and has no MEMBAR.ALL.GPU, which each cluster barrier with release semantics
+    costs (two in the rule's build); no spills; its other code and the projection's are the rule's (the sum in rank
+    order: the same bits, checked on the GPU); at cluster 1 it changes nothing."""
+    m = tiers.load().model("kimi-k3")
+    base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", T, "sm_90a").params)
+    assert lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", T, "sm_90a").variant == variant
+    mk = lambda **over: lt.rule_spec(tiers.Rule(lt.OP, variant, {}, {**base, **over}),  # noqa: E731
+                                     m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
+
+    def norm_sass(s):
+        b = jit.build(s, store=DiskCache(tmp_path))
+        assert_no_spills(b.files)
+        return resources.sass(b.files).split(f"Function : {lt.NORM}")[1].split("Function :")[0]
+
+    assert base.get("cluster", 1) > 1
+    plain, fast = norm_sass(mk()), norm_sass(mk(norm_async=True))
+    assert plain.count("MEMBAR.ALL.GPU") >= 2 and "STAS" not in plain
+    assert "MEMBAR" not in fast and "STAS" in fast and "SYNCS" in fast
+    assert render.render(mk(norm_async=True, cluster=1)) == render.render(mk(cluster=1))
+    if variant == "fused":
+        src = lambda s: render.render(s).split("latent_tail_proj(const")[1]  # noqa: E731
+        assert src(mk(norm_async=True)) == src(mk())

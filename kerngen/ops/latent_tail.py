@@ -126,7 +126,7 @@ def split(s: plan_mod.KernelSpec) -> bool:
 
 
 # fused params that only split builds take
-SPLIT_ONLY = ("even_rows", "n_global", "proj_registers", "l2_lines", "weights_delay", "beside_norm")
+SPLIT_ONLY = ("even_rows", "n_global", "proj_registers", "l2_lines", "weights_delay", "beside_norm", "norm_async")
 
 
 def even_rows(s: plan_mod.KernelSpec) -> bool:

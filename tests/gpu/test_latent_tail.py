@@ -226,7 +226,9 @@ SPLIT_SHAPES = [{"even_rows": True}, {"n_global": True}, {"even_rows": True, "n_
                 {"n_global": True, "l2_lines": 8}, {"n_global": True, "items_per_cta": 2},
                 {"n_global": True, "items_per_cta": 3, "l2_lines": 16}, {"even_rows": True, "items_per_cta": 2},
                 {"n_global": True, "l2_lines": 16, "weights_delay": 500}, {"even_rows": True, "beside_norm": True},
-                {"n_global": True, "even_rows": True, "beside_norm": True, "l2_lines": 16}]
+                {"n_global": True, "even_rows": True, "beside_norm": True, "l2_lines": 16},
+                {"n_global": True, "norm_async": True}, {"norm_async": True, "norm_loads": 8},
+                {"n_global": True, "norm_async": True, "l2_lines": 16, "even_rows": True, "beside_norm": True}]
 
 
 @pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=variant_id)
@@ -393,6 +395,26 @@ def test_norm_gemm_kimi_k3(T, shared, residual, extra):
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr()
     close(got, reference(*args), 2e-2)
+
+
+@pytest.mark.parametrize("cluster,extra", [(8, {}), (4, {}), (2, {"gemm_bf16": True}), (4, {"norm_loads": 8}),
+                                           (2, {"norm_vectors": 2, "norm_loads": 4})])
+@pytest.mark.parametrize("T", [1, 9, 40, 300])
+def test_norm_gemm_norm_async_keeps_the_bits(T, cluster, extra):
+    """norm_async: the norm CTAs of a cluster hand over their sums by st.async into an mbarrier-counted slot each,
+    added in rank order as the cluster barrier's version does: the same n, so the same output bits (fresh n
+    scratch each run, poisoned outputs)."""
+    args = make(T, *KIMI, seed=200 + T)
+    dev = torch.cuda.current_device()
+    outs = []
+    for na in (False, True):
+        k = lt.kernel(norm_gemm_spec(*KIMI[1:], KIMI[0], cluster, **extra, **({"norm_async": True} if na else {})),
+                      T, dev)
+        out = torch.full((T, KIMI[2]), float("nan"), dtype=BF, device="cuda")
+        outs.append(lt.run(k, *args, 1e-6, out))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1])
+    close(outs[1], reference(*args), 2e-2)
 
 
 @pytest.mark.parametrize("T", [1, 33])

@@ -32,8 +32,9 @@ ANCHORS = [
            "last call\n", True),
     (0, 2, "        w_s[i] = kg_to_float(p.w[t * K + i]);\n    }\n    __syncthreads();\n", True),
     (0, 3, "    if (wid == 0) {   // the fused kernel's order", False),
-    (0, 4, "    if (CLUSTER > 1) kg_cluster_arrive();   // done reading the cluster's shared memory (waited for before "
-           "exiting)\n    __syncthreads();\n", True),
+    (0, 4, ("    if (CLUSTER > 1) kg_cluster_arrive();   // done reading the cluster's shared memory (waited for before "
+            "exiting)\n    __syncthreads();\n",
+            "        rstd_s = rstd_of(s, p.eps);\n    }\n    __syncthreads();\n"), True),   # (norm_async)
     (1, 1, "    kg_grid_wait();   // n from latent_tail_norm;", False),
     (1, 2, ("    kg_launch_dependents();\n    {   // n into shared memory", "    project(p, p.n"), False),
     (1, 3, ("    __syncthreads();\n    project(p, ns", "    project(p, p.n"), False),
