@@ -103,7 +103,8 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
     ("finalize", "cute"): {"backend": CUTE, "ctas": _n(1, 1024), "threads": _n(32, 1024), "max_loads": _n(1, 64),
                            "pdl": FLAG},
     ("tail", "tail"): {"backend": CUTE, "threads": _n(32, 1024, required=True), "cluster": _n(1, 16),
-                       "max_loads": _n(1, 64), "branch_free": FLAG, "pdl": FLAG},
+                       "max_loads": _n(1, 64), "branch_free": FLAG, "pdl": FLAG,
+                       "async_reduce": FLAG},   # clusters: the partial sums by st.async, no second cluster barrier
     ("experts", "mma"): {"backend": NVRTC, "tile": _n(1, 16, required=True), "warps": _n(1, 16, required=True),
                          "unroll": _n(1, 8, required=True), "blocks_per_sm": _n(1, 32), "pdl": FLAG,
                          "transposed": FLAG,   # false: weights stored transposed run torch._grouped_mm here

@@ -72,10 +72,14 @@ def _checked_time(call, correct, what: str, T: int, both: bool = False) -> float
 
 
 def tail_candidates():
-    for cluster, threads, branch_free, max_loads in itertools.product((1, 2, 4, 8), (128, 256), (True, False),
-                                                                      (8, 32)):
+    """Clusters of 1-8 CTAs a token, 128 or 256 threads, branch-free loads or not, 8 or 32 loads in flight; the
+    branch-free clusters also with their sums by st.async (async_reduce)."""
+    for cluster, threads, branch_free, max_loads, ar in itertools.product((1, 2, 4, 8), (128, 256), (True, False),
+                                                                          (8, 32), (False, True)):
+        if ar and (cluster == 1 or not branch_free):   # (the shipped cluster rules load branch-free)
+            continue
         yield "tail", dict(backend="cute", threads=threads, cluster=cluster, max_loads=max_loads,
-                           branch_free=branch_free, pdl=True)
+                           branch_free=branch_free, pdl=True, **({"async_reduce": True} if ar else {}))
 
 
 def _time_tail(model: tiers.Model, T: int, variant: str, params: dict) -> float:

@@ -322,3 +322,31 @@ def test_fp8_tail_sass_keeps_128bit_loads_and_stores_e4m3_in_64bit_words(tmp_pat
     assert count("SHFL.BFLY") == 4 * 4 + 5  # 16-lane amax per vector + the warp's sum of squares
     assert count("FMNMX.NAN") > 0 and not any(op.startswith("STG.E.128") for op in ops)
     assert all(op == "LDG.E.128" for op in ops if op.startswith("LDG"))
+
+
+@pytest.mark.parametrize("H,K,cluster,odtype", [(7168, 8, 8, "bfloat16"), (3584, 16, 4, "bfloat16"),
+                                                (7168, 8, 4, "float8_e4m3fn"), (5120, 1, 2, "bfloat16")])
+def test_async_reduce_drops_the_second_cluster_barrier(H, K, cluster, odtype, tmp_path):
+    """async_reduce (clusters): the partial sums travel by st.async counted by each CTA's mbarrier (SASS: STAS,
+    SYNCS), so the kernel has no MEMBAR.ALL.GPU (the second cluster barrier's release) and one cluster arrive
+    fewer; no spills; at cluster 1 it is the same kernel."""
+    params = dict(backend="cute", cluster=cluster, threads=128, max_loads=32, branch_free=True, pdl=True)
+
+    def ops(**over):
+        s = tail.params_spec({**params, **over}, H, K, "bfloat16", "float32", odtype, (True, True, False),
+                             "sm_90a")
+        b = jit.build(s, store=DiskCache(tmp_path))
+        assert_no_spills(b.files)
+        return resources.opcodes(b.files)
+
+    plain, fast = ops(), ops(async_reduce=True)
+    assert "MEMBAR.ALL.GPU" in plain and "STAS" not in plain
+    assert "MEMBAR.ALL.GPU" not in fast and "STAS" in fast and any(o.startswith("SYNCS") for o in fast)
+    assert fast.count("UCGABAR_ARV") == plain.count("UCGABAR_ARV") - 1
+    one = dict(cluster=1, threads=256)
+    assert ops(**one) == ops(**one, async_reduce=True)
+
+
+def test_async_reduce_is_a_tail_flag():
+    with pytest.raises(kerngen.TierError, match="async_reduce"):
+        tiers.check_params("a rule", "tail", "tail", {"backend": "cute", "threads": 128, "async_reduce": 2})

@@ -185,3 +185,11 @@ def test_both_settings_is_the_slower_of_the_two(monkeypatch):
     for chained, want in ((1.0, 1.5), (2.0, 2.0)):
         monkeypatch.setattr(timing, "graph_time_us", lambda step, calls, replays: chained)
         assert timing.both_settings_us(lambda: None) == want
+
+
+def test_tail_candidates_with_and_without_async_reduce():
+    cands = list(tune.tail_candidates())
+    assert len(cands) == 32 + 12 and sum(p.get("async_reduce") is True for _, p in cands) == 12
+    assert all(p["cluster"] > 1 and p["branch_free"] for _, p in cands if p.get("async_reduce"))
+    for variant, params in cands:
+        tiers.check_params("tail", "tail", variant, params)

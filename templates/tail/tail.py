@@ -35,6 +35,9 @@ Tiling and thread mapping:
   order. With C > 1, thread p of each CTA stores the CTA's sum into CTA p's shared memory (distributed
   shared memory, st.shared::cluster), one cluster barrier, and every CTA adds the C partials in rank order
   (so all CTAs of a token use the same rstd). A cluster barrier at kernel start guarantees every peer runs.
+  With `async_reduce` (C > 1) the partials travel by st.async, each counted by an mbarrier of the receiving CTA
+  (thread 0 arms it for C * 4 bytes before the kernel-start arrive), so no second cluster barrier: its release
+  semantics cost a GPU-wide fence (MEMBAR.ALL.GPU on sm_90a). The same partials, added in the same order.
 * fp8 output: a 128-column block is 16 consecutive vectors, and each CTA's first vector and NT are multiples
   of 32, so for every j lanes 0-15 and lanes 16-31 of a warp each hold one whole block. Each lane takes the
   max |n| of its 8 values; a 16-lane butterfly (shfl.bfly 8, 4, 2, 1) gives the block amax. Every lane of
@@ -80,7 +83,7 @@ def thread_shape(hidden: int, cluster: int, max_threads: int, vec: int = 8) -> t
 
 class MoeTail:
     def __init__(self, dtype, wdtype, odtype, hidden: int, topk: int, *, threads: int, cluster: int,
-                 pdl: bool, max_loads: int, branch_free: bool):
+                 pdl: bool, max_loads: int, branch_free: bool, async_reduce: bool = False):
         assert dtype.width == 16 and odtype.width in (16, 8), "bf16/fp16 activations, bf16/fp16/e4m3 outputs"
         self.dtype, self.wdtype, self.odtype = dtype, wdtype, odtype
         self.vec = VEC_BITS // dtype.width
@@ -95,6 +98,7 @@ class MoeTail:
         self.num_warps = self.threads // WARP
         self.need_pred = self.stride * self.iters * cluster != self.num_vec
         self.group = max(1, min(self.iters, max_loads // topk))  # owned vectors whose loads fly together
+        self.async_reduce = async_reduce and cluster > 1
 
     @cute.jit
     def _vec(self, row: cute.Tensor, v: Int32) -> cute.Tensor:
@@ -128,10 +132,21 @@ class MoeTail:
                mScales: Optional[cute.Tensor], mResOut: Optional[cute.Tensor], eps: Float32):
         VEC, K, NT = self.vec, self.topk, self.stride
         tidx, _, _ = cute.arch.thread_idx()
-        t, base = self.prologue(tidx)
-        smem = cutlass.memory.SmemAllocator()
-        sRed = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps,)), 16)
-        sPeer = smem.allocate_tensor(Float32, cute.make_layout((self.cluster,)), 16)
+        if const_expr(self.async_reduce):   # the mbarrier armed before the kernel-start cluster arrive
+            smem = cutlass.memory.SmemAllocator()
+            sRed = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps,)), 16)
+            sPeer = smem.allocate_tensor(Float32, cute.make_layout((self.cluster,)), 16)
+            sBar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((1,)), 8)
+            if tidx == 0:
+                cute.arch.mbarrier_init(sBar.iterator, 1)
+                cute.arch.mbarrier_arrive_and_expect_tx(sBar.iterator, self.cluster * 4)
+                cute.arch.mbarrier_init_fence()
+            t, base = self.prologue(tidx)
+        else:
+            t, base = self.prologue(tidx)
+            smem = cutlass.memory.SmemAllocator()
+            sRed = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps,)), 16)
+            sPeer = smem.allocate_tensor(Float32, cute.make_layout((self.cluster,)), 16)
 
         rIdx, rSafe, rW = self.load_routing(mE2p, mW, t, mG.shape[0])
         acc = cute.make_rmem_tensor((VEC, self.iters), Float32)   # y, fp32, owned vector i in acc[None, i]
@@ -153,7 +168,9 @@ class MoeTail:
                                      rTmp)
 
         total = self.cta_reduce(self.warp_reduce(self.sum_squares(acc)), sRed)
-        if const_expr(self.cluster > 1):
+        if const_expr(self.async_reduce):
+            total = self.cluster_reduce_async(total, sPeer, sBar, tidx)
+        elif const_expr(self.cluster > 1):
             total = self.cluster_reduce(total, sPeer, tidx)
         rstd = cute.math.rsqrt(total / Float32(self.hidden) + eps)
 
@@ -296,6 +313,30 @@ class MoeTail:
         return total
 
     @cute.jit
+    def cluster_reduce_async(self, val: Float32, sPeer: cute.Tensor, sBar: cute.Tensor, tidx: Int32) -> Float32:
+        """Each thread: the cluster's sum; thread p sends its CTA's sum into CTA p's shared memory by st.async,
+        counted by CTA p's mbarrier; every thread waits on its own CTA's mbarrier (all C partials arrived), then
+        adds the C partials in rank order."""
+        rank = cute.arch.block_idx_in_cluster()
+        cute.arch.cluster_wait()  # every peer CTA runs and has armed its mbarrier
+        if tidx < self.cluster:
+            self.store_peer_async(sPeer.iterator + rank, sBar.iterator, tidx, val)
+        cute.arch.mbarrier_wait(sBar.iterator, 0)
+        total = Float32(0.0)
+        for p in cutlass.range_constexpr(self.cluster):
+            total = total + sPeer[p]
+        return total
+
+    @cute.jit
+    def store_peer_async(self, ptr, bar, peer: Int32, val: Float32):
+        """This thread: val at ptr's address in the shared memory of CTA `peer`, its 4 bytes counted by that CTA's
+        mbarrier at bar's address (st.async ... mbarrier::complete_tx::bytes)."""
+        cute.arch.inline_ptx("{\n\t.reg .b32 remote, rbar;\n\tmapa.shared::cluster.u32 remote, {$r0}, {$r1};\n\t"
+                             "mapa.shared::cluster.u32 rbar, {$r2}, {$r1};\n\t"
+                             "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [remote], {$r3}, [rbar];\n\t}",
+                             read_only_args=[ptr.toint(), peer, bar.toint(), val])
+
+    @cute.jit
     def store_peer(self, ptr, peer: Int32, val: Float32):
         """This thread: stores val at ptr's address in the shared memory of CTA `peer` of the cluster (inline PTX:
         the DSL's map_dsmem_ptr result takes neither a tensor store nor cute.arch.store)."""
@@ -339,7 +380,7 @@ class MoeTail:
 
 def compile_kernel(*, H: int, K: int, DTYPE: str, WDTYPE: str, ODTYPE: str, SHARED: bool, RESIDUAL: bool,
                    RESIDUAL_OUT: bool, threads: int, cluster: int = 1, pdl: bool = False, max_loads: int = 32,
-                   branch_free: bool = True, ARCH: str = ""):
+                   branch_free: bool = True, async_reduce: bool = False, ARCH: str = ""):
     """Compile one specialization with TVM-FFI. The result is called as
     f(g, e2p, w, shared|None, residual|None, norm_w, out, scales|None, residual_out|None, eps) on torch's
     current stream; None goes exactly where the flags say it does (scales: with ODTYPE float8_e4m3fn)."""
@@ -363,6 +404,6 @@ def compile_kernel(*, H: int, K: int, DTYPE: str, WDTYPE: str, ODTYPE: str, SHAR
             per_token(dt, H) if RESIDUAL_OUT else None, Float32(1e-6),
             make_fake_stream(use_tvm_ffi_env_stream=True))
     op = MoeTail(dt, wdt, odt, H, K, threads=threads, cluster=cluster, pdl=pdl, max_loads=max_loads,
-                 branch_free=branch_free)
+                 branch_free=branch_free, async_reduce=async_reduce)
     options = "--enable-tvm-ffi" + (f" --gpu-arch {ARCH}" if ARCH else "")
     return cute.compile(op, *args, options=options)

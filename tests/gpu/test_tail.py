@@ -356,3 +356,31 @@ def test_configurations_tune_may_pick(params, H, K, T):
         (ref_q, ref_scales), _ = reference(gemm2, e2p, w, nw, shared=sh, residual=res, out_dtype=FP8)
         n, _ = reference(gemm2, e2p, w, nw, shared=sh, residual=res, out_dtype=torch.float32)
         close_fp8(out8, scales, n, ref_q, ref_scales)
+
+
+@pytest.mark.parametrize("cluster,threads,max_loads", [(8, 128, 32), (4, 128, 32), (2, 128, 16), (4, 128, 8)])
+@pytest.mark.parametrize("H,K", [(3584, 16), (7168, 8), (5120, 1), (2880, 4)])
+@pytest.mark.parametrize("T", [1, 5, 130])
+def test_async_reduce_keeps_the_bits(cluster, threads, max_loads, H, K, T):
+    """async_reduce: the cluster's partial sums by st.async into mbarrier-counted slots, added in rank order as
+    the cluster-barrier build adds them: the same output, residual_out and fp8 bits (poisoned outputs)."""
+    gemm2, e2p, w, nw, sh, res = make(T, K, H, seed=T * 5 + H + K + cluster, skip=0.2)
+    got = []
+    for fast in (False, True):
+        params = dict(cluster=cluster, threads=threads, max_loads=max_loads, branch_free=True,
+                      **({"async_reduce": True} if fast else {}))
+        out = torch.full((T, H), float("nan"), dtype=gemm2.dtype, device="cuda")
+        ro = torch.full((T, H), float("nan"), dtype=gemm2.dtype, device="cuda")
+        tail_function(H, K, params)(gemm2, e2p, w, sh, res, nw, out, None, ro, 1e-6)
+        got += [out, ro]
+        if H % 128 == 0:
+            out8 = torch.full((T, H), float("nan"), dtype=FP8, device="cuda")
+            scales = torch.full((T, H // 128), float("nan"), device="cuda")
+            tail_function(H, K, params, "float8_e4m3fn", (True, True, False))(gemm2, e2p, w, sh, res, nw, out8,
+                                                                               scales, None, 1e-6)
+            got += [out8.view(torch.uint8), scales]
+    torch.cuda.synchronize()
+    half = len(got) // 2
+    for a, b in zip(got[:half], got[half:]):
+        assert torch.equal(a, b)
+    close(got[half], reference(gemm2, e2p, w, nw, eps=1e-6, shared=sh, residual=res)[0])

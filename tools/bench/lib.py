@@ -105,6 +105,7 @@ def add_tail_config_args(ap, threads="128,256,512", max_loads="32", branch_free=
     ap.add_argument("--threads", default=threads)
     ap.add_argument("--max-loads", default=max_loads)
     ap.add_argument("--branch-free", default=branch_free)
+    ap.add_argument("--async-reduce", default="0", help="0,1: also the clusters' sums by st.async (async_reduce)")
 
 
 def tail_configs(hidden: int, top_k: int, arch: str, args, clusters=(1,)):
@@ -114,10 +115,13 @@ def tail_configs(hidden: int, top_k: int, arch: str, args, clusters=(1,)):
 
     from kerngen.ops import tail
     ints = lambda s: [int(x) for x in s.split(",")]
-    for c, nt, ml, bf in itertools.product(clusters, ints(args.threads), ints(args.max_loads),
-                                          ints(args.branch_free)):
-        params = dict(backend="cute", branch_free=bool(bf), cluster=c, max_loads=ml, pdl=True, threads=nt)
-        label = f"c{c}/t{nt}/l{ml}/bf{bf}"
+    for c, nt, ml, bf, ar in itertools.product(clusters, ints(args.threads), ints(args.max_loads),
+                                              ints(args.branch_free), ints(getattr(args, "async_reduce", "0"))):
+        if ar and c == 1:   # (no cluster: the same kernel)
+            continue
+        params = dict(backend="cute", branch_free=bool(bf), cluster=c, max_loads=ml, pdl=True, threads=nt,
+                      **({"async_reduce": True} if ar else {}))
+        label = f"c{c}/t{nt}/l{ml}/bf{bf}" + ("/ar" if ar else "")
         yield label, tail.params_spec(params, hidden, top_k, "bfloat16", "float32", "bfloat16", (True, True, False),
                                       arch)
 

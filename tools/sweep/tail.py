@@ -2,7 +2,7 @@
 """Time the tail kernel over launch parameters (cluster, threads) per token count, to set the tail tiers.
 
     python3 -m tools.sweep.tail [--tokens 1,8,64,512,4096] [--clusters 1,2,4,8] [--threads 128,256,512] [--max-loads 16,32]
-                        [--branch-free 0,1] [--cases k22,kimi-k3] [--producer]
+                        [--branch-free 0,1] [--async-reduce 0,1] [--cases k22,kimi-k3] [--producer]
 
 --cases keeps the named shapes of tools.bench.tail's TAIL_CASES; --producer times each call right behind a producer
 kernel (tools.bench's: no early start), less the producer's own time.
