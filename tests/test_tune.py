@@ -151,7 +151,8 @@ def test_latent_tail_is_tuned_for_latent_models_only_and_fused_rules_stop_at_the
 def test_every_latent_tail_candidate_is_a_valid_rule():
     from kerngen.ops import latent_tail as lt
     cands = list(tune.latent_tail_candidates())
-    assert {v for v, _ in cands} == {"fused", "norm_gemm"} and len(cands) == 64 + 8 + 8 + 8 + 4 + 4 + 2 + 2 + 2 + 32 + 8 + 6
+    assert {v for v, _ in cands} == {"fused", "norm_gemm"}
+    assert len(cands) == 64 + 8 + 8 + 8 + 4 + 4 + 2 + 2 + 2 + 32 + 8 + 6
     assert sum(p.get("even_rows") is True for _, p in cands) == 8 + 4 + 2 + 1
     assert sum(p.get("n_global") is True for _, p in cands) == 8 + 4 + 4 + 2 + 2 + 2
     assert sum("l2_lines" in p for _, p in cands) == 7
