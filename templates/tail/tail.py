@@ -132,21 +132,17 @@ class MoeTail:
                mScales: Optional[cute.Tensor], mResOut: Optional[cute.Tensor], eps: Float32):
         VEC, K, NT = self.vec, self.topk, self.stride
         tidx, _, _ = cute.arch.thread_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps,)), 16)
+        sPeer = smem.allocate_tensor(Float32, cute.make_layout((self.cluster,)), 16)
+        sBar = None
         if const_expr(self.async_reduce):   # the mbarrier armed before the kernel-start cluster arrive
-            smem = cutlass.memory.SmemAllocator()
-            sRed = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps,)), 16)
-            sPeer = smem.allocate_tensor(Float32, cute.make_layout((self.cluster,)), 16)
             sBar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((1,)), 8)
             if tidx == 0:
                 cute.arch.mbarrier_init(sBar.iterator, 1)
                 cute.arch.mbarrier_arrive_and_expect_tx(sBar.iterator, self.cluster * 4)
                 cute.arch.mbarrier_init_fence()
-            t, base = self.prologue(tidx)
-        else:
-            t, base = self.prologue(tidx)
-            smem = cutlass.memory.SmemAllocator()
-            sRed = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps,)), 16)
-            sPeer = smem.allocate_tensor(Float32, cute.make_layout((self.cluster,)), 16)
+        t, base = self.prologue(tidx)
 
         rIdx, rSafe, rW = self.load_routing(mE2p, mW, t, mG.shape[0])
         acc = cute.make_rmem_tensor((VEC, self.iters), Float32)   # y, fp32, owned vector i in acc[None, i]
