@@ -60,3 +60,8 @@ def bench_tail(tokens, bw, timer=graph_time_us) -> list[dict]:
     for r in rows:
         print(f"{r['case']:26s} {r['T']:5d} {r['ours']:8.2f} {r['unfused']:8.2f} {r['compile']:8.2f}")
     return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit("tools/bench/tail.py holds the tail rows of the benchmark: run them with "
+                     "`python3 -m tools.bench --ops tail` (and --tokens, --producer)")
