@@ -114,6 +114,8 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                          "f16x": FLAG,   # fp8 / MXFP4 weights: activations carried as f16 (power-of-two scales)
                          "mtiles": _n(1, 2),   # with f16x: m16 tiles of weight rows an item takes (default 1)
                          "pingpong": FLAG,   # with f16x and prefetch: two weight buffers take turns (no copies)
+                         "fused_x": _n(1, 16),   # with f16x: gemm1 quantizes x itself, calls of at most so many tokens
+                         "act_f16": FLAG,   # with f16x: gemm2 on the intermediate as f16 (default) or bf16 (false)
                          "early_l2": FLAG},   # the first item's first weight bytes to L2 before the wait
     ("latent_tail", "fused"): {"backend": NVRTC, "max_tokens": _n(1, 16, required=True),
                                "warps": _n(1, 32, required=True), "unroll": _n(1, 8, required=True),

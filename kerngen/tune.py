@@ -150,8 +150,8 @@ def experts_formats(model: tiers.Model) -> tuple[str, ...]:
 def experts_candidates(fmt: str = "bf16"):
     """kerngen.experts' launch shapes for weights in `fmt` (bf16, fp8, mxfp4, or w8a8: fp8 with fp8 activations):
     routing tiles of 8 and 16 rows; fp8 and MXFP4 also with f16x, two m16 tiles an item (mtiles), two weight buffers
-    taking turns (pingpong), 8 warps an item, and the shapes the shipped rules take with no early weight loads or
-    with early_l2; w8a8 with early_l2."""
+    taking turns (pingpong), 8 warps an item, the shapes the shipped rules take with no early weight loads or
+    with early_l2, and for 1-2 tokens x quantized by the first GEMM itself (fused_x, act_f16); w8a8 with early_l2."""
     if fmt == "bf16":
         for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
             yield "mma", dict(tile=tile, warps=warps, unroll=unroll, blocks_per_sm=bps, pdl=True)
@@ -177,6 +177,11 @@ def experts_candidates(fmt: str = "bf16"):
             if mt == 1 or bps == 4:
                 yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=bps, pdl=True, prefetch_x=px, f16x=True,
                                   pingpong=True, **({"mtiles": 2, "min_blocks": 4} if mt == 2 else {}))
+        for act_f16 in (True, False):   # 1-2 tokens: x quantized by experts_gemm1 itself, the intermediate f16 or bf16
+            yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=6, pdl=True, f16x=True, fused_x=2,
+                              act_f16=act_f16)
+            yield "mma", dict(tile=8, warps=4, unroll=2, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
+                              prefetch_x=True, f16x=True, fused_x=2, act_f16=act_f16)
 
 
 _expert_weights: dict[tuple, tuple] = {}   # (model, format) -> w13, w2, w13_scale, w2_scale (one layer, random)
@@ -214,8 +219,11 @@ def _time_experts(model: tiers.Model, T: int, variant: str, params: dict, fmt: s
     from .ops import experts as ex
     a8, wfmt = fmt == "w8a8", "fp8" if fmt == "w8a8" else fmt
     H, I, E, K, dev = model.hidden, model.intermediate, model.num_experts, model.top_k, torch.cuda.current_device()
-    spec = ex.rule_spec(tiers.Rule(op="experts", variant=variant, ranges={}, params=params), H, I, model.activation,
-                        target_arch(dev), wfmt, "nk", a8)
+    fused = params.get("fused_x", 0)
+    if T > fused > 0:
+        return float("inf")   # a build for calls of at most fused_x tokens
+    spec = ex.rule_spec(tiers.Rule(op="experts", variant=variant, ranges={"tokens": (1, fused)} if fused else {},
+                                   params=params), H, I, model.activation, target_arch(dev), wfmt, "nk", a8)
     k = ex.Kernels(spec, dev)
     w13, w2, s13, s2 = _expert_inputs(model, wfmt)
     g = torch.Generator(device="cuda").manual_seed(T)
@@ -393,6 +401,8 @@ def _merge(op: str, model: tiers.Model, winners, arch: str | None = None, format
         hi = top if last else (T + winners[i + 1][0]) // 2
         if "max_tokens" in params:   # a fused kernel never serves more tokens than it is sized for
             hi = min(hi, int(params["max_tokens"]))
+        if params.get("fused_x"):   # nor an experts build quantizing x itself
+            hi = min(hi, int(params["fused_x"]))
         shape = ({"num_experts": (model.num_experts, model.num_experts)} if op == "routing"
                  else {"hidden": (model.hidden, model.hidden)})
         ranges = {**shape, "tokens": (lo, hi)} if op == "experts" else {**shape, "top_k": (model.top_k,) * 2,

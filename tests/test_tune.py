@@ -125,7 +125,8 @@ def test_every_experts_candidate_is_a_valid_rule_for_its_format():
     for fmt in ("bf16", "fp8", "mxfp4", "w8a8"):
         for variant, params in tune.experts_candidates(fmt):
             tiers.check_params("experts", "experts", variant, params)
-            ex.rule_spec(tiers.Rule("experts", variant, {}, params), 7168, 2048, "silu", "sm_90a",
+            ranges = {"tokens": (1, params["fused_x"])} if params.get("fused_x") else {}   # (fused_x: at most so many)
+            ex.rule_spec(tiers.Rule("experts", variant, ranges, params), 7168, 2048, "silu", "sm_90a",
                          "fp8" if fmt == "w8a8" else fmt, "nk", fmt == "w8a8")
 
 
@@ -194,3 +195,21 @@ def test_tail_candidates_with_and_without_async_reduce():
     assert all(p["cluster"] > 1 and p["branch_free"] for _, p in cands if p.get("async_reduce"))
     for variant, params in cands:
         tiers.check_params("tail", "tail", variant, params)
+
+
+def test_a_fused_x_winner_serves_no_more_tokens_than_it_quantizes(monkeypatch):
+    """gpt-oss-120b MXFP4: the fused_x build wins at T = 1 and 2 (and is not timed beyond: a build for at most two
+    tokens), so its rule ends at 2 and the next winner's starts at 3."""
+    monkeypatch.setattr(tune, "provenance", lambda: {"gpu": "NVIDIA H200", "date": "2026-12-04"})
+
+    def timer(model, T, variant, params, fmt="bf16"):
+        if params.get("fused_x"):
+            return float("inf") if T > params["fused_x"] else 1.0
+        return 2.0
+
+    monkeypatch.setitem(tune.TUNERS, "experts", (tune.experts_candidates, timer))
+    rules = [r for r in tune.tune("gpt-oss-120b", ["experts"], tokens=[1, 2, 8], progress=False)
+             if r.formats == ("mxfp4",)]
+    fused = [r for r in rules if r.params.get("fused_x")]
+    assert len(fused) == 1 and fused[0].ranges["tokens"] == (1, 2)
+    assert min(r.ranges["tokens"][0] for r in rules if not r.params.get("fused_x")) == 3

@@ -75,6 +75,18 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
     if params.get("pingpong") and not (params.get("f16x") and params.get("prefetch", True)):
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets pingpong without "
                         "f16x and prefetch: only the f16-activation builds that load the next steps ahead take it")
+    fused = params.get("fused_x", 0)
+    if (fused or not params.get("act_f16", True)) and not params.get("f16x"):
+        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets fused_x or act_f16, "
+                        "which only the f16-activation builds (f16x) take")
+    if fused and (type(fused) is not int or rule.ranges.get("tokens", (1, 1 << 30))[1] > fused
+                  or fused * (2 * H + 4 * -(-H // QBLOCK)) > 48 * 1024):
+        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets fused_x = {fused!r}: "
+                        "the most tokens its experts_gemm1 quantizes itself, at least the rule's last token count, "
+                        f"and fused_x * {H} f16 values in 48 KiB of shared memory")
+    if not params.get("act_f16", True) and params.get("mtiles", 1) != 1:
+        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets act_f16 = false with "
+                        "mtiles: GEMM2 on the bf16 intermediate takes one m16 tile of weight rows an item")
     if params.get("mtiles", 1) != 1 and not params.get("f16x"):
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets mtiles without "
                         "f16x: only the f16-activation builds take more than one tile of weight rows an item")
@@ -110,8 +122,8 @@ class Kernels:
     SM (no more than an SM holds of each kernel, and at most one per work item) looping over the used tiles' items.
     The grid follows the routing's tile count, so the launchers are kept per tile count; the intermediate scratch
     per stream."""
-    __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "qx", "_mod", "_warps", "_pdl", "_ctas", "_H", "_I",
-                 "_grids", "_act", "_cols", "_q")
+    __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "qx", "fused_x", "_mod", "_warps", "_pdl", "_ctas",
+                 "_H", "_I", "_grids", "_act", "_cols", "_q", "_quants", "_no_q")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
         if s.variant not in VARIANTS:
@@ -121,7 +133,10 @@ class Kernels:
         self.scaled = c.get("FORMAT", "bf16") != "bf16"   # a quantized build: its scales are launch fields
         self.a8 = bool(c.get("A8"))   # fp8 activations: two quantizing launches and their buffers besides
         self.x16 = bool(p.get("f16x"))   # f16 activations: the same, f16 buffers
-        self.qx = quantizes_activations(s)   # either
+        self._quants = quant_kernels(s)   # the quantizing launches it makes (none: fused_x, act_f16 = false)
+        self.qx = bool(self._quants)   # their buffers are needed
+        self._no_q = (0,) * 4 if quantizes_activations(s) and not self.qx else ()   # the struct's buffer fields, unused
+        self.fused_x = p.get("fused_x", 0) if self.x16 else 0   # gemm1 quantizes x itself: at most so many tokens
         self._warps, self._H, self._I = p["warps"], c["H"], c["I"]
         mt = p.get("mtiles", 1) if self.x16 else 1   # m16 tiles of weight rows an item takes
         self._cols = (16, 32) if c.get("KN") else (8 * mt, 16 * mt)   # an item's columns: GEMM1, GEMM2
@@ -141,8 +156,7 @@ class Kernels:
         p = dict(s.params)
         launch = Launch(32 * p["warps"], 0, p.get("blocks_per_sm", 4))
         out = {"experts_gemm1": launch, "experts_gemm2": launch}
-        if quantizes_activations(s):
-            out.update(dict.fromkeys(("experts_quant_x", "experts_quant_act"), Launch(256, 0, QUANT_CTAS)))
+        out.update(dict.fromkeys(quant_kernels(s), Launch(256, 0, QUANT_CTAS)))
         return out
 
     def launchers(self, tiles: int) -> tuple[Launcher, ...]:
@@ -157,9 +171,12 @@ class Kernels:
                     Launcher(self._mod, "experts_gemm2", self.device, grid2, block, params, pdl=self._pdl))
             if self.qx:   # a warp per 128 values; grids striding over the rows (x: at most tiles * tile)
                 def quant(name, cols):
+                    if name not in self._quants:
+                        return ()
                     grid = (max(1, min(self._ctas[name], -(-tiles * self.tile * -(-cols // QBLOCK) // 8))), 1, 1)
-                    return Launcher(self._mod, name, self.device, grid, (256, 1, 1), params, pdl=self._pdl)
-                pair = (quant("experts_quant_x", self._H), pair[0], quant("experts_quant_act", self._I), pair[1])
+                    return (Launcher(self._mod, name, self.device, grid, (256, 1, 1), params, pdl=self._pdl),)
+                pair = (quant("experts_quant_x", self._H) + pair[:1] + quant("experts_quant_act", self._I)
+                        + pair[1:])
             self._grids[tiles] = pair
         return pair
 
@@ -204,6 +221,9 @@ class Kernels:
     def run(self, x, routing, w13, w2, out, b13, b2, input_weights, interleaved, a0, a1, w13_scale, w2_scale, T,
             tiles, experts_, act=None) -> torch.Tensor:
         """__call__ with the counts experts() already knows: the launch fields packed in order, no keywords."""
+        if T > self.fused_x > 0:
+            raise InputError(OP, "x", f"at most {self.fused_x} tokens for this build (its rule's fused_x)",
+                             f"{T} tokens")
         stream = current_stream(self.device)
         own = act is None   # the caller's scratch: its quantized activations are this call's too, not kept
         if own:
@@ -220,6 +240,8 @@ class Kernels:
             q = (self.quant_scratch(stream, T, tiles, x.device) if own
                  else self.quant_buffers(T, tiles * self.tile, x.device))   # (alive until the launches are queued)
             fields += q[1]
+        else:
+            fields += self._no_q
         for launch in pair:
             launch(stream, *fields)
         return out
@@ -231,6 +253,17 @@ persistent = Kernels.persistent   # the ops' seam (kerngen.ops): what explain, w
 def quantizes_activations(s: plan_mod.KernelSpec) -> bool:
     """Does spec `s` take its activations quantized by two launches of its own: fp8 (A8) or f16 (the rule's f16x)?"""
     return bool(dict(s.constants).get("A8") or dict(s.params).get("f16x"))
+
+
+def quant_kernels(s: plan_mod.KernelSpec) -> tuple[str, ...]:
+    """The quantizing launches of spec `s`: with quantized activations experts_quant_x, unless experts_gemm1
+    quantizes x itself (the rule's fused_x), and experts_quant_act, unless experts_gemm2 reads the bf16 intermediate
+    (act_f16 = false); fp8 activations (A8) take both."""
+    if not quantizes_activations(s):
+        return ()
+    p, a8 = dict(s.params), bool(dict(s.constants).get("A8"))
+    return ((("experts_quant_x",) if a8 or not p.get("fused_x") else ())
+            + (("experts_quant_act",) if a8 or p.get("act_f16", True) else ()))
 
 
 def params_struct(s: plan_mod.KernelSpec) -> Params:

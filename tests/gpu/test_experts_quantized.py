@@ -39,8 +39,9 @@ def shape_kernels(fmt, H, I, tile, act="silu", a8=False, **params):
     for routing tile `tile`, as a tier rule gives them (a8: fp8 activations)."""
     from kerngen import tiers
     from kerngen.plan import target_arch
-    rule = tiers.Rule("experts", "mma", {}, {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True), **params,
-                                             "tile": tile})
+    ranges = {"tokens": (1, params["fused_x"])} if params.get("fused_x") else {}   # (fused_x bounds the rule's T)
+    rule = tiers.Rule("experts", "mma", ranges, {**dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True), **params,
+                                                 "tile": tile})
     return ex.Kernels(ex.rule_spec(rule, H, I, act, target_arch(0), fmt, "nk", a8), 0)
 
 
@@ -468,3 +469,66 @@ def test_pingpong_gives_the_same_bits(fmt, params, T):
     turns = run_f16x(f16x_kernels(fmt, H, I, 8, pingpong=True, **params), x, r, w, s)
     torch.cuda.synchronize()
     assert torch.equal(base, turns)
+
+
+FUSED_SHAPES = [dict(), dict(prefetch_x=True), dict(unroll=2, prefetch=False, prefetch_x=True, min_blocks=4),
+                dict(blocks_per_sm=6), dict(tile=16), dict(warps=8, blocks_per_sm=2)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("params", FUSED_SHAPES)
+@pytest.mark.parametrize("T", [1, 2])
+def test_fused_x_gives_the_same_bits(fmt, params, T):
+    """fused_x: experts_gemm1 quantizes x into shared memory itself, with experts_quant_x's arithmetic: the same bits
+    as the build that launches it, with input weights, over local experts (tiles of no local expert), gpt-oss's 2880
+    ending its rows mid-step."""
+    H, I = (2880, 2880) if fmt == "mxfp4" else (1024, 256)
+    p = dict(params)
+    tile = p.pop("tile", 8)
+    x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=70 + T)
+    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=tile, local_experts=(4, 8))
+    w = tuple(t[4:12].contiguous() for t in w)
+    s = {k: v[4:12].contiguous() for k, v in s.items()}
+    inw = torch.rand(T, device="cuda") + 0.5
+    base = run_f16x(f16x_kernels(fmt, H, I, tile, **p), x, r, w, s, input_weights=inw)
+    fused = f16x_kernels(fmt, H, I, tile, fused_x=2, **p)
+    assert "experts_quant_x" not in ex.persistent(fused.spec)
+    got = run_f16x(fused, x, r, w, s, input_weights=inw)
+    torch.cuda.synchronize()
+    assert torch.equal(base, got)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("params", [dict(fused_x=2), dict(fused_x=2, prefetch_x=True),
+                                    dict(fused_x=2, unroll=2, prefetch=False, prefetch_x=True, min_blocks=4), dict()])
+@pytest.mark.parametrize("H,I", [(1024, 256), (2880, 2880)])
+def test_act_f16_false_matches_the_dequantized_reference(fmt, params, H, I):
+    """act_f16 = false: experts_gemm2 on the bf16 intermediate (no experts_quant_act), with fused_x or without (then
+    also past two tokens), against the reference with the weight-only kernels' tolerance."""
+    if fmt == "fp8" and H % 128:
+        pytest.skip("fp8 block scales need multiples of 128")
+    for T in (1, 2) if params.get("fused_x") else (1, 7, 40):
+        x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=T + H + 1)
+        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+        k = f16x_kernels(fmt, H, I, 8, act_f16=False, **params)
+        assert "experts_quant_act" not in ex.persistent(k.spec)
+        check_rows(run_f16x(k, x, r, w, s), ex.reference(x, r, *w, **s), r)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("act_f16", [True, False])
+def test_fused_x_inside_a_cuda_graph(fmt, act_f16):
+    """Two launches (or three) replayed from a graph on new logits; more tokens than fused_x is a kerngen error."""
+    T, E, K, H, I = 2, 16, 4, 1024, 256
+    x, logits, w, s = make(fmt, T, K, E, H, I, seed=81)
+    k = f16x_kernels(fmt, H, I, 8, fused_x=2, act_f16=act_f16)
+    ws = kerngen.RoutingWorkspace(T, E, K, 8)
+    route = lambda: kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, workspace=ws)  # noqa: E731
+    out = torch.zeros(route().permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
+    replay_on_new_logits(lambda: k(x, route(), *w, out, **s), logits, out)
+    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
+    check_rows(out, ex.reference(x, r, *w, **s), r)
+    x3, logits3, _, _ = make(fmt, 3, K, E, H, I, seed=82)
+    r3 = kerngen.route(logits3, top_k=K, method="softmax_topk", tile=8)
+    with pytest.raises(kerngen.InputError, match="at most 2 tokens"):
+        k(x3, r3, *w, torch.empty(r3.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda"), **s)

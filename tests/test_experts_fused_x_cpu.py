@@ -1,0 +1,92 @@
+"""kerngen.experts' fused_x and act_f16 = false (f16x builds, no GPU): experts_gemm1 quantizing x itself into shared
+memory (no experts_quant_x) and experts_gemm2 reading the bf16 intermediate (no experts_quant_act). Every shipped
+fp8 / MXFP4 model's 1-2 token rule builds both ways without spills, the launches and their fields follow, and the
+rules that cannot take them are refused."""
+import pytest
+import torch
+
+import kerngen
+from kerngen import jit, resources, tiers
+from kerngen.cache import DiskCache
+from kerngen.ops import experts as ex
+from tests.helpers import assert_no_spills
+from tests.test_experts_quantized_cpu import FORMATS, stub_launches
+
+
+def fused_specs():
+    """The 1-token rule of every shipped fp8 and MXFP4 model, with fused_x = 2 and act_f16 either way."""
+    t = tiers.load()
+    out = []
+    for m in sorted(t.models.values(), key=lambda m: m.name):
+        if m.experts_format not in ("fp8", "mxfp4") or not m.intermediate:
+            continue
+        rule = t.rule("experts", {"hidden": m.hidden, "tokens": 1, "arch": "sm_90a", "format": m.experts_format})
+        for act_f16 in (True, False):
+            r = tiers.Rule("experts", "mma", {"tokens": (1, 2)}, {**rule.params, "fused_x": 2, "act_f16": act_f16})
+            s = ex.rule_spec(r, m.hidden, m.intermediate, m.activation, "sm_90a", m.experts_format)
+            if s not in out:
+                out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("spec", fused_specs(), ids=lambda s: f"{s.tag}-act_f16={dict(s.params)['act_f16']}")
+def test_fused_builds_compile_without_spills_and_without_their_quantizing_kernels(spec, tmp_path):
+    built = jit.build(spec, store=DiskCache(tmp_path))
+    assert_no_spills(built.files)
+    act_f16 = dict(spec.params)["act_f16"]
+    usage = dict(resources.usage(built.files))
+    assert set(usage) == {"experts_gemm1", "experts_gemm2"} | ({"experts_quant_act"} if act_f16 else set())
+    assert set(usage) == set(ex.persistent(spec))
+    H = dict(spec.constants)["H"]
+    # x of two tokens as f16 and their scales in gemm1's shared memory (beside the warps' reduction), none in gemm2's
+    assert usage["experts_gemm1"]["SHARED"] - usage["experts_gemm2"]["SHARED"] == 2 * (2 * H + 4 * -(-H // 128))
+    sass = resources.sass(built.files).split("Function : ")
+    gemm1 = next(f for f in sass if f.startswith("experts_gemm1"))
+    assert "LDS.128" in gemm1   # the activations come from shared memory
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("act_f16", [True, False])
+def test_fused_launches_and_their_fields(monkeypatch, fmt, act_f16):
+    launches = stub_launches(monkeypatch)
+    a = FORMATS[fmt][1]()
+    H, I = a["x"].shape[1], a["w2"].shape[-1] * (32 if fmt == "mxfp4" else 1)
+    rule = tiers.Rule("experts", "mma", {"tokens": (1, 2)}, dict(tile=8, warps=4, unroll=1, blocks_per_sm=4,
+                                                                 f16x=True, fused_x=2, act_f16=act_f16))
+    k = ex.Kernels(ex.rule_spec(rule, H, I, "silu", "sm_90a", fmt), -1)
+    r = a["routing"]
+    x = a["x"][:2]
+    k(x, r, a["w13"], a["w2"], ex.reference(**a), w13_scale=a["w13_scale"], w2_scale=a["w2_scale"])
+    names = [n for n, _, _ in launches]
+    assert names == ["experts_gemm1"] + (["experts_quant_act"] if act_f16 else []) + ["experts_gemm2"]
+    for _, _, f in launches:
+        assert f["x"] == x.data_ptr() and f["tokens"] == 2
+        assert bool(f["aq"]) == act_f16   # the intermediate's f16 buffer only where experts_quant_act writes it
+    with pytest.raises(kerngen.InputError, match="at most 2 tokens"):
+        k(torch.zeros(3, H, dtype=x.dtype), r, a["w13"], a["w2"], ex.reference(**a), w13_scale=a["w13_scale"],
+          w2_scale=a["w2_scale"])
+
+
+@pytest.mark.parametrize("params,tokens,match", [
+    (dict(fused_x=2), (1, 2), "f16x"),                                   # bf16 activations: nothing to fuse
+    (dict(act_f16=False), (1, 2), "f16x"),
+    (dict(f16x=True, fused_x=2), (1, 4), "fused_x = 2"),                 # the rule serves more tokens
+    (dict(f16x=True, fused_x=2), None, "fused_x = 2"),                   # ... any count
+    (dict(f16x=True, fused_x=True), (1, 1), "fused_x = True"),
+    (dict(f16x=True, fused_x=4), (1, 4), "48 KiB"),                      # 4 x 7168 f16 values
+    (dict(f16x=True, act_f16=False, mtiles=2), (1, 2), "mtiles"),
+])
+def test_rules_that_cannot_fuse_are_refused(params, tokens, match):
+    rule = tiers.Rule("experts", "mma", {"tokens": tokens} if tokens else {},
+                      dict(tile=8, warps=4, unroll=1, blocks_per_sm=4, **params))
+    with pytest.raises(kerngen.TierError, match=match):
+        ex.rule_spec(rule, 7168, 2048, "silu", "sm_90a", "fp8")
+
+
+def test_fused_x_leaves_the_default_builds_as_they_were():
+    """Neither param set: the launches of a shipped f16x rule are the four they were."""
+    t = tiers.load()
+    rule = t.rule("experts", {"hidden": 2880, "tokens": 1, "arch": "sm_90a", "format": "mxfp4"})
+    assert rule.params.get("f16x") and "fused_x" not in rule.params
+    s = ex.rule_spec(rule, 2880, 2880, "gpt_oss", "sm_90a", "mxfp4")
+    assert ex.quant_kernels(s) == ("experts_quant_x", "experts_quant_act")
