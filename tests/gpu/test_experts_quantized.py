@@ -499,6 +499,26 @@ def test_fused_x_gives_the_same_bits(fmt, params, T):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_x_quantizes_extreme_rows_as_experts_quant_x(fmt):
+    """The groups test_f16x_quantize_x_as_quantize_f16 checks the quantizing launch on (a zero group, 2^100 and
+    2^-100 groups, 2^-40 beside 1, NaN and inf, the short last group of a 2880-wide row): the fused build's output
+    has the same bits (NaNs included) as the build that launches experts_quant_x."""
+    T, E, K, H, I = 2, 16, 4, 2880 if fmt == "mxfp4" else 1024, 256
+    x, logits, w, s = make(fmt, T, K, E, H, I, seed=6)
+    x[0, :128] = 0
+    x[0, 128:256] *= 2.0 ** 100
+    x[1, 128:256] *= 2.0 ** -100
+    x[1, 256:260] = torch.tensor([1.0, 2.0 ** -40, -(2.0 ** -35), 3.0], dtype=torch.bfloat16)
+    x[1, 384] = float("nan")
+    x[1, 520] = float("inf")
+    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
+    base = run_f16x(f16x_kernels(fmt, H, I, 8), x, r, w, s)
+    fused = run_f16x(f16x_kernels(fmt, H, I, 8, fused_x=2), x, r, w, s)
+    torch.cuda.synchronize()
+    assert torch.equal(base.view(torch.int16), fused.view(torch.int16))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("params", [dict(fused_x=2), dict(fused_x=2, prefetch_x=True),
                                     dict(fused_x=2, unroll=2, prefetch=False, prefetch_x=True, min_blocks=4), dict()])
 @pytest.mark.parametrize("H,I", [(1024, 256), (2880, 2880)])
