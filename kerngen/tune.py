@@ -177,11 +177,11 @@ def experts_candidates(fmt: str = "bf16"):
             if mt == 1 or bps == 4:
                 yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=bps, pdl=True, prefetch_x=px, f16x=True,
                                   pingpong=True, **({"mtiles": 2, "min_blocks": 4} if mt == 2 else {}))
-        for act_f16 in (True, False):   # 1-2 tokens: x quantized by experts_gemm1 itself, the intermediate f16 or bf16
-            yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=6, pdl=True, f16x=True, fused_x=2,
-                              act_f16=act_f16)
+        for act in ({"act_f16": True}, {"act_f16": False}, {"stage_act": True}):   # 1-2 tokens: x quantized by
+            # experts_gemm1 itself; the intermediate as f16, as bf16, or its rows copied into shared memory
+            yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=6, pdl=True, f16x=True, fused_x=2, **act)
             yield "mma", dict(tile=8, warps=4, unroll=2, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
-                              prefetch_x=True, f16x=True, fused_x=2, act_f16=act_f16)
+                              prefetch_x=True, f16x=True, fused_x=2, **act)
 
 
 _expert_weights: dict[tuple, tuple] = {}   # (model, format) -> w13, w2, w13_scale, w2_scale (one layer, random)

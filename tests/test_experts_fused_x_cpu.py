@@ -21,15 +21,16 @@ def fused_specs():
         if m.experts_format not in ("fp8", "mxfp4") or not m.intermediate:
             continue
         rule = t.rule("experts", {"hidden": m.hidden, "tokens": 1, "arch": "sm_90a", "format": m.experts_format})
-        for act_f16 in (True, False):
-            r = tiers.Rule("experts", "mma", {"tokens": (1, 2)}, {**rule.params, "fused_x": 2, "act_f16": act_f16})
+        for act in ({"act_f16": True}, {"act_f16": False}, {"act_f16": True, "stage_act": True}):
+            r = tiers.Rule("experts", "mma", {"tokens": (1, 2)}, {**rule.params, "fused_x": 2, **act})
             s = ex.rule_spec(r, m.hidden, m.intermediate, m.activation, "sm_90a", m.experts_format)
             if s not in out:
                 out.append(s)
     return out
 
 
-@pytest.mark.parametrize("spec", fused_specs(), ids=lambda s: f"{s.tag}-act_f16={dict(s.params)['act_f16']}")
+@pytest.mark.parametrize("spec", fused_specs(), ids=lambda s: f"{s.tag}-act_f16={dict(s.params)['act_f16']}"
+                                                             f"{'-stage_act' if dict(s.params).get('stage_act') else ''}")
 def test_fused_builds_compile_without_spills_and_without_their_quantizing_kernels(spec, tmp_path):
     built = jit.build(spec, store=DiskCache(tmp_path))
     assert_no_spills(built.files)
@@ -37,12 +38,16 @@ def test_fused_builds_compile_without_spills_and_without_their_quantizing_kernel
     usage = dict(resources.usage(built.files))
     assert set(usage) == {"experts_gemm1", "experts_gemm2"} | ({"experts_quant_act"} if act_f16 else set())
     assert set(usage) == set(ex.persistent(spec))
-    H = dict(spec.constants)["H"]
-    # x of two tokens as f16 and their scales in gemm1's shared memory (beside the warps' reduction), none in gemm2's
-    assert usage["experts_gemm1"]["SHARED"] - usage["experts_gemm2"]["SHARED"] == 2 * (2 * H + 4 * -(-H // 128))
+    H, I = dict(spec.constants)["H"], dict(spec.constants)["I"]
+    # x of two tokens as f16 and their scales in gemm1's shared memory beside the warps' reduction; with stage_act
+    # two rows of the intermediate and their scales in gemm2's
+    staged = 2 * (2 * I + 4 * -(-I // 128)) if dict(spec.params).get("stage_act") else 0
+    assert usage["experts_gemm1"]["SHARED"] - usage["experts_gemm2"]["SHARED"] == 2 * (2 * H + 4 * -(-H // 128)) - staged
     sass = resources.sass(built.files).split("Function : ")
     gemm1 = next(f for f in sass if f.startswith("experts_gemm1"))
+    gemm2 = next(f for f in sass if f.startswith("experts_gemm2"))
     assert "LDS.128" in gemm1   # the activations come from shared memory
+    assert ("LDS.128" in gemm2) == bool(staged)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -75,6 +80,8 @@ def test_fused_launches_and_their_fields(monkeypatch, fmt, act_f16):
     (dict(f16x=True, fused_x=True), (1, 1), "fused_x = True"),
     (dict(f16x=True, fused_x=4), (1, 4), "48 KiB"),                      # 4 x 7168 f16 values
     (dict(f16x=True, act_f16=False, mtiles=2), (1, 2), "mtiles"),
+    (dict(f16x=True, stage_act=True), (1, 2), "stage_act"),              # no slots without fused_x
+    (dict(f16x=True, fused_x=2, act_f16=False, stage_act=True), (1, 2), "stage_act"),
 ])
 def test_rules_that_cannot_fuse_are_refused(params, tokens, match):
     rule = tiers.Rule("experts", "mma", {"tokens": tokens} if tokens else {},

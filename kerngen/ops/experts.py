@@ -84,6 +84,9 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets fused_x = {fused!r}: "
                         "the most tokens its experts_gemm1 quantizes itself, at least the rule's last token count, "
                         f"and fused_x * {H} f16 values in 48 KiB of shared memory")
+    if params.get("stage_act") and not (fused and params.get("act_f16", True)):
+        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets stage_act without "
+                        "fused_x (its slots: a tile's rows at most) or with act_f16 = false")
     if not params.get("act_f16", True) and params.get("mtiles", 1) != 1:
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets act_f16 = false with "
                         "mtiles: GEMM2 on the bf16 intermediate takes one m16 tile of weight rows an item")

@@ -499,6 +499,43 @@ def test_fused_x_gives_the_same_bits(fmt, params, T):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("params", [dict(), dict(prefetch_x=True), dict(unroll=2, prefetch=False, prefetch_x=True),
+                                    dict(tile=16), dict(mtiles=2, prefetch_x=True)])
+@pytest.mark.parametrize("T", [1, 2])
+def test_stage_act_gives_the_same_bits(fmt, params, T):
+    """stage_act: experts_gemm2 copies its tile's rows of the f16 intermediate into shared memory (once a tile) and
+    reads them there: the same bits as the build without fused_x or stage_act, over local experts, with input
+    weights, gpt-oss's 2880 ending rows mid-step."""
+    H, I = (2880, 2880) if fmt == "mxfp4" else (1024, 256)
+    p = dict(params)
+    tile = p.pop("tile", 8)
+    x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=90 + T)
+    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=tile, local_experts=(4, 8))
+    w = tuple(t[4:12].contiguous() for t in w)
+    s = {k: v[4:12].contiguous() for k, v in s.items()}
+    inw = torch.rand(T, device="cuda") + 0.5
+    base = run_f16x(f16x_kernels(fmt, H, I, tile, **p), x, r, w, s, input_weights=inw)
+    staged = run_f16x(f16x_kernels(fmt, H, I, tile, fused_x=2, stage_act=True, **p), x, r, w, s, input_weights=inw)
+    torch.cuda.synchronize()
+    assert torch.equal(base, staged)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_stage_act_reads_tiles_of_more_rows_where_they_are(fmt):
+    """A permutation naming one expert several times for a token (kerngen.permute takes it): tiles of more rows than
+    the two slots read the intermediate from global memory, the others from their slots; the same bits."""
+    T, E, H, I = 2, 16, 1024, 256
+    x, _, w, s = make(fmt, T, 4, E, H, I, seed=95)
+    ids = torch.tensor([[3, 3, 3, 1], [3, 5, 3, 2]], dtype=torch.int32, device="cuda")
+    r = kerngen.permute(ids, num_experts=E, tile=8)
+    base = run_f16x(f16x_kernels(fmt, H, I, 8), x, r, w, s)
+    staged = run_f16x(f16x_kernels(fmt, H, I, 8, fused_x=2, stage_act=True), x, r, w, s)
+    torch.cuda.synchronize()
+    assert torch.equal(base, staged)
+    check_rows(staged, ex.reference(x, r, *w, **s), r)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_x_quantizes_extreme_rows_as_experts_quant_x(fmt):
     """The groups test_f16x_quantize_x_as_quantize_f16 checks the quantizing launch on (a zero group, 2^100 and
     2^-100 groups, 2^-40 beside 1, NaN and inf, the short last group of a 2880-wide row): the fused build's output
