@@ -84,6 +84,10 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets fused_x = {fused!r}: "
                         "the most tokens its experts_gemm1 quantizes itself, at least the rule's last token count, "
                         f"and fused_x * {H} f16 values in 48 KiB of shared memory")
+    if fused and params.get("early_l2"):
+        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets fused_x with "
+                        "early_l2: experts_gemm1 then follows the routing itself, whose tile experts it may not read "
+                        "before its wait")
     if params.get("stage_act") and not (fused and params.get("act_f16", True)):
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets stage_act without "
                         "fused_x (its slots: a tile's rows at most) or with act_f16 = false")
