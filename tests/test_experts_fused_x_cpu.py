@@ -39,10 +39,13 @@ def test_fused_builds_compile_without_spills_and_without_their_quantizing_kernel
     assert set(usage) == {"experts_gemm1", "experts_gemm2"} | ({"experts_quant_act"} if act_f16 else set())
     assert set(usage) == set(ex.persistent(spec))
     H, I = dict(spec.constants)["H"], dict(spec.constants)["I"]
-    # x of two tokens as f16 and their scales in gemm1's shared memory beside the warps' reduction; with stage_act
-    # two rows of the intermediate and their scales in gemm2's
+    # x of two tokens as f16 and their scales in gemm1's dynamic shared memory; with stage_act two rows of the
+    # intermediate and their scales in gemm2's; the static (the warps' reduction) as it was
     staged = 2 * (2 * I + 4 * -(-I // 128)) if dict(spec.params).get("stage_act") else 0
-    assert usage["experts_gemm1"]["SHARED"] - usage["experts_gemm2"]["SHARED"] == 2 * (2 * H + 4 * -(-H // 128)) - staged
+    launch = ex.persistent(spec)
+    assert launch["experts_gemm1"].dynamic_smem == 2 * (2 * H + 4 * -(-H // 128))
+    assert launch["experts_gemm2"].dynamic_smem == staged
+    assert usage["experts_gemm1"]["SHARED"] == usage["experts_gemm2"]["SHARED"]
     sass = resources.sass(built.files).split("Function : ")
     gemm1 = next(f for f in sass if f.startswith("experts_gemm1"))
     gemm2 = next(f for f in sass if f.startswith("experts_gemm2"))
@@ -78,7 +81,7 @@ def test_fused_launches_and_their_fields(monkeypatch, fmt, act_f16):
     (dict(f16x=True, fused_x=2), (1, 4), "fused_x = 2"),                 # the rule serves more tokens
     (dict(f16x=True, fused_x=2), None, "fused_x = 2"),                   # ... any count
     (dict(f16x=True, fused_x=True), (1, 1), "fused_x = True"),
-    (dict(f16x=True, fused_x=4), (1, 4), "48 KiB"),                      # 4 x 7168 f16 values
+    (dict(f16x=True, fused_x=16), (1, 16), "200 KiB"),                   # 16 x 7168 f16 values
     (dict(f16x=True, act_f16=False, mtiles=2), (1, 2), "mtiles"),
     (dict(f16x=True, stage_act=True), (1, 2), "stage_act"),
     (dict(f16x=True, fused_x=2, early_l2=True), (1, 2), "early_l2"),     # gemm1 right behind the routing              # no slots without fused_x

@@ -80,10 +80,10 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets fused_x or act_f16, "
                         "which only the f16-activation builds (f16x) take")
     if fused and (type(fused) is not int or rule.ranges.get("tokens", (1, 1 << 30))[1] > fused
-                  or fused * (2 * H + 4 * -(-H // QBLOCK)) > 48 * 1024):
+                  or fused_smem(fused, max(H, I)) > FUSED_SMEM):
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets fused_x = {fused!r}: "
                         "the most tokens its experts_gemm1 quantizes itself, at least the rule's last token count, "
-                        f"and fused_x * {H} f16 values in 48 KiB of shared memory")
+                        f"and fused_x rows of {max(H, I)} f16 values in {FUSED_SMEM // 1024} KiB of shared memory")
     if fused and params.get("early_l2"):
         raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets fused_x with "
                         "early_l2: experts_gemm1 then follows the routing itself, whose tile experts it may not read "
@@ -157,12 +157,11 @@ class Kernels:
 
     @staticmethod
     def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
-        """Each kernel's CTA (32 * warps threads, no dynamic shared memory) and the CTAs an SM its rule asks for; with
-        fp8 or f16 activations also the quantizing kernels' (8 warps, a warp a group, grids striding over the groups
-        with up to QUANT_CTAS CTAs an SM)."""
+        """Each kernel's CTA (32 * warps threads; dynamic shared memory only for fused_x and stage_act rows,
+        dynamic_smem) and the CTAs an SM its rule asks for; with fp8 or f16 activations also the quantizing
+        kernels' (8 warps, a warp a group, grids striding over the groups with up to QUANT_CTAS CTAs an SM)."""
         p = dict(s.params)
-        launch = Launch(32 * p["warps"], 0, p.get("blocks_per_sm", 4))
-        out = {"experts_gemm1": launch, "experts_gemm2": launch}
+        out = {name: Launch(32 * p["warps"], dyn, p.get("blocks_per_sm", 4)) for name, dyn in dynamic_smem(s).items()}
         out.update(dict.fromkeys(quant_kernels(s), Launch(256, 0, QUANT_CTAS)))
         return out
 
@@ -174,8 +173,11 @@ class Kernels:
             grid1 = (min(self._ctas["experts_gemm1"], tiles * -(-self._I // self._cols[0])), 1, 1)
             grid2 = (min(self._ctas["experts_gemm2"], tiles * -(-self._H // self._cols[1])), 1, 1)
             params = params_struct(self.spec)
-            pair = (Launcher(self._mod, "experts_gemm1", self.device, grid1, block, params, pdl=self._pdl),
-                    Launcher(self._mod, "experts_gemm2", self.device, grid2, block, params, pdl=self._pdl))
+            dyn = dynamic_smem(self.spec)
+            pair = (Launcher(self._mod, "experts_gemm1", self.device, grid1, block, params, dyn["experts_gemm1"],
+                             pdl=self._pdl),
+                    Launcher(self._mod, "experts_gemm2", self.device, grid2, block, params, dyn["experts_gemm2"],
+                             pdl=self._pdl))
             if self.qx:   # a warp per 128 values; grids striding over the rows (x: at most tiles * tile)
                 def quant(name, cols):
                     if name not in self._quants:
@@ -260,6 +262,23 @@ persistent = Kernels.persistent   # the ops' seam (kerngen.ops): what explain, w
 def quantizes_activations(s: plan_mod.KernelSpec) -> bool:
     """Does spec `s` take its activations quantized by two launches of its own: fp8 (A8) or f16 (the rule's f16x)?"""
     return bool(dict(s.constants).get("A8") or dict(s.params).get("f16x"))
+
+
+FUSED_SMEM = 200 * 1024   # the most dynamic shared memory fused_x / stage_act rows may take a CTA (an SM: 227 KiB)
+
+
+def fused_smem(rows: int, cols: int) -> int:
+    """Bytes of dynamic shared memory for `rows` f16 rows of `cols` values and their fp32 scales per 128 columns."""
+    return rows * (2 * cols + 4 * -(-cols // QBLOCK))
+
+
+def dynamic_smem(s: plan_mod.KernelSpec) -> dict[str, int]:
+    """Each GEMM's dynamic shared memory: fused_x rows of x (experts_gemm1), with stage_act rows of the intermediate
+    (experts_gemm2); none otherwise."""
+    p, c = dict(s.params), dict(s.constants)
+    fx = p.get("fused_x", 0) if p.get("f16x") else 0
+    return {"experts_gemm1": fused_smem(fx, c["H"]),
+            "experts_gemm2": fused_smem(fx, c["I"]) if fx and p.get("stage_act") and p.get("act_f16", True) else 0}
 
 
 def quant_kernels(s: plan_mod.KernelSpec) -> tuple[str, ...]:
