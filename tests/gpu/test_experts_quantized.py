@@ -475,27 +475,34 @@ FUSED_SHAPES = [dict(), dict(prefetch_x=True), dict(unroll=2, prefetch=False, pr
                 dict(blocks_per_sm=6), dict(tile=16), dict(warps=8, blocks_per_sm=2)]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("params", FUSED_SHAPES)
-@pytest.mark.parametrize("T", [1, 2])
-def test_fused_x_gives_the_same_bits(fmt, params, T):
-    """fused_x: experts_gemm1 quantizes x into shared memory itself, with experts_quant_x's arithmetic: the same bits
-    as the build that launches it, with input weights, over local experts (tiles of no local expert), gpt-oss's 2880
-    ending its rows mid-step."""
+def same_bits_over_local_experts(fmt, params, T, seed, **changed):
+    """The build of launch shape `params` with `changed` params against the one without them, on the same T tokens
+    over local experts 4..11 of 16 (tiles of no local expert), with input weights; gpt-oss's 2880 (MXFP4) ends its
+    rows mid-step. Returns the changed build's kernels after asserting the two outputs have the same bits."""
     H, I = (2880, 2880) if fmt == "mxfp4" else (1024, 256)
     p = dict(params)
     tile = p.pop("tile", 8)
-    x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=70 + T)
+    x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=seed)
     r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=tile, local_experts=(4, 8))
     w = tuple(t[4:12].contiguous() for t in w)
     s = {k: v[4:12].contiguous() for k, v in s.items()}
     inw = torch.rand(T, device="cuda") + 0.5
     base = run_f16x(f16x_kernels(fmt, H, I, tile, **p), x, r, w, s, input_weights=inw)
-    fused = f16x_kernels(fmt, H, I, tile, fused_x=2, **p)
-    assert "experts_quant_x" not in ex.persistent(fused.spec)
-    got = run_f16x(fused, x, r, w, s, input_weights=inw)
+    k = f16x_kernels(fmt, H, I, tile, **changed, **p)
+    got = run_f16x(k, x, r, w, s, input_weights=inw)
     torch.cuda.synchronize()
     assert torch.equal(base, got)
+    return k
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("params", FUSED_SHAPES)
+@pytest.mark.parametrize("T", [1, 2])
+def test_fused_x_gives_the_same_bits(fmt, params, T):
+    """fused_x: experts_gemm1 quantizes x into shared memory itself, with experts_quant_x's arithmetic: the same bits
+    as the build that launches it."""
+    k = same_bits_over_local_experts(fmt, params, T, 70 + T, fused_x=2)
+    assert "experts_quant_x" not in ex.persistent(k.spec)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -504,20 +511,9 @@ def test_fused_x_gives_the_same_bits(fmt, params, T):
 @pytest.mark.parametrize("T", [1, 2])
 def test_stage_act_gives_the_same_bits(fmt, params, T):
     """stage_act: experts_gemm2 copies its tile's rows of the f16 intermediate into shared memory (once a tile) and
-    reads them there: the same bits as the build without fused_x or stage_act, over local experts, with input
-    weights, gpt-oss's 2880 ending rows mid-step."""
-    H, I = (2880, 2880) if fmt == "mxfp4" else (1024, 256)
-    p = dict(params)
-    tile = p.pop("tile", 8)
-    x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=90 + T)
-    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=tile, local_experts=(4, 8))
-    w = tuple(t[4:12].contiguous() for t in w)
-    s = {k: v[4:12].contiguous() for k, v in s.items()}
-    inw = torch.rand(T, device="cuda") + 0.5
-    base = run_f16x(f16x_kernels(fmt, H, I, tile, **p), x, r, w, s, input_weights=inw)
-    staged = run_f16x(f16x_kernels(fmt, H, I, tile, fused_x=2, stage_act=True, **p), x, r, w, s, input_weights=inw)
-    torch.cuda.synchronize()
-    assert torch.equal(base, staged)
+    reads them there: the same bits as the build without fused_x or stage_act."""
+    k = same_bits_over_local_experts(fmt, params, T, 90 + T, fused_x=2, stage_act=True)
+    assert ex.persistent(k.spec)["experts_gemm2"].dynamic_smem > 0
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
