@@ -88,6 +88,11 @@ def strict() -> bool:
     return _flag("KERNGEN_STRICT")
 
 
+def eager_graphs() -> bool:
+    """KERNGEN_EAGER_GRAPHS: eager calls of kerngen.experts replay repeated launch sequences from CUDA graphs."""
+    return _flag("KERNGEN_EAGER_GRAPHS")
+
+
 def racecheck() -> bool:
     """Build the routing kernels for compute-sanitizer's racecheck (their idle token groups meet their barriers)."""
     return _flag("KERNGEN_RACECHECK")

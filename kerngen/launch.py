@@ -261,3 +261,115 @@ def load(files: dict[str, bytes], key: str) -> Module:
     module = Module(files["kernel.cubin"], key)
     module.load(torch.cuda.current_device())
     return module
+
+
+_graph_calls = None
+
+
+def _graph_fns():
+    """cuGraphLaunch and cuStreamIsCapturing of the driver library torch loaded, through ctypes (the hot path)."""
+    global _graph_calls
+    if _graph_calls is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        launch, capturing = lib.cuGraphLaunch, lib.cuStreamIsCapturing
+        launch.argtypes, launch.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+        capturing.argtypes, capturing.restype = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)], ctypes.c_int
+        _graph_calls = (launch, capturing)
+    return _graph_calls
+
+
+def graph_launch(handle: int, stream: int) -> None:
+    """cuGraphLaunch of an instantiated graph (its raw handle) on a raw stream."""
+    err = _graph_fns()[0](handle, stream)
+    if err:
+        _ok(_drv().CUresult(err), "launching a CUDA graph")
+
+
+def stream_capturing(stream: int) -> bool:
+    """Whether a raw stream is capturing into a graph (cuStreamIsCapturing; an invalidated capture counts)."""
+    status = ctypes.c_int(0)
+    err = _graph_fns()[1](stream, ctypes.byref(status))
+    if err:
+        _ok(_drv().CUresult(err), "asking whether the stream is capturing")
+    return status.value != 0
+
+
+class EagerGraphs:
+    """One op shape's launch sequences replayed from CUDA graphs in eager calls (KERNGEN_EAGER_GRAPHS): a sequence
+    whose launch fields (every pointer and count) were seen before is captured on a stream of its own into a graph
+    the second time, and from then on a call with the same fields launches that graph: one driver call, not one a
+    kernel. Never while the caller's stream is capturing (its own graph takes the kernels). At most `size` graphs
+    (the oldest go first); off for the shape once `size` captures have been made and fewer calls hit them than that.
+    The kernels read their buffers when they run, so a replay is the launches themselves."""
+
+    def __init__(self, device: int, size: int = 64):
+        self.device, self.size = device, size
+        self._graphs: dict[tuple, int] = {}   # fields -> CUgraphExec (raw handle)
+        self._seen: dict[tuple, None] = {}    # fields met once
+        self._execs: dict[int, object] = {}   # raw handle -> the driver's CUgraphExec object (destroyed on eviction)
+        self.captures = self.hits = 0
+        self.off = False
+        self._stream = None
+        self._mutex = threading.Lock()
+
+    def launch(self, stream: int, launches, fields: tuple) -> bool:
+        """Launch `launches` (Launchers taking `fields`) on `stream` from a graph if this sequence has one or is
+        now met for the second time; False where the caller launches them itself."""
+        if self.off:
+            return False
+        g = self._graphs.get(fields)
+        if g is None:
+            if self._capturing(stream):
+                return False
+            if fields not in self._seen:
+                if len(self._seen) >= 4 * self.size:
+                    self._seen.pop(next(iter(self._seen)))
+                self._seen[fields] = None
+                return False
+            g = self._capture(launches, fields)
+        else:
+            if self._capturing(stream):
+                return False
+            self.hits += 1
+        graph_launch(g, stream)
+        return True
+
+    @staticmethod
+    def _capturing(stream: int) -> bool:
+        return stream_capturing(stream)
+
+    def _capture(self, launches, fields: tuple) -> int:
+        """Capture and instantiate this sequence (the oldest graph goes past `size`); its raw handle."""
+        with self._mutex:
+            handle = self._instantiate(launches, fields)
+            if len(self._graphs) >= self.size:
+                self._destroy(self._graphs.pop(next(iter(self._graphs))))
+            self._graphs[fields] = handle
+            self._seen.pop(fields, None)
+            self.captures += 1
+            if self.captures >= self.size and self.hits < self.captures:
+                self.off = True   # the shape's pointers do not repeat: plain launches from now on
+            return handle
+
+    def _instantiate(self, launches, fields: tuple) -> int:
+        """The launches captured on this object's own stream into a graph, instantiated: its raw handle."""
+        drv = _drv()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)   # (in torch's context for the device)
+        side = self._stream.cuda_stream
+        _ok(drv.cuStreamBeginCapture(side, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+            "beginning a capture")
+        try:
+            for launch in launches:
+                launch(side, *fields)
+        finally:
+            graph = _ok(drv.cuStreamEndCapture(side), "ending a capture")
+        try:
+            exec_ = _ok(drv.cuGraphInstantiate(graph, 0), "instantiating a CUDA graph")
+        finally:
+            _ok(drv.cuGraphDestroy(graph), "destroying a captured graph")
+        self._execs[int(exec_)] = exec_
+        return int(exec_)
+
+    def _destroy(self, handle: int) -> None:
+        _ok(_drv().cuGraphExecDestroy(self._execs.pop(handle)), "destroying a CUDA graph")

@@ -22,7 +22,8 @@ import torch
 from .. import plan as plan_mod
 from .. import tiers
 from ..errors import InputError, TierError
-from ..launch import Launcher, Params, current_stream
+from .. import env
+from ..launch import EagerGraphs, Launcher, Params, current_stream
 from ..occupancy import Launch
 from ..dispatch import Dispatch, calls, lookup
 from . import _common
@@ -130,7 +131,7 @@ class Kernels:
     The grid follows the routing's tile count, so the launchers are kept per tile count; the intermediate scratch
     per stream."""
     __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "qx", "fused_x", "_mod", "_warps", "_pdl", "_ctas",
-                 "_H", "_I", "_grids", "_act", "_cols", "_q", "_quants", "_no_q")
+                 "_H", "_I", "_grids", "_act", "_cols", "_q", "_quants", "_no_q", "graphs")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
         if s.variant not in VARIANTS:
@@ -154,6 +155,8 @@ class Kernels:
         self._grids: dict[int, tuple[Launcher, Launcher]] = {}
         self._act: dict[int, torch.Tensor] = {}
         self._q: dict[int, tuple] = {}
+        # KERNGEN_EAGER_GRAPHS: repeated eager calls replay their launches from a CUDA graph (device -1: stubs)
+        self.graphs = EagerGraphs(device) if device >= 0 and env.eager_graphs() else None
 
     @staticmethod
     def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
@@ -251,8 +254,9 @@ class Kernels:
             fields += q[1]
         else:
             fields += self._no_q
-        for launch in pair:
-            launch(stream, *fields)
+        if self.graphs is None or not self.graphs.launch(stream, pair, fields):
+            for launch in pair:
+                launch(stream, *fields)
         return out
 
 

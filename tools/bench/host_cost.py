@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 
 import torch
@@ -41,6 +42,17 @@ class _Rows(dict):
         except Exception as e:   # reported in the table, never dropped
             self[name] = e
 
+
+def eager_graphs(call):
+    """`call` with its shape's kernels built under KERNGEN_EAGER_GRAPHS=1 and its launches' graph captured (three
+    calls: met, captured, replayed)."""
+    os.environ["KERNGEN_EAGER_GRAPHS"] = "1"
+    try:
+        for _ in range(3):
+            call()
+    finally:
+        os.environ.pop("KERNGEN_EAGER_GRAPHS", None)
+    return call
 
 def op_rows(dev) -> dict:
     """name -> zero-argument callable (or the exception its setup raised): the public ops at T = 1."""
@@ -110,6 +122,9 @@ def op_rows(dev) -> dict:
             rows["experts(x, r, w13, w2, out=out) at H 256, I 128"] = (
                 lambda: kerngen.experts(xs_s, r, w13_s, w2_s, out=out_s))
             rows["experts(x, r, w13, w2) at H 256, I 128"] = lambda: kerngen.experts(xs_s, r, w13_s, w2_s)
+            out_g = torch.empty_like(out_s)   # (gelu: a shape of its own, built with the flag set)
+            rows["experts(..., out=out) at H 256, I 128, KERNGEN_EAGER_GRAPHS=1"] = eager_graphs(
+                lambda: kerngen.experts(xs_s, r, w13_s, w2_s, activation="gelu", out=out_g))
             g = kerngen.experts(xs, r, w13, w2)
             e2p, w = r.expanded_to_permuted, r.topk_weights
             out_f = torch.empty(1, H, dtype=torch.bfloat16, device=dev)

@@ -1,0 +1,68 @@
+"""KERNGEN_EAGER_GRAPHS on the GPU: repeated eager kerngen.experts calls on the same buffers replay their launches
+from a CUDA graph and still read the inputs of each call (bf16, and MXFP4 with its four launches); under a graph
+torch captures, the kernels go into that graph and replay right."""
+import pytest
+import torch
+
+import kerngen
+from kerngen.ops import experts as ex
+from tests.gpu.test_experts_quantized import check_rows, make
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
+
+
+@pytest.fixture
+def graphs_on(monkeypatch):
+    monkeypatch.setenv("KERNGEN_EAGER_GRAPHS", "1")
+    kerngen.clear()   # the shapes' kernels read the flag when first built
+    yield
+    kerngen.clear()
+
+
+def case(fmt, T, E=16, K=4, H=1024, I=256, seed=0):
+    if fmt == "bf16":
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x = (torch.randn(T, H, device="cuda", generator=g) * 0.3).to(torch.bfloat16)
+        logits = torch.randn(T, E, device="cuda", generator=g)
+        w = tuple((torch.randn(E, n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+                  for n, k in ((2 * I, H), (H, I)))
+        return x, logits, w, {}
+    return make(fmt, T, K, E, H, I, seed=seed)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("T", [1, 8])
+def test_repeated_calls_replay_and_read_each_calls_inputs(graphs_on, fmt, T):
+    x, logits, w, s = case(fmt, T)
+    ws = kerngen.RoutingWorkspace(T, 16, 4, 8)
+    out = None
+    for step in range(5):   # the same buffers every call, new values in them
+        x.copy_((torch.randn_like(x, dtype=torch.float32) * 0.3).to(x.dtype))
+        logits.copy_(torch.randn_like(logits))
+        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8, workspace=ws)
+        if out is None:
+            out = torch.empty(r.permuted_to_token.shape[0], x.shape[1], dtype=torch.bfloat16, device="cuda")
+        kerngen.experts(x, r, *w, out=out, **s)
+        check_rows(out, ex.reference(x, r, *w, **s), r)
+    I = w[1].shape[-1] * (32 if fmt == "mxfp4" else 1)
+    k = ex.dispatch(x.get_device(), H=x.shape[1], I=I, activation="silu", fmt=fmt).kernel(T)
+    assert k.graphs is not None and k.graphs.captures == 1 and k.graphs.hits >= 2
+
+
+def test_inside_a_graph_torch_captures(graphs_on):
+    T = 4
+    x, logits, w, s = case("mxfp4", T, seed=3)
+    ws = kerngen.RoutingWorkspace(T, 16, 4, 8)
+    run = lambda: kerngen.experts(x, kerngen.route(logits, top_k=4, method="softmax_topk", tile=8,  # noqa: E731
+                                                   workspace=ws), *w, **s)
+    run()
+    run()   # (a graph of its own captured here, eagerly)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    x.copy_((torch.randn_like(x, dtype=torch.float32) * 0.3).to(x.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+    check_rows(out, ex.reference(x, r, *w, **s), r)

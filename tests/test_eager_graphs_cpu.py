@@ -1,0 +1,79 @@
+"""KERNGEN_EAGER_GRAPHS' policy without a GPU (the driver calls stubbed): a launch sequence met once launches
+itself, the second time it is captured and replayed, then replayed; never while the caller's stream captures; the
+oldest graph goes past `size`; a shape whose captures are not reused turns it off; the flag reaches the experts
+kernels and a bad value is an EnvError."""
+import pytest
+
+import kerngen
+from kerngen import env, launch
+from kerngen.ops import experts as ex
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    """Stubbed capture and launch: the lists of captured field tuples and of graph launches (handle, stream)."""
+    rec = {"captured": [], "launched": [], "capturing": set(), "destroyed": []}
+
+    def instantiate(self, launches, fields):
+        rec["captured"].append(fields)
+        return 1000 + len(rec["captured"])
+
+    monkeypatch.setattr(launch.EagerGraphs, "_instantiate", instantiate)
+    monkeypatch.setattr(launch.EagerGraphs, "_destroy", lambda self, h: rec["destroyed"].append(h))
+    monkeypatch.setattr(launch, "graph_launch", lambda h, s: rec["launched"].append((h, s)))
+    monkeypatch.setattr(launch, "stream_capturing", lambda s: s in rec["capturing"])
+    return rec
+
+
+def test_second_sighting_captures_then_replays(driver):
+    g = launch.EagerGraphs(0, size=4)
+    f = (1, 2, 3.0)
+    assert not g.launch(7, ["gemm1", "gemm2"], f)        # met once: the caller launches
+    assert g.launch(7, ["gemm1", "gemm2"], f)            # again: captured and replayed
+    assert g.launch(8, ["gemm1", "gemm2"], f)            # and replayed, on any stream
+    assert driver["captured"] == [f] and driver["launched"] == [(1001, 7), (1001, 8)]
+    assert (g.captures, g.hits) == (1, 1)
+    assert not g.launch(7, ["gemm1", "gemm2"], (1, 2, 4.0))   # other fields: their own first sighting
+
+
+def test_never_while_the_callers_stream_captures(driver):
+    g = launch.EagerGraphs(0)
+    f = (5,)
+    driver["capturing"].add(9)
+    for _ in range(3):
+        assert not g.launch(9, ["k"], f)
+    assert driver["captured"] == [] and driver["launched"] == []
+    assert not g.launch(7, ["k"], f) and g.launch(7, ["k"], f)   # the capture ended: replays again
+    assert not g.launch(9, ["k"], f)                             # a hit too is launched by the caller there
+
+
+def test_the_oldest_graph_goes(driver):
+    g = launch.EagerGraphs(0, size=2)
+    for i in range(3):                  # three sequences, each captured on its second call and hit twice
+        for _ in range(4):
+            assert g.launch(1, ["k"], (i,)) or _ == 0
+    assert set(g._graphs) == {(1,), (2,)} and driver["destroyed"] == [1001] and not g.off
+    assert not g.launch(1, ["k"], (0,))   # met again, as new
+
+
+def test_captures_never_reused_turn_it_off(driver):
+    g = launch.EagerGraphs(0, size=2)
+    for i in range(2):                  # each captured on its second call, then never again
+        g.launch(1, ["k"], (i,))
+        g.launch(1, ["k"], (i,))
+    assert g.off and g.hits == 0
+    assert not g.launch(1, ["k"], (0,)) and len(driver["captured"]) == 2   # plain launches from now on
+
+
+def test_the_flag_reaches_the_experts_kernels(monkeypatch):
+    spec = ex.spec(2048, 768, 8, "silu", 1, "sm_90a")
+    monkeypatch.setattr(ex, "resolve", lambda s: s)
+    monkeypatch.setattr(ex._common, "persistent_ctas", lambda *a: 528)
+    monkeypatch.setenv("KERNGEN_EAGER_GRAPHS", "1")
+    assert isinstance(ex.Kernels(spec, 0).graphs, launch.EagerGraphs)
+    assert ex.Kernels(spec, -1).graphs is None   # stub launchers (CPU tensors): never
+    monkeypatch.setenv("KERNGEN_EAGER_GRAPHS", "0")
+    assert ex.Kernels(spec, 0).graphs is None
+    monkeypatch.setenv("KERNGEN_EAGER_GRAPHS", "sometimes")
+    with pytest.raises(kerngen.EnvError, match="KERNGEN_EAGER_GRAPHS"):
+        env.eager_graphs()
