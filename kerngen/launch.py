@@ -16,6 +16,7 @@ import keyword
 import re
 import struct
 import threading
+import warnings
 from types import MethodType
 
 import torch
@@ -323,10 +324,16 @@ class EagerGraphs:
                 return False
             if fields not in self._seen:
                 if len(self._seen) >= 4 * self.size:
-                    self._seen.pop(next(iter(self._seen)))
+                    self._seen.pop(next(iter(self._seen), None), None)
                 self._seen[fields] = None
                 return False
-            g = self._capture(launches, fields)
+            try:
+                g = self._capture(launches, fields)
+            except DeviceError as e:   # the launches themselves still work: plain ones from now on, said once
+                self.off = True
+                warnings.warn(f"kerngen: eager CUDA graphs turned off for this shape ({e})", RuntimeWarning,
+                              stacklevel=3)
+                return False
         else:
             if self._capturing(stream):
                 return False

@@ -77,3 +77,14 @@ def test_the_flag_reaches_the_experts_kernels(monkeypatch):
     monkeypatch.setenv("KERNGEN_EAGER_GRAPHS", "sometimes")
     with pytest.raises(kerngen.EnvError, match="KERNGEN_EAGER_GRAPHS"):
         env.eager_graphs()
+
+
+def test_a_failed_capture_turns_it_off_with_a_warning(driver, monkeypatch):
+    def fail(self, launches, fields):
+        raise kerngen.DeviceError("instantiating a CUDA graph failed: CUDA_ERROR_NOT_SUPPORTED")
+    monkeypatch.setattr(launch.EagerGraphs, "_instantiate", fail)
+    g = launch.EagerGraphs(0)
+    assert not g.launch(1, ["k"], (3,))
+    with pytest.warns(RuntimeWarning, match="eager CUDA graphs turned off"):
+        assert not g.launch(1, ["k"], (3,))   # the caller launches them itself
+    assert g.off and not g.launch(1, ["k"], (3,))
