@@ -182,10 +182,12 @@ def experts_candidates(fmt: str = "bf16"):
             yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=6, pdl=True, f16x=True, fused_x=2, **act)
             yield "mma", dict(tile=8, warps=4, unroll=2, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
                               prefetch_x=True, f16x=True, fused_x=2, **act)
-        # up to 8 tokens: x in shared memory (and with stage_act the intermediate's rows too)
-        for px, stage in itertools.product((False, True), (False, True)):
+        # up to 8 tokens: x in shared memory (and with stage_act the intermediate's rows too); the registers it frees
+        # let two weight buffers take turns at 4 CTAs (pingpong)
+        for px, stage, pp in itertools.product((False, True), (False, True), (False, True)):
             yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=4, pdl=True, f16x=True, mtiles=2,
-                              prefetch_x=px, fused_x=8, **({"stage_act": True} if stage else {}))
+                              prefetch_x=px, fused_x=8, **({"stage_act": True} if stage else {}),
+                              **({"pingpong": True, "min_blocks": 4} if pp else {}))
 
 
 _expert_weights: dict[tuple, tuple] = {}   # (model, format) -> w13, w2, w13_scale, w2_scale (one layer, random)

@@ -518,16 +518,19 @@ def test_stage_act_gives_the_same_bits(fmt, params, T):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("stage", [False, True])
+@pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("T", [3, 8])
-def test_fused_x_up_to_eight_tokens_gives_the_same_bits(fmt, stage, T):
-    """fused_x = 8 with two m16 tiles an item and prefetch_x (the shape of the 3..128-token rules): x of up to eight
-    tokens (and with stage_act the intermediate's rows) in dynamic shared memory past 48 KiB; the same bits."""
+def test_fused_x_up_to_eight_tokens_gives_the_same_bits(fmt, stage, pingpong, T):
+    """fused_x = 8 with two m16 tiles an item and prefetch_x (the shape of the 3..128-token rules), with two weight
+    buffers taking turns or not: x of up to eight tokens (and with stage_act the intermediate's rows) in dynamic
+    shared memory past 48 KiB; the same bits."""
     H, I = (2880, 2880) if fmt == "mxfp4" else (1024, 256)
     x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=100 + T)
     r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
     p = dict(mtiles=2, prefetch_x=True)
     base = run_f16x(f16x_kernels(fmt, H, I, 8, **p), x, r, w, s)
-    fused = run_f16x(f16x_kernels(fmt, H, I, 8, fused_x=8, stage_act=stage, **p), x, r, w, s)
+    turns = dict(pingpong=True, min_blocks=4) if pingpong else {}
+    fused = run_f16x(f16x_kernels(fmt, H, I, 8, fused_x=8, stage_act=stage, **turns, **p), x, r, w, s)
     torch.cuda.synchronize()
     assert torch.equal(base, fused)
 
