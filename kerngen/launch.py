@@ -132,20 +132,23 @@ class _LaunchConfig(ctypes.Structure):
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_libcuda = None
+_cuda_fns: dict[str, object] = {}
+
+
+def _cuda_fn(name: str, *argtypes):
+    """Driver function `name` of the library torch already loaded, called through ctypes (a CUresult back)."""
+    fn = _cuda_fns.get(name)
+    if fn is None:
+        fn = getattr(ctypes.CDLL("libcuda.so.1"), name)
+        fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+        _cuda_fns[name] = fn
+    return fn
 
 
 def _launch_fn():
-    """cuLaunchKernelEx of the driver library torch already loaded, called through ctypes: the argument
-    block and launch config are prebuilt C structs, so a launch costs one foreign call."""
-    global _libcuda
-    if _libcuda is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuLaunchKernelEx
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        _libcuda = fn
-    return _libcuda
+    """cuLaunchKernelEx through ctypes: the argument block and launch config are prebuilt C structs, so a launch
+    costs one foreign call."""
+    return _cuda_fn("cuLaunchKernelEx", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 
 
 def needs_smem_optin(static: int, dynamic: int) -> bool:
@@ -264,24 +267,9 @@ def load(files: dict[str, bytes], key: str) -> Module:
     return module
 
 
-_graph_calls = None
-
-
-def _graph_fns():
-    """cuGraphLaunch and cuStreamIsCapturing of the driver library torch loaded, through ctypes (the hot path)."""
-    global _graph_calls
-    if _graph_calls is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        launch, capturing = lib.cuGraphLaunch, lib.cuStreamIsCapturing
-        launch.argtypes, launch.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
-        capturing.argtypes, capturing.restype = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)], ctypes.c_int
-        _graph_calls = (launch, capturing)
-    return _graph_calls
-
-
 def graph_launch(handle: int, stream: int) -> None:
     """cuGraphLaunch of an instantiated graph (its raw handle) on a raw stream."""
-    err = _graph_fns()[0](handle, stream)
+    err = _cuda_fn("cuGraphLaunch", ctypes.c_void_p, ctypes.c_void_p)(handle, stream)
     if err:
         _ok(_drv().CUresult(err), "launching a CUDA graph")
 
@@ -289,7 +277,7 @@ def graph_launch(handle: int, stream: int) -> None:
 def stream_capturing(stream: int) -> bool:
     """Whether a raw stream is capturing into a graph (cuStreamIsCapturing; an invalidated capture counts)."""
     status = ctypes.c_int(0)
-    err = _graph_fns()[1](stream, ctypes.byref(status))
+    err = _cuda_fn("cuStreamIsCapturing", ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))(stream, ctypes.byref(status))
     if err:
         _ok(_drv().CUresult(err), "asking whether the stream is capturing")
     return status.value != 0
@@ -316,12 +304,10 @@ class EagerGraphs:
     def launch(self, stream: int, launches, fields: tuple) -> bool:
         """Launch `launches` (Launchers taking `fields`) on `stream` from a graph if this sequence has one or is
         now met for the second time; False where the caller launches them itself."""
-        if self.off:
+        if self.off or stream_capturing(stream):
             return False
         g = self._graphs.get(fields)
         if g is None:
-            if self._capturing(stream):
-                return False
             if fields not in self._seen:
                 if len(self._seen) >= 4 * self.size:
                     self._seen.pop(next(iter(self._seen), None), None)
@@ -335,15 +321,9 @@ class EagerGraphs:
                               stacklevel=3)
                 return False
         else:
-            if self._capturing(stream):
-                return False
             self.hits += 1
         graph_launch(g, stream)
         return True
-
-    @staticmethod
-    def _capturing(stream: int) -> bool:
-        return stream_capturing(stream)
 
     def _capture(self, launches, fields: tuple) -> int:
         """Capture and instantiate this sequence (the oldest graph goes past `size`); its raw handle."""
