@@ -118,7 +118,7 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                          "act_f16": FLAG,   # with f16x: gemm2 on the intermediate as f16 (default) or bf16 (false)
                          "stage_act": FLAG,   # with fused_x: gemm2 copies its tile's f16 rows into shared memory
                          "early_l2": FLAG},   # the first item's first weight bytes to L2 before the wait
-    ("latent_tail", "fused"): {"backend": NVRTC, "max_tokens": _n(1, 16, required=True),
+    ("latent_tail", "fused"): {"backend": NVRTC, "max_tokens": _n(1, 32, required=True),
                                "warps": _n(1, 32, required=True), "unroll": _n(1, 8, required=True),
                                "cluster": _n(1, 8), "blocks_per_sm": _n(1, 32), "pdl": FLAG,
                                "early_weights": FLAG,   # the first weight steps loaded into registers before the wait
@@ -156,6 +156,8 @@ def _between(op: str, variant: str, p: dict) -> str | None:
         return f"param 'warps' ({p['warps']}) must be a multiple of 'warps_per_token' ({p['warps_per_token']})"
     if (op, variant) == ("routing", "fused") and p["ctas"] * p["clusters"] > SMS:
         return f"params 'ctas' * 'clusters' must be at most {SMS}, got {p['ctas']} * {p['clusters']}"
+    if (op, variant) == ("latent_tail", "fused") and p["max_tokens"] > 16 and not p.get("split"):
+        return f"param 'max_tokens' must be at most 16 without split = true (split builds: 32), got {p['max_tokens']}"
     if op == "tail_tp" and p["allreduce"] == "symm_mem" and "max_tokens" not in p:
         return "allreduce = \"symm_mem\" needs param 'max_tokens' (the rows of its symmetric buffer)"
     return None

@@ -253,14 +253,15 @@ def _time_experts(model: tiers.Model, T: int, variant: str, params: dict, fmt: s
 
 
 def latent_tail_candidates():
-    """The fused kernel (one launch, or split: the norm kernel then the projection; with and without the first
-    weight steps in registers before the wait; 2 or 4 steps a load batch) for up to 8 and 16 tokens, the split
-    norm kernel at 2 and 4 CTAs a token with 8 or 16 rows loaded at once, the split projection with even shares of
-    the rows (also over a grid that leaves each norm CTA's SM a slot: beside_norm), with n read from global memory,
-    with a register bound beside the norm CTA, with less of the first item sent toward L2 before the wait, with the
-    norm's sums handed over by st.async (norm_async), and at three CTAs an SM, and norm_gemm (any token count) at each
-    cluster size with 2, 4, 8 or 16 rows loaded at once (fewer: fewer registers, more norm CTAs an SM), h in fp32
-    or bf16, with 2 or 4 vectors a norm thread, and with norm_async at 2, 4 and 8 CTAs a token."""
+    """The fused kernel (one launch, or split: the norm kernel then the projection; with and without the first weight
+    steps in registers before the wait; 2 or 4 steps a load batch) for up to 8 and 16 tokens (split builds reading n
+    from global memory: up to 32), the split norm kernel at 2 and 4 CTAs a token with 8 or 16 rows loaded at once,
+    the split projection with even shares of the rows (also over a grid that leaves each norm CTA's SM a slot:
+    beside_norm), with n read from global memory, with a register bound beside the norm CTA, with less of the first
+    item sent toward L2 before the wait, with the norm's sums handed over by st.async (norm_async), and at three CTAs
+    an SM, and norm_gemm (any token count) at each cluster size with 2, 4, 8 or 16 rows loaded at once (fewer: fewer
+    registers, more norm CTAs an SM), h in fp32 or bf16, with 2 or 4 vectors a norm thread, and with norm_async at 2,
+    4 and 8 CTAs a token."""
     for mt, warps, unroll, bps, split, early in itertools.product((8, 16), (8, 16), (2, 4), (1, 2), (False, True),
                                                                   (False, True)):
         yield "fused", dict(max_tokens=mt, warps=warps, unroll=unroll, cluster=8, blocks_per_sm=bps, pdl=True,
@@ -288,6 +289,9 @@ def latent_tail_candidates():
         yield "fused", dict(max_tokens=8, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, l2_lines=16, norm_async=True,
                             **({"even_rows": True, "beside_norm": True} if even else {}))
+    for mt, unroll in itertools.product((16, 24, 32), (1, 2)):   # the split rule past 8 tokens (up to 4 n-blocks)
+        yield "fused", dict(max_tokens=mt, warps=8, unroll=unroll, cluster=8, blocks_per_sm=2, pdl=True, split=True,
+                            early_weights=True, n_global=True, l2_lines=16)
     for unroll in (1, 2):   # three projection CTAs an SM (no shared memory for n with n_global)
         yield "fused", dict(max_tokens=8, warps=8, unroll=unroll, cluster=8, blocks_per_sm=3, pdl=True, split=True,
                             early_weights=True, n_global=True)

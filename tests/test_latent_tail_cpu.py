@@ -295,8 +295,11 @@ def test_the_dispatch_buckets(monkeypatch):
     ("[[tier]]\nop = 'latent_tail'\nvariant = 'tiled'\n", "unknown variant 'tiled' of latent_tail for backend 'nvrtc'"),
     ("[[tier]]\nop = 'latent_tail'\nvariant = 'fused'\nparams = { max_tokens = 8, warps = 8, unroll = 2, split = 1 }\n",
      "param 'split' of latent_tail variant 'fused' must be true or false"),
+    ("[[tier]]\nop = 'latent_tail'\nvariant = 'fused'\n"
+     "params = { max_tokens = 33, warps = 8, unroll = 2, split = true }\n",
+     "param 'max_tokens' of latent_tail variant 'fused' must be an integer in [1, 32]"),
     ("[[tier]]\nop = 'latent_tail'\nvariant = 'fused'\nparams = { max_tokens = 17, warps = 8, unroll = 2 }\n",
-     "param 'max_tokens' of latent_tail variant 'fused' must be an integer in [1, 16]"),
+     "param 'max_tokens' must be at most 16 without split = true (split builds: 32), got 17"),
     ("[[tier]]\nop = 'latent_tail'\nvariant = 'fused'\nparams = { max_tokens = 8, warps = 8 }\n",
      "missing param 'unroll'"),
 ])
@@ -968,3 +971,27 @@ def test_norm_async_hands_the_sums_over_without_a_gpu_wide_fence(variant, T, tmp
     if variant == "fused":
         src = lambda s: render.render(s).split("latent_tail_proj(const")[1]  # noqa: E731
         assert src(mk(norm_async=True)) == src(mk())
+
+
+@pytest.mark.parametrize("mt,unroll", [(16, 2), (24, 2), (32, 2)])
+def test_split_builds_serve_up_to_32_tokens_without_spills(mt, unroll, tmp_path):
+    """Split builds take max_tokens up to 32 (up to four n-blocks of 8 tokens a step): kimi-k3's rule with n_global
+    compiles for sm_90a without spills within two projection CTAs an SM; the one-launch kernel stays at 16 (a named
+    error past it, before any build)."""
+    m = tiers.load().model("kimi-k3")
+    base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
+    s = lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, "max_tokens": mt, "unroll": unroll}),
+                     m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
+    assert lt.split(s) and lt.n_global(s)
+    assert f"constexpr int MAX_T = {mt};" in render.render(s)
+    built = jit.build(s, store=DiskCache(tmp_path))
+    assert_no_spills(built.files)
+    assert dict(resources.usage(built.files))[lt.PROJ]["REG"] * 256 * 2 <= 65536
+    with pytest.raises(kerngen.InputError, match="max_tokens"):
+        lt.kernel(s, mt + 1, -1)
+    one = dict(base, max_tokens=mt, unroll=unroll, split=False, early_weights=False, n_global=False, l2_lines=None)
+    one = {k: v for k, v in one.items() if v is not None}
+    if mt > 16:
+        with pytest.raises(kerngen.InputError, match="max_tokens at most 16"):
+            lt.persistent(lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, one), m.hidden, m.model_hidden, m.top_k,
+                                       "float32", "sm_90a"))

@@ -177,11 +177,15 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     red = max(warps - 1, 1) * nb * 4 * 32 * 4
     if split(s):
         norm = _norm_launch(s)
+        dyn = 0 if n_global(s) else dyn   # (n_global: the projection keeps no copy of n)
         if red > 48 * 1024 or red + dyn > SMEM_PER_CTA:
             raise InputError(OP, "tier params", f"shared memory within the CTA's {SMEM_PER_CTA} bytes (static <= 48 KiB)",
                              f"{red} static + {dyn} dynamic bytes from {s.params} at L = {L}")
-        return {NORM: norm, PROJ: Launch(nt, 0 if n_global(s) else dyn, p.get("blocks_per_sm", 1))}
+        return {NORM: norm, PROJ: Launch(nt, dyn, p.get("blocks_per_sm", 1))}
     static = mt * K * 8 + mt * vs * 4 + mt * 8 + red
+    if mt > 16:
+        raise InputError(OP, "tier params", "max_tokens at most 16 for the one-launch fused kernel (split: 32)",
+                         str(s.params))
     if vpt > 8:
         raise InputError(OP, "tier params", "warps * 32 * 8 >= max_tokens * ceil(L / 8 / cluster) (at most 8 "
                          "(token, vector) pairs a thread)", f"{s.params} at L = {L}")

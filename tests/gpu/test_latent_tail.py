@@ -246,6 +246,39 @@ def test_split_even_rows_and_n_global_keep_the_bits(T, early, shape):
     assert torch.equal(one, two)
 
 
+def run_split_rule(over, gemm2, e2p, w, nw, up, sh, res, out):
+    """The split rule of one token at this shape (the 1-8 token rule's launch shape) with `over` laid over its
+    params, launched directly at any T its max_tokens allows."""
+    T, K = e2p.shape
+    L, H, wd, arch = nw.shape[0], up.shape[0], DTYPE_NAMES[w.dtype], target_arch()
+    base = dict(lt.spec(L, H, K, wd, 1, arch).params)
+    assert base.get("split"), base
+    s = spec_for(tiers.Rule(lt.OP, "fused", {}, {**base, **over}), *lt.tag_constants(L, H, K, wd), arch)
+    return lt.run(lt.kernel(s, T, torch.cuda.current_device()), gemm2, e2p, w, nw, up, sh, res, 1e-6, out)
+
+
+@pytest.mark.parametrize("shape", [(8, 1024, 2048, 8, torch.float32), (4, 1000, 1224, 0, BF), KIMI])
+@pytest.mark.parametrize("T", [1, 8, 9, 16, 17, 24, 31, 32])
+def test_split_builds_up_to_32_tokens(T, shape):
+    """max_tokens 24 and 32 (split builds: up to four n-blocks of 8 tokens a step, n read from global memory): within
+    the fused tolerance of the reference at every T they serve, and at T <= 16 the bits of the max_tokens 16 build
+    (the n-blocks' sums do not see each other)."""
+    K, L, H = shape[:3]
+    pad, wdtype = (shape[3], shape[4]) if len(shape) > 3 else (0, torch.float32)
+    args = make(T, K, L, H, pad=pad, wdtype=wdtype, seed=300 + T)
+    outs = {}
+    for mt in (16, 24, 32):
+        if T > mt:
+            continue
+        out = torch.full((T, H), float("nan"), dtype=BF, device="cuda")
+        outs[mt] = run_split_rule({"max_tokens": mt, "unroll": 2, "n_global": True}, *args, out)
+    torch.cuda.synchronize()
+    for mt, got in outs.items():
+        close(got, reference(*args), 1e-2)
+    if 16 in outs:
+        assert all(torch.equal(outs[16], got) for got in outs.values())
+
+
 @pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=variant_id)
 @pytest.mark.parametrize("H", [8, 200, 1000, 4104])
 @pytest.mark.parametrize("early", [False, True])
