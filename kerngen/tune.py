@@ -151,7 +151,8 @@ def experts_candidates(fmt: str = "bf16"):
     """kerngen.experts' launch shapes for weights in `fmt` (bf16, fp8, mxfp4, or w8a8: fp8 with fp8 activations):
     routing tiles of 8 and 16 rows; fp8 and MXFP4 also with f16x, two m16 tiles an item (mtiles), two weight buffers
     taking turns (pingpong), 8 warps an item, the shapes the shipped rules take with no early weight loads or
-    with early_l2, and for 1-2 tokens x quantized by the first GEMM itself (fused_x, act_f16); w8a8 with early_l2."""
+    with early_l2, and for 1-2 (or up to 8) tokens x quantized by the first GEMM itself (fused_x, act_f16, stage_act;
+    also at 32 warps an SM, 64 registers without prefetch); w8a8 with early_l2."""
     if fmt == "bf16":
         for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
             yield "mma", dict(tile=tile, warps=warps, unroll=unroll, blocks_per_sm=bps, pdl=True)
@@ -182,6 +183,11 @@ def experts_candidates(fmt: str = "bf16"):
             yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=6, pdl=True, f16x=True, fused_x=2, **act)
             yield "mma", dict(tile=8, warps=4, unroll=2, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
                               prefetch_x=True, f16x=True, fused_x=2, **act)
+        for warps, fx, f16 in itertools.product((4, 8), (2, 8), (True, False)):   # 32 warps an SM at 64 registers:
+            if fx == 8 and warps == 4:   # (eight CTAs of eight fused rows: more than an SM's shared memory)
+                continue   # one step a warp in flight (no copies between steps), latency hidden by the warps
+            yield "mma", dict(tile=8, warps=warps, unroll=1, blocks_per_sm=32 // warps, min_blocks=32 // warps,
+                              pdl=True, prefetch=False, f16x=True, fused_x=fx, act_f16=f16)
         # up to 8 tokens: x in shared memory (and with stage_act the intermediate's rows too); the registers it frees
         # let two weight buffers take turns at 4 CTAs (pingpong)
         for px, stage, pp in itertools.product((False, True), (False, True), (False, True)):

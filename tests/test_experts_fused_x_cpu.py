@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kerngen
-from kerngen import jit, resources, tiers
+from kerngen import jit, occupancy, resources, tiers, tune
 from kerngen.cache import DiskCache
 from kerngen.ops import experts as ex
 from tests.helpers import assert_no_spills
@@ -101,3 +101,24 @@ def test_fused_x_leaves_the_default_builds_as_they_were():
     assert rule.params.get("f16x") and "fused_x" not in rule.params
     s = ex.rule_spec(rule, 2880, 2880, "gpt_oss", "sm_90a", "mxfp4")
     assert ex.quant_kernels(s) == ("experts_quant_x", "experts_quant_act")
+
+
+@pytest.mark.parametrize("model,act_f16,warps,fused", [("gpt-oss-120b", False, 4, 2), ("gpt-oss-120b", False, 8, 2),
+                                                       ("gpt-oss-120b", False, 8, 8), ("kimi-k3", False, 8, 2),
+                                                       ("deepseek-v3", True, 8, 2)])
+def test_thirty_two_warps_an_sm_fit_64_registers_without_spills(model, act_f16, warps, fused, tmp_path):
+    """The tuner's 32-warps-an-SM shapes (fused_x, no prefetch: one step a warp in flight, latency hidden by the
+    warps): both GEMMs within the 64 registers a thread that 32 warps an SM leave, without spills, for the format's
+    intermediate (MXFP4 bf16, fp8 f16), and as many CTAs an SM as asked fit their shared memory (at H 7168 the
+    fused rows of x fit four CTAs of 8 warps, not eight of 4)."""
+    m = tiers.load().model(model)
+    params = dict(tile=8, warps=warps, unroll=1, blocks_per_sm=32 // warps, min_blocks=32 // warps, pdl=True,
+                  prefetch=False, f16x=True, fused_x=fused, act_f16=act_f16)
+    assert params in [p for _, p in tune.experts_candidates(m.experts_format)]
+    s = ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, fused)}, params), m.hidden, m.intermediate,
+                     m.activation, "sm_90a", m.experts_format)
+    built = jit.build(s, store=DiskCache(tmp_path))
+    assert_no_spills(built.files)
+    rows = {u.function: u for u in occupancy.of_artifact(built.files, "sm_90a", ex.persistent(s))}
+    for name in ("experts_gemm1", "experts_gemm2"):
+        assert rows[name].regs <= 64 and rows[name].resident >= rows[name].per_sm == 32 // warps, rows[name]

@@ -472,7 +472,9 @@ def test_pingpong_gives_the_same_bits(fmt, params, T):
 
 
 FUSED_SHAPES = [dict(), dict(prefetch_x=True), dict(unroll=2, prefetch=False, prefetch_x=True, min_blocks=4),
-                dict(blocks_per_sm=6), dict(tile=16), dict(warps=8, blocks_per_sm=2)]
+                dict(blocks_per_sm=6), dict(tile=16), dict(warps=8, blocks_per_sm=2),
+                dict(prefetch=False, blocks_per_sm=8, min_blocks=8),
+                dict(warps=8, prefetch=False, blocks_per_sm=4, min_blocks=4)]   # (64 registers, 32 warps an SM)
 
 
 def same_bits_over_local_experts(fmt, params, T, seed, **changed):
@@ -533,6 +535,12 @@ def test_fused_x_up_to_eight_tokens_gives_the_same_bits(fmt, stage, pingpong, T)
     fused = run_f16x(f16x_kernels(fmt, H, I, 8, fused_x=8, stage_act=stage, **turns, **p), x, r, w, s)
     torch.cuda.synchronize()
     assert torch.equal(base, fused)
+    if not (stage or pingpong):   # one m16 tile, 8 warps an item at 64 registers, against its own quant_x build
+        q = dict(warps=8, prefetch=False, blocks_per_sm=4, min_blocks=4)
+        base = run_f16x(f16x_kernels(fmt, H, I, 8, **q), x, r, w, s)
+        fused = run_f16x(f16x_kernels(fmt, H, I, 8, fused_x=8, **q), x, r, w, s)
+        torch.cuda.synchronize()
+        assert torch.equal(base, fused)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -572,14 +580,16 @@ def test_fused_x_quantizes_extreme_rows_as_experts_quant_x(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("params", [dict(fused_x=2), dict(fused_x=2, prefetch_x=True),
-                                    dict(fused_x=2, unroll=2, prefetch=False, prefetch_x=True, min_blocks=4), dict()])
+                                    dict(fused_x=2, unroll=2, prefetch=False, prefetch_x=True, min_blocks=4), dict(),
+                                    dict(fused_x=2, prefetch=False, blocks_per_sm=8, min_blocks=8),
+                                    dict(fused_x=8, warps=8, prefetch=False, blocks_per_sm=4, min_blocks=4)])
 @pytest.mark.parametrize("H,I", [(1024, 256), (2880, 2880)])
 def test_act_f16_false_matches_the_dequantized_reference(fmt, params, H, I):
     """act_f16 = false: experts_gemm2 on the bf16 intermediate (no experts_quant_act), with fused_x or without (then
     also past two tokens), against the reference with the weight-only kernels' tolerance."""
     if fmt == "fp8" and H % 128:
         pytest.skip("fp8 block scales need multiples of 128")
-    for T in (1, 2) if params.get("fused_x") else (1, 7, 40):
+    for T in (1, params["fused_x"]) if params.get("fused_x") else (1, 7, 40):
         x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=T + H + 1)
         r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
         k = f16x_kernels(fmt, H, I, 8, act_f16=False, **params)
