@@ -188,9 +188,9 @@ def experts_candidates(fmt: str = "bf16"):
                 continue   # one step a warp in flight (no copies between steps), latency hidden by the warps
             yield "mma", dict(tile=8, warps=warps, unroll=1, blocks_per_sm=32 // warps, min_blocks=32 // warps,
                               pdl=True, prefetch=False, f16x=True, fused_x=fx, act_f16=f16)
-        for tile in (8, 16):   # any token count: 32 warps an SM at 64 registers, activations prefetched
-            yield "mma", dict(tile=tile, warps=8, unroll=1, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
-                              prefetch_x=True, f16x=True)
+        # any token count at tiles of 8 rows: 32 warps an SM at 64 registers, activations prefetched (fp8: no spills)
+        yield "mma", dict(tile=8, warps=8, unroll=1, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
+                          prefetch_x=True, f16x=True)
         # up to 8 tokens: x in shared memory (and with stage_act the intermediate's rows too); the registers it frees
         # let two weight buffers take turns at 4 CTAs (pingpong)
         for px, stage, pp in itertools.product((False, True), (False, True), (False, True)):

@@ -341,8 +341,7 @@ def run_f16x(k, x, r, w, s, **kw):
                                     dict(pingpong=True), dict(pingpong=True, prefetch_x=True),
                                     dict(mtiles=2, prefetch_x=True, pingpong=True, min_blocks=4),
                                     dict(unroll=2, prefetch_x=True, pingpong=True),
-                                    dict(warps=8, prefetch=False, prefetch_x=True, min_blocks=4),
-                                    dict(tile=16, warps=8, prefetch=False, prefetch_x=True, min_blocks=4)])
+                                    dict(warps=8, prefetch=False, prefetch_x=True, min_blocks=4)])
 @pytest.mark.parametrize("H,I", [(1024, 256), (2880, 2880)])
 def test_f16x_launch_shapes_match_the_dequantized_reference(fmt, params, H, I):
     """f16x builds (the activations as f16 times a power of two per 128 columns, exact for these values) against the
