@@ -199,14 +199,17 @@ class Rule:
     source: str = ""
     arch: tuple[str, ...] = ()   # the targets it serves (sm_90a, sm_100a, ...); empty: any
     formats: tuple[str, ...] = ()   # experts rules: the weight formats it serves (EXPERT_FORMATS); empty: any
+    permute: bool | None = None   # routing rules: only calls with a tile (True) or without one (False); None: both
 
     def matches(self, shape: dict) -> bool:
         """Every range given holds for the shape's value (a range the shape has no value for holds), the
-        shape's target ("arch", else KERNGEN_ARCH's default) is one the rule serves, and so is its weight format
-        ("format", else bf16)."""
+        shape's target ("arch", else KERNGEN_ARCH's default) is one the rule serves, and so are its weight format
+        ("format", else bf16) and, for routing, whether the call permutes ("permute", else True)."""
         if self.arch and shape.get("arch", env.default_arch()) not in self.arch:
             return False
         if self.formats and shape.get("format", "bf16") not in self.formats:
+            return False
+        if self.permute is not None and bool(shape.get("permute", True)) is not self.permute:
             return False
         return all(lo <= shape[k] <= hi for k, (lo, hi) in self.ranges.items() if k in shape)
 
@@ -416,8 +419,9 @@ def check_rule(where: str, op: str, variant, params: dict) -> None:
 
 def _parse_rule(where: str, d: dict) -> Rule:
     for k in d:
-        if k not in ("op", "variant", "params", "arch", "formats", *RANGE_KEYS):
-            _fail(where, f"unknown field '{k}' (known: op, variant, params, arch, formats, {', '.join(RANGE_KEYS)})")
+        if k not in ("op", "variant", "params", "arch", "formats", "permute", *RANGE_KEYS):
+            _fail(where, f"unknown field '{k}' (known: op, variant, params, arch, formats, permute, "
+                         f"{', '.join(RANGE_KEYS)})")
     ops = rule_ops()
     if d.get("op") not in ops:
         _fail(where, f"field 'op' must be one of {', '.join(ops)}, got {d.get('op')!r}")
@@ -429,7 +433,20 @@ def _parse_rule(where: str, d: dict) -> Rule:
     ranges = {k: _range(where, d, k) for k in RANGE_KEYS if k in d}
     check_rule(where, d["op"], d["variant"], params)
     return Rule(op=d["op"], variant=d["variant"], ranges=ranges, params=dict(params), source=where,
-                arch=_arches(where, d.get("arch")), formats=_formats(where, d["op"], d.get("formats")))
+                arch=_arches(where, d.get("arch")), formats=_formats(where, d["op"], d.get("formats")),
+                permute=_permute(where, d["op"], d.get("permute")))
+
+
+def _permute(where: str, op: str, v) -> bool | None:
+    """A routing rule's `permute`: true for calls with a tile (the permutation too), false for calls without one
+    (ids and weights only); left out: both."""
+    if v is None:
+        return None
+    if op != "routing":
+        _fail(where, f"field 'permute' applies to op = \"routing\" rules only, not {op}")
+    if not isinstance(v, bool):
+        _fail(where, f"field 'permute' must be true or false, got {v!r}")
+    return v
 
 
 def _formats(where: str, op: str, v) -> tuple[str, ...]:

@@ -467,6 +467,8 @@ def write(path: Path, model_name: str, rules: list[tiers.Rule]) -> None:
             lines.append(f"arch = {_toml(list(r.arch))}")
         if r.formats:
             lines.append(f"formats = {_toml(list(r.formats))}")
+        if r.permute is not None:
+            lines.append(f"permute = {_toml(r.permute)}")
         lines.append("params = { " + ", ".join(f"{k} = {_toml(v)}" for k, v in r.params.items()) + " }")
     text = "\n".join(lines) + "\n"
     tmp = path.with_suffix(path.suffix + ".tmp")

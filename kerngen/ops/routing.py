@@ -84,7 +84,8 @@ def model_specs(model: Model, tbl: Table, arch_: str) -> list[plan_mod.KernelSpe
     E, K = model.num_experts, model.top_k
     shape = {"num_experts": E, "top_k": K, "hidden": model.hidden, "arch": arch_}
     out: list[plan_mod.KernelSpec] = []
-    for rule in tbl.rules_for(OP, shape, model.tokens):
+    rules = tbl.rules_for(OP, shape, model.tokens)   # with a tile, then the rules of calls without one
+    for rule in rules + [r for r in tbl.rules_for(OP, {**shape, "permute": False}, model.tokens) if r not in rules]:
         for ldtype in ("float32", "bfloat16"):
             tag, consts = tag_constants(E, K, model.routing, model.n_group, model.topk_group, model.renormalize,
                                         ldtype, "float32", model.weights_dtype)
@@ -173,7 +174,7 @@ def dispatch(device: int, *, E: int, K: int, method: str, n_group: int, topk_gro
     def build() -> Dispatch:
         a = arch(device)
         return Dispatch(
-            OP, {"num_experts": E, "top_k": K},
+            OP, {"num_experts": E, "top_k": K, "permute": permute},
             rule_spec(tag_constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype, align),
                       a),
             lambda s, T, dev: Route(s, T, dev, permute), device, arch=a)
