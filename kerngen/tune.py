@@ -114,8 +114,12 @@ def routing_candidates():
         yield "topk", dict(warps=warps, warps_per_token=wpt)
 
 
-def _time_routing(model: tiers.Model, T: int, variant: str, params: dict) -> float:
-    """route(..., tile=128) with fp32 logits (and an fp32 bias for the bias methods); ids checked exactly."""
+IDS_ONLY = "ids"   # a routing job of calls without a tile
+
+
+def _time_routing(model: tiers.Model, T: int, variant: str, params: dict, ids_only: bool = False) -> float:
+    """route(..., tile=128) with fp32 logits (and an fp32 bias for the bias methods), or with ids_only route()
+    without a tile (ids and weights); ids checked exactly."""
     from .launch import current_stream
     from .ops import routing as rt
     from .ops.permute import RoutingWorkspace
@@ -127,16 +131,17 @@ def _time_routing(model: tiers.Model, T: int, variant: str, params: dict) -> flo
                                    "float32", "float32" if has_bias else "none", "float32")
     arch = target_arch(dev)
     spec = spec_for(tiers.Rule(op="routing", variant=variant, ranges={}, params=params), tag, consts, arch)
-    r = rt.kernel(spec, T, dev)
+    r = rt.kernel(spec, T, dev, permute=not ids_only)
     logits = torch.randn(T, E, device="cuda")
     bias = torch.randn(E, device="cuda") * 0.05 if has_bias else None
-    ws = RoutingWorkspace(T, E, K, ROUTING_TILE)
+    tile = None if ids_only else ROUTING_TILE
+    ws = RoutingWorkspace(T, E, K, tile)
     rsf = float(model.routed_scaling_factor)
-    call = lambda: r.run(current_stream(dev), logits, bias, ws, T, ROUTING_TILE, 0, E, rsf)
+    call = lambda: r.run(current_stream(dev), logits, bias, ws, T, tile, 0, E, rsf)
     ref_ids, _ = rt.reference(logits, K, model.routing, bias=bias, n_group=model.n_group,
                               topk_group=model.topk_group, renormalize=model.renormalize, routed_scaling_factor=rsf)
     return _checked_time(call, lambda: torch.equal(ws.ids[:T].cpu(), ref_ids.int().cpu()),
-                         f"routing {variant} {params} (ids)", T)
+                         f"routing {variant} {params} (ids{'' if ids_only else ', permuted'})", T)
 
 
 EXPERTS_MAX_TOKENS = 256   # kerngen.experts' kernels serve decode batches; beyond, torch._grouped_mm (no rule)
@@ -352,7 +357,7 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
     model = tbl.model(model_name)
     tokens = [t for t in sorted(tokens) if model.tokens[0] <= t <= model.tokens[1]]
     rules: list[tiers.Rule] = []
-    jobs = []   # (op, format or None, candidates, timer, token buckets)
+    jobs = []   # (op, experts format, IDS_ONLY (routing without a tile) or None, candidates, timer, token buckets)
     for op in ops:
         if op not in TUNERS:
             print(f"kerngen tune: no candidates for {op} yet; its shipped rules stay in force")
@@ -360,6 +365,9 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
         candidates, timer = TUNERS[op]
         if op == "latent_tail" and not model.model_hidden:
             print(f"kerngen tune: {model_name} is not a latent model (no model_hidden); no latent_tail rules")
+        elif op == "routing":   # calls without a tile (ids and weights: permute = false rules, tried first), then all
+            jobs.append((op, IDS_ONLY, list(candidates()), functools.partial(timer, ids_only=True), tokens))
+            jobs.append((op, None, list(candidates()), timer, tokens))
         elif op != "experts":
             jobs.append((op, None, list(candidates()), timer, tokens))
         elif not model.intermediate:
@@ -396,7 +404,8 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
             lines = str(e).splitlines()
             reason = next((line.strip() for line in lines if "error" in line), lines[0] if lines else "")
             print(f"kerngen tune: {op} {variant} {params} does not compile for {model_name}, skipped ({reason})")
-        rules += _merge(op, model, winners, _target(), (fmt,) if fmt else ())
+        rules += _merge(op, model, winners, _target(), (fmt,) if fmt and fmt != IDS_ONLY else (),
+                        permute=False if fmt == IDS_ONLY else None)
     return rules
 
 
@@ -406,10 +415,11 @@ def _target() -> str | None:
     return target_arch() if torch.cuda.is_available() else None
 
 
-def _merge(op: str, model: tiers.Model, winners, arch: str | None = None, formats: tuple = ()) -> list[tiers.Rule]:
+def _merge(op: str, model: tiers.Model, winners, arch: str | None = None, formats: tuple = (),
+           permute: bool | None = None) -> list[tiers.Rule]:
     """One rule per run of buckets with the same winner; a boundary sits halfway between buckets. The rules
     serve `arch` only (the GPU they were timed on), experts rules the weight `formats` timed, up to the last
-    bucket timed (beyond, no experts rule: torch._grouped_mm)."""
+    bucket timed (beyond, no experts rule: torch._grouped_mm), routing rules the calls `permute` says."""
     out: list[tiers.Rule] = []
     lo = model.tokens[0]
     top = min(model.tokens[1], winners[-1][0]) if op == "experts" else model.tokens[1]
@@ -428,7 +438,7 @@ def _merge(op: str, model: tiers.Model, winners, arch: str | None = None, format
                                                                          "tokens": (lo, hi)}
         out.append(tiers.Rule(op=op, variant=variant, params=dict(params), ranges=ranges,
                               source=f"tuned: {us:.2f} us at T={T}", arch=(arch,) if arch else (),
-                              formats=tuple(formats)))
+                              formats=tuple(formats), permute=permute))
         lo = hi + 1
     return out
 

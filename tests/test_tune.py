@@ -64,7 +64,7 @@ def test_a_candidate_that_does_not_compile_for_the_shape_is_skipped_and_named(mo
     experts). Those are skipped with the compiler's reason; a wrong result still stops the tuner."""
     from kerngen.errors import CompileError
 
-    def timer(model, T, variant, params):
+    def timer(model, T, variant, params, ids_only=False):
         if params["warps"] == 16:
             raise CompileError("routing-topk-probe", 'probe.cu(358): error: static assertion failed with "shared '
                                'memory: fewer groups"', None)
@@ -74,7 +74,8 @@ def test_a_candidate_that_does_not_compile_for_the_shape_is_skipped_and_named(mo
                           ("topk", dict(warps=8, warps_per_token=1))])
     monkeypatch.setitem(tune.TUNERS, "routing", (cands, timer))
     rules = tune.tune("kimi-k3", ["routing"], tokens=[1, 64], progress=False)
-    assert [r.params for r in rules] == [dict(warps=8, warps_per_token=1)]
+    assert [(r.params, r.permute) for r in rules] == [(dict(warps=8, warps_per_token=1), False),   # no tile
+                                                      (dict(warps=8, warps_per_token=1), None)]
     out = capsys.readouterr().out
     assert "{'warps': 16, 'warps_per_token': 1} does not compile for kimi-k3, skipped" in out
     assert "static assertion failed" in out
@@ -83,12 +84,45 @@ def test_a_candidate_that_does_not_compile_for_the_shape_is_skipped_and_named(mo
 def test_no_candidate_compiling_is_an_error_naming_the_first_reason(monkeypatch):
     from kerngen.errors import CompileError
 
-    def timer(model, T, variant, params):
+    def timer(model, T, variant, params, ids_only=False):
         raise CompileError("routing-topk-probe", "probe.cu(1): error: too big", None)
 
     monkeypatch.setitem(tune.TUNERS, "routing", (lambda: iter([("topk", dict(warps=16, warps_per_token=1))]), timer))
     with pytest.raises(KerngenError, match="no routing candidate compiles for kimi-k3(.|\n)*too big"):
         tune.tune("kimi-k3", ["routing"], tokens=[1], progress=False)
+
+
+def test_routing_is_tuned_for_calls_without_a_tile_too(tmp_path, monkeypatch):
+    """Route calls without a tile (ids and weights only) are timed on their own: their winners become permute =
+    false rules ahead of the rules for every call, and the written file gives each kind of call its winner."""
+    from kerngen.ops import routing as ro
+    monkeypatch.setattr(tune, "provenance", lambda: {"gpu": "NVIDIA H200", "date": "2026-12-05"})
+
+    def timer(model, T, variant, params, ids_only=False):
+        fast = "topk" if ids_only else "fused"
+        return 1.0 if variant == fast else 2.0
+
+    cands = lambda: iter([("fused", dict(warps=16, warps_per_token=8, ctas=1, clusters=8, max_tokens=16)),  # noqa: E731
+                          ("topk", dict(warps=8, warps_per_token=8))])
+    monkeypatch.setitem(tune.TUNERS, "routing", (cands, timer))
+    rules = tune.tune("kimi-k3", ["routing"], tokens=[1, 8], progress=False)
+    assert [(r.variant, r.permute, r.ranges["tokens"]) for r in rules] == [("topk", False, (1, 8192)),
+                                                                           ("fused", None, (1, 16))]
+    out = tmp_path / "tuned.toml"
+    tune.write(out, "kimi-k3", rules)
+    monkeypatch.setenv("KERNGEN_TIERS", str(out))
+    monkeypatch.setenv("KERNGEN_ARCH", "sm_90a")
+    tiers.reload()
+    try:
+        def variant(permute, T):
+            return ro.dispatch(-1, E=896, K=16, method="sigmoid_bias", n_group=1, topk_group=1, renormalize=True,
+                               ldtype="float32", bdtype="float32", wdtype="float32", align=False,
+                               permute=permute).spec(T).variant
+        assert [variant(False, T) for T in (1, 8)] == ["topk", "topk"]
+        assert [variant(True, T) for T in (1, 8)] == ["fused", "fused"]
+    finally:
+        monkeypatch.delenv("KERNGEN_TIERS")
+        tiers.reload()
 
 
 def test_experts_are_tuned_per_format_up_to_the_tokens_their_kernels_serve(tmp_path, monkeypatch):
