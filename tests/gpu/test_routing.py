@@ -317,3 +317,33 @@ def test_fused_configurations_any_tier_may_pick(name, params):
                               m.renormalize)
         assert torch.equal(ws.ids[:T], ids), (T, params)
         check_permutation(ws.result(T, E), ids, E, 16, None)
+
+
+IDS_ONLY_RULES = {   # permute = false user rules (calls without a tile), each a shape the tuner may pick
+    "topk 4x4": 'variant = "topk"\ntokens = [1, 64]\nparams = { warps = 4, warps_per_token = 4, early_trigger = true }',
+    "topk 16x16": 'variant = "topk"\ntokens = [1, 64]\nparams = { warps = 16, warps_per_token = 16 }',
+    "fused plain": 'variant = "fused"\ntokens = [1, 8]\n'
+                   'params = { warps = 8, warps_per_token = 8, ctas = 1, clusters = 1, max_tokens = 8 }',
+}
+
+
+@pytest.mark.parametrize("rule", IDS_ONLY_RULES)
+@pytest.mark.parametrize("name", ["kimi-k3", "deepseek-v3", "qwen3-30b-a3b"])
+def test_rules_for_calls_without_a_tile(rule, name, tmp_path, monkeypatch):
+    """A permute = false rule serves route() without a tile (ids and weights, against the reference, ties and -inf
+    included) while calls with a tile keep the shipped rules (the permutation checked too)."""
+    m, kw = model_args(name)
+    f = tmp_path / "user.toml"
+    f.write_text(f'schema = 1\n\n[[tier]]\nop = "routing"\npermute = false\nnum_experts = [{m.num_experts}, '
+                 f'{m.num_experts}]\n{IDS_ONLY_RULES[rule]}\n')
+    monkeypatch.setenv("KERNGEN_TIERS", str(f))
+    tiers.reload()
+    try:
+        for T in (1, 3, 8):
+            bias = make_bias(m.num_experts, m.routing, seed=T)
+            for logits in (make(T, m.num_experts, seed=T), make(T, m.num_experts, seed=T, ties=True, ninf=0.2)):
+                check(logits, kw, bias=bias)
+                check(logits, kw, bias=bias, tile=16)
+    finally:
+        monkeypatch.delenv("KERNGEN_TIERS")
+        tiers.reload()
