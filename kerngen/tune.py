@@ -357,7 +357,7 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
     model = tbl.model(model_name)
     tokens = [t for t in sorted(tokens) if model.tokens[0] <= t <= model.tokens[1]]
     rules: list[tiers.Rule] = []
-    jobs = []   # (op, experts format, IDS_ONLY (routing without a tile) or None, candidates, timer, token buckets)
+    jobs = []   # (op, the experts format, IDS_ONLY (routing calls without a tile) or None, candidates, timer, tokens)
     for op in ops:
         if op not in TUNERS:
             print(f"kerngen tune: no candidates for {op} yet; its shipped rules stay in force")
