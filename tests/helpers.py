@@ -18,6 +18,21 @@ def one_thread():
         torch.set_num_threads(n)
 
 
+@contextlib.contextmanager
+def user_tiers(tmp_path, monkeypatch, text: str):
+    """`text` as the user tier file (KERNGEN_TIERS) inside the block; the shipped table alone after it."""
+    from kerngen import tiers
+    user = tmp_path / "user_tiers.toml"
+    user.write_text(text)
+    monkeypatch.setenv("KERNGEN_TIERS", str(user))
+    tiers.reload()
+    try:
+        yield user
+    finally:
+        monkeypatch.delenv("KERNGEN_TIERS")
+        tiers.reload()
+
+
 def assert_no_spills(files: dict) -> None:
     """Every kernel of a compiled artifact keeps its values in registers (spills are a performance bug that
     compiles and runs correctly, so only this catches them without a GPU)."""

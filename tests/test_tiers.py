@@ -61,6 +61,12 @@ def test_every_model_dispatches_finalize_over_its_range():
     ("schema = 1\n[[tier]]\nop = 'finalize'\n", "[[tier]] #1: missing required field 'variant'"),
     ("schema = 1\n[[tier]]\nop = 'finalize'\nvariant = 'x'\ntokens = [9, 1]\n", "field 'tokens' must be an inclusive range"),
     ("schema = 1\n[[tier]]\nop = 'finalize'\nvariant = 'x'\nparams = { a = [1] }\n", "'params' must be a table of scalars"),
+    ("schema = 1\n[[tier]]\nop = 'routing'\nvariant = 'topk'\npermute = 1\n"
+     "params = { warps = 4, warps_per_token = 4 }\n",
+     "field 'permute' must be true or false, got 1"),
+    ("schema = 1\n[[tier]]\nop = 'finalize'\nvariant = 'small_batch'\npermute = false\n"
+     "params = { block_x = 16, loads_per_group = 2, early_read = false }\n",
+     "field 'permute' applies to op = \"routing\" rules only, not finalize"),
     ("schema = 1\n[tier]\nop = 'finalize'\n", "write [[tier]]"),
     ("schema = 1\n[models\n", "not valid TOML"),
     (b"schema = 1\n# caf\xe9\n", "not UTF-8 text (byte 16)"),

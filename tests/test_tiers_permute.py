@@ -1,11 +1,11 @@
 """Routing rules for calls with and without a permutation: `permute = false` serves only kerngen.route calls without a
 tile (ids and weights), `permute = true` only those with one (left out: both). Dispatch, warmup's specs and the tuner's
-output carry the field; a bad one is a TierError naming it."""
+output carry the field (a bad one: tests/test_tiers.py)."""
 import pytest
 
 from kerngen import tiers, tune
-from kerngen.errors import TierError
 from kerngen.ops import routing as ro
+from tests.helpers import user_tiers
 
 IDS_ONLY = """schema = 1
 
@@ -22,13 +22,8 @@ params = { warps = 4, warps_per_token = 4, early_trigger = true }
 
 @pytest.fixture
 def ids_only_tiers(tmp_path, monkeypatch):
-    f = tmp_path / "user.toml"
-    f.write_text(IDS_ONLY)
-    monkeypatch.setenv("KERNGEN_TIERS", str(f))
-    tiers.reload()
-    yield f
-    monkeypatch.delenv("KERNGEN_TIERS")
-    tiers.reload()
+    with user_tiers(tmp_path, monkeypatch, IDS_ONLY) as f:
+        yield f
 
 
 def kimi_dispatch(permute: bool):
@@ -59,34 +54,9 @@ def test_warmup_builds_the_rules_of_both_kinds_of_call(ids_only_tiers):
 
 
 def test_a_permute_true_rule_is_skipped_by_calls_without_a_tile(tmp_path, monkeypatch):
-    f = tmp_path / "user.toml"
-    f.write_text(IDS_ONLY.replace("permute = false", "permute = true"))
-    monkeypatch.setenv("KERNGEN_TIERS", str(f))
-    tiers.reload()
-    try:
+    with user_tiers(tmp_path, monkeypatch, IDS_ONLY.replace("permute = false", "permute = true")):
         assert kimi_dispatch(True).spec(1).variant == "topk"
         assert kimi_dispatch(False).spec(1).variant == "fused"
-    finally:
-        monkeypatch.delenv("KERNGEN_TIERS")
-        tiers.reload()
-
-
-@pytest.mark.parametrize("field,why", [("permute = 1", "must be true or false"),
-                                       ('permute = "no"', "must be true or false")])
-def test_a_bad_permute_field_is_a_tier_error_naming_it(tmp_path, field, why):
-    f = tmp_path / "t.toml"
-    f.write_text(IDS_ONLY.replace("permute = false", field))
-    with pytest.raises(TierError, match="permute") as e:
-        tiers.parse(f)
-    assert why in str(e.value)
-
-
-def test_permute_is_for_routing_rules_only(tmp_path):
-    f = tmp_path / "t.toml"
-    f.write_text('schema = 1\n\n[[tier]]\nop = "finalize"\nvariant = "small_batch"\npermute = false\n'
-                 'params = { block_x = 16, loads_per_group = 2, early_read = false }\n')
-    with pytest.raises(TierError, match="applies to op = \"routing\" rules only"):
-        tiers.parse(f)
 
 
 def test_the_tuners_file_keeps_the_field(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ import torch
 
 from kerngen import env, tiers, tune
 from kerngen.errors import KerngenError
+from tests.helpers import user_tiers
 
 
 def test_merge_and_write_round_trip(tmp_path, monkeypatch):
@@ -110,19 +111,15 @@ def test_routing_is_tuned_for_calls_without_a_tile_too(tmp_path, monkeypatch):
                                                                            ("fused", None, (1, 16))]
     out = tmp_path / "tuned.toml"
     tune.write(out, "kimi-k3", rules)
-    monkeypatch.setenv("KERNGEN_TIERS", str(out))
     monkeypatch.setenv("KERNGEN_ARCH", "sm_90a")
-    tiers.reload()
-    try:
-        def variant(permute, T):
-            return ro.dispatch(-1, E=896, K=16, method="sigmoid_bias", n_group=1, topk_group=1, renormalize=True,
-                               ldtype="float32", bdtype="float32", wdtype="float32", align=False,
-                               permute=permute).spec(T).variant
+
+    def variant(permute, T):
+        return ro.dispatch(-1, E=896, K=16, method="sigmoid_bias", n_group=1, topk_group=1, renormalize=True,
+                           ldtype="float32", bdtype="float32", wdtype="float32", align=False,
+                           permute=permute).spec(T).variant
+    with user_tiers(tmp_path, monkeypatch, out.read_text()):
         assert [variant(False, T) for T in (1, 8)] == ["topk", "topk"]
         assert [variant(True, T) for T in (1, 8)] == ["fused", "fused"]
-    finally:
-        monkeypatch.delenv("KERNGEN_TIERS")
-        tiers.reload()
 
 
 def test_experts_are_tuned_per_format_up_to_the_tokens_their_kernels_serve(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from kerngen import tiers
 from kerngen.ops import latent_tail as lt
 from kerngen.ops._common import DTYPE_NAMES
 from kerngen.plan import spec_for, target_arch
+from tests.helpers import user_tiers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
 BF = torch.bfloat16
@@ -190,18 +191,8 @@ def split_tiers(tmp_path, monkeypatch):
     """kerngen.latent_tail dispatching kimi-k3's fused token counts to split builds (tests/test_latent_tail_cpu.py's
     tier file: the shipped rules' launch shapes with split = true)."""
     from tests.test_latent_tail_cpu import SPLIT_TIERS
-    yield from user_tiers(tmp_path, monkeypatch, SPLIT_TIERS)
-
-
-def user_tiers(tmp_path, monkeypatch, text):
-    """A fixture's body: `text` as the user tier file (KERNGEN_TIERS) while the test runs."""
-    user = tmp_path / "user_tiers.toml"
-    user.write_text(text)
-    monkeypatch.setenv("KERNGEN_TIERS", str(user))
-    tiers.reload()
-    yield
-    monkeypatch.delenv("KERNGEN_TIERS")
-    tiers.reload()
+    with user_tiers(tmp_path, monkeypatch, SPLIT_TIERS):
+        yield
 
 
 def dispatched_split(T, K=16, L=3584, H=7168):
@@ -469,7 +460,8 @@ def test_norm_gemm_unaligned_outputs_take_the_same_adds():
 
 @pytest.fixture
 def norm_gemm_tiers(tmp_path, monkeypatch):
-    yield from user_tiers(tmp_path, monkeypatch, NORM_GEMM_TIERS)
+    with user_tiers(tmp_path, monkeypatch, NORM_GEMM_TIERS):
+        yield
 
 
 @pytest.mark.parametrize("T", [4, 40, 512])

@@ -7,6 +7,7 @@ from kerngen import tiers
 from kerngen.ops import permute as pm
 from kerngen.ops import routing as rt
 from kerngen.ops.finalize import reference as finalize_reference
+from tests.helpers import user_tiers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("gpu_cache")]
@@ -333,17 +334,11 @@ def test_rules_for_calls_without_a_tile(rule, name, tmp_path, monkeypatch):
     """A permute = false rule serves route() without a tile (ids and weights, against the reference, ties and -inf
     included) while calls with a tile keep the shipped rules (the permutation checked too)."""
     m, kw = model_args(name)
-    f = tmp_path / "user.toml"
-    f.write_text(f'schema = 1\n\n[[tier]]\nop = "routing"\npermute = false\nnum_experts = [{m.num_experts}, '
-                 f'{m.num_experts}]\n{IDS_ONLY_RULES[rule]}\n')
-    monkeypatch.setenv("KERNGEN_TIERS", str(f))
-    tiers.reload()
-    try:
+    text = (f'schema = 1\n\n[[tier]]\nop = "routing"\npermute = false\nnum_experts = [{m.num_experts}, '
+            f'{m.num_experts}]\n{IDS_ONLY_RULES[rule]}\n')
+    with user_tiers(tmp_path, monkeypatch, text):
         for T in (1, 3, 8):
             bias = make_bias(m.num_experts, m.routing, seed=T)
             for logits in (make(T, m.num_experts, seed=T), make(T, m.num_experts, seed=T, ties=True, ninf=0.2)):
                 check(logits, kw, bias=bias)
                 check(logits, kw, bias=bias, tile=16)
-    finally:
-        monkeypatch.delenv("KERNGEN_TIERS")
-        tiers.reload()
