@@ -59,3 +59,16 @@ def test_the_pdl_probe_compiles_with_and_without_the_grid_dependency_instruction
     fns = {part.split()[0]: part for part in sass({"kernel.cubin": cubin}).split("Function : ")[1:]}
     assert ("ACQBULK" in fns["chase"]) == wait and ("PREEXIT" in fns["chase"]) == wait
     assert ("PREEXIT" in fns["produce"]) == trigger and "ACQBULK" not in fns["produce"]
+
+
+def test_experts_alone_builds_a_fused_x_rule_for_the_tokens_it_serves():
+    """--rule with fused_x (profiling the 1-2 token shapes): the spec serves at most fused_x tokens, as a tier rule
+    of that token range does; without it, any count."""
+    from kerngen.ops import experts as ex
+    from tools.diagnose.experts_alone import rule_spec
+    params = dict(warps=4, unroll=1, blocks_per_sm=8, min_blocks=8, pdl=True, prefetch=False, f16x=True, fused_x=2,
+                  act_f16=False)
+    s = rule_spec(params, 8, 2880, 2880, "gpt_oss", "sm_90a", "mxfp4")
+    assert dict(s.params)["fused_x"] == 2 and "experts_quant_x" not in ex.persistent(s)
+    s = rule_spec(dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True), 8, 2880, 2880, "gpt_oss", "sm_90a", "mxfp4")
+    assert "fused_x" not in dict(s.params)

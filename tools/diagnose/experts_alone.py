@@ -20,6 +20,14 @@ import torch
 from ..bench.lib import require_gpu
 
 
+def rule_spec(rule: dict, tile: int, H: int, I: int, act: str, arch: str, fmt: str):
+    """The experts spec of --rule's params at the routing's tile (a fused_x rule serves at most fused_x tokens)."""
+    from kerngen import tiers
+    from kerngen.ops import experts as ex
+    ranges = {"tokens": (1, rule["fused_x"])} if rule.get("fused_x") else {}
+    return ex.rule_spec(tiers.Rule("experts", "mma", ranges, {**rule, "tile": tile}), H, I, act, arch, fmt)
+
+
 def main(argv=None) -> int:
     from ..bench import experts as bench
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -32,7 +40,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     require_gpu("python3 -m tools.diagnose.experts_alone")
     import kerngen
-    from kerngen import tiers
     from kerngen.ops import experts as ex
     from kerngen.plan import target_arch
     H, I, E, K, act, gpt = bench.SHAPES[a.model]
@@ -46,8 +53,7 @@ def main(argv=None) -> int:
                       tile=tile)
     scales = {} if a.format == "bf16" else dict(w13_scale=s13, w2_scale=s2)
     if a.rule:
-        spec = ex.rule_spec(tiers.Rule("experts", "mma", {}, {**a.rule, "tile": tile}), H, I, act, target_arch(),
-                            a.format)
+        spec = rule_spec(a.rule, tile, H, I, act, target_arch(), a.format)
         k = ex.Kernels(spec, torch.cuda.current_device())
         out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
         for _ in range(a.calls):
