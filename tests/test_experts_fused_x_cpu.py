@@ -83,8 +83,8 @@ def test_fused_launches_and_their_fields(monkeypatch, fmt, act_f16):
     (dict(f16x=True, fused_x=True), (1, 1), "fused_x = True"),
     (dict(f16x=True, fused_x=16), (1, 16), "200 KiB"),                   # 16 x 7168 f16 values
     (dict(f16x=True, act_f16=False, mtiles=2), (1, 2), "mtiles"),
-    (dict(f16x=True, stage_act=True), (1, 2), "stage_act"),
-    (dict(f16x=True, fused_x=2, early_l2=True), (1, 2), "early_l2"),     # gemm1 right behind the routing              # no slots without fused_x
+    (dict(f16x=True, stage_act=True), (1, 2), "stage_act"),              # no slots without fused_x
+    (dict(f16x=True, fused_x=2, early_l2=True), (1, 2), "early_l2"),     # gemm1 right behind the routing
     (dict(f16x=True, fused_x=2, act_f16=False, stage_act=True), (1, 2), "stage_act"),
 ])
 def test_rules_that_cannot_fuse_are_refused(params, tokens, match):

@@ -70,37 +70,36 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
     contiguous weights only: for "kn" ones it is a TierError (torch._grouped_mm runs those tokens)."""
     params = dict(rule.params)
     tile = params.pop("tile")
+    where = f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))}"
     if params.get("f16x") and (fmt not in ("fp8", "mxfp4") or a8):
-        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets f16x, which only "
-                        f"fp8 and MXFP4 weights with bf16 activations take (not {rule_format(fmt, a8)})")
+        raise TierError(f"{where} sets f16x, which only fp8 and MXFP4 weights with bf16 activations take (not "
+                        f"{rule_format(fmt, a8)})")
     if params.get("pingpong") and not (params.get("f16x") and params.get("prefetch", True)):
-        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets pingpong without "
-                        "f16x and prefetch: only the f16-activation builds that load the next steps ahead take it")
+        raise TierError(f"{where} sets pingpong without f16x and prefetch: only the f16-activation builds that load "
+                        "the next steps ahead take it")
     fused = params.get("fused_x", 0)
     if (fused or not params.get("act_f16", True)) and not params.get("f16x"):
-        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets fused_x or act_f16, "
-                        "which only the f16-activation builds (f16x) take")
+        raise TierError(f"{where} sets fused_x or act_f16, which only the f16-activation builds (f16x) take")
     if fused and (type(fused) is not int or rule.ranges.get("tokens", (1, 1 << 30))[1] > fused
                   or fused_smem(fused, max(H, I)) > FUSED_SMEM):
-        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets fused_x = {fused!r}: "
-                        "the most tokens its experts_gemm1 quantizes itself, at least the rule's last token count, "
-                        f"and fused_x rows of {max(H, I)} f16 values in {FUSED_SMEM // 1024} KiB of shared memory")
+        raise TierError(f"{where} sets fused_x = {fused!r}: the most tokens its experts_gemm1 quantizes itself, at "
+                        f"least the rule's last token count, and fused_x rows of {max(H, I)} f16 values in "
+                        f"{FUSED_SMEM // 1024} KiB of shared memory")
     if fused and params.get("early_l2"):
-        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets fused_x with "
-                        "early_l2: experts_gemm1 then follows the routing itself, whose tile experts it may not read "
-                        "before its wait")
+        raise TierError(f"{where} sets fused_x with early_l2: experts_gemm1 then follows the routing itself, whose "
+                        "tile experts it may not read before its wait")
     if params.get("stage_act") and not (fused and params.get("act_f16", True)):
-        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets stage_act without "
-                        "fused_x (its slots: a tile's rows at most) or with act_f16 = false")
+        raise TierError(f"{where} sets stage_act without fused_x (its slots: a tile's rows at most) or with "
+                        "act_f16 = false")
     if not params.get("act_f16", True) and params.get("mtiles", 1) != 1:
-        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets act_f16 = false with "
-                        "mtiles: GEMM2 on the bf16 intermediate takes one m16 tile of weight rows an item")
+        raise TierError(f"{where} sets act_f16 = false with mtiles: GEMM2 on the bf16 intermediate takes one m16 "
+                        "tile of weight rows an item")
     if params.get("mtiles", 1) != 1 and not params.get("f16x"):
-        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} sets mtiles without "
-                        "f16x: only the f16-activation builds take more than one tile of weight rows an item")
+        raise TierError(f"{where} sets mtiles without f16x: only the f16-activation builds take more than one tile "
+                        "of weight rows an item")
     if not params.pop("transposed", True) and layout == "kn":
-        raise TierError(f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))} serves contiguous "
-                        "weights only (transposed = false): transposed ones run torch._grouped_mm there")
+        raise TierError(f"{where} serves contiguous weights only (transposed = false): transposed ones run "
+                        "torch._grouped_mm there")
     return plan_mod.spec_for(dataclasses.replace(rule, params=params),
                              *tag_constants(H, I, tile, activation, fmt, layout, a8), arch_)
 

@@ -46,13 +46,18 @@ class _Rows(dict):
 def eager_graphs(call):
     """`call` with its shape's kernels built under KERNGEN_EAGER_GRAPHS=1 and its launches' graph captured (three
     calls: met, captured, replayed)."""
+    before = os.environ.get("KERNGEN_EAGER_GRAPHS")
     os.environ["KERNGEN_EAGER_GRAPHS"] = "1"
     try:
         for _ in range(3):
             call()
     finally:
-        os.environ.pop("KERNGEN_EAGER_GRAPHS", None)
+        if before is None:
+            os.environ.pop("KERNGEN_EAGER_GRAPHS", None)
+        else:
+            os.environ["KERNGEN_EAGER_GRAPHS"] = before
     return call
+
 
 def op_rows(dev) -> dict:
     """name -> zero-argument callable (or the exception its setup raised): the public ops at T = 1."""
