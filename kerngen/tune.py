@@ -114,9 +114,6 @@ def routing_candidates():
         yield "topk", dict(warps=warps, warps_per_token=wpt)
 
 
-IDS_ONLY = "ids"   # a routing job of calls without a tile
-
-
 def _time_routing(model: tiers.Model, T: int, variant: str, params: dict, ids_only: bool = False) -> float:
     """route(..., tile=128) with fp32 logits (and an fp32 bias for the bias methods), or with ids_only route()
     without a tile (ids and weights); ids checked exactly."""
@@ -357,7 +354,7 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
     model = tbl.model(model_name)
     tokens = [t for t in sorted(tokens) if model.tokens[0] <= t <= model.tokens[1]]
     rules: list[tiers.Rule] = []
-    jobs = []   # (op, the experts format, IDS_ONLY (routing calls without a tile) or None, candidates, timer, tokens)
+    jobs = []   # (op, experts format or None, routing rules' permute or None, candidates, timer, token buckets)
     for op in ops:
         if op not in TUNERS:
             print(f"kerngen tune: no candidates for {op} yet; its shipped rules stay in force")
@@ -366,21 +363,22 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
         if op == "latent_tail" and not model.model_hidden:
             print(f"kerngen tune: {model_name} is not a latent model (no model_hidden); no latent_tail rules")
         elif op == "routing":   # calls without a tile (ids and weights: permute = false rules, tried first), then all
-            jobs.append((op, IDS_ONLY, list(candidates()), functools.partial(timer, ids_only=True), tokens))
-            jobs.append((op, None, list(candidates()), timer, tokens))
+            jobs.append((op, None, False, list(candidates()), functools.partial(timer, ids_only=True), tokens))
+            jobs.append((op, None, None, list(candidates()), timer, tokens))
         elif op != "experts":
-            jobs.append((op, None, list(candidates()), timer, tokens))
+            jobs.append((op, None, None, list(candidates()), timer, tokens))
         elif not model.intermediate:
             print(f"kerngen tune: {model_name} names no intermediate size; its experts rules stay in force")
         else:   # per format, up to the tokens the experts kernels serve
             for fmt in experts_formats(model):
-                jobs.append((op, fmt, list(candidates(fmt)), functools.partial(timer, fmt=fmt),
+                jobs.append((op, fmt, None, list(candidates(fmt)), functools.partial(timer, fmt=fmt),
                              [t for t in tokens if t <= EXPERTS_MAX_TOKENS]))
-    for op, fmt, cands, timer, tokens in jobs:
+    for op, fmt, permute, cands, timer, tokens in jobs:
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(cands) * len(tokens), desc=f"tune {model_name} {op}{' ' + fmt if fmt else ''}",
+            kind = f" {fmt}" if fmt else " without a tile" if permute is False else ""
+            bar = tqdm(total=len(cands) * len(tokens), desc=f"tune {model_name} {op}{kind}",
                        unit="run", leave=False, disable=None)   # only on a terminal (a redirected log gets no bar)
         winners, unfit = [], {}
         for T in tokens:
@@ -404,8 +402,7 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
             lines = str(e).splitlines()
             reason = next((line.strip() for line in lines if "error" in line), lines[0] if lines else "")
             print(f"kerngen tune: {op} {variant} {params} does not compile for {model_name}, skipped ({reason})")
-        rules += _merge(op, model, winners, _target(), (fmt,) if fmt and fmt != IDS_ONLY else (),
-                        permute=False if fmt == IDS_ONLY else None)
+        rules += _merge(op, model, winners, _target(), (fmt,) if fmt else (), permute)
     return rules
 
 
