@@ -23,6 +23,20 @@ from .ops import routing as _rt
 from .ops import tail as _tail
 
 
+def _one_device(op: str, **tensors) -> None:
+    """The shape-only implementations (torch.compile's tracing, meta tensors) see the call's devices: tensors on two
+    devices (a meta tensor beside CPU ones, say) are an InputError naming the first that differs, as the kernels'
+    checks are for a real call, instead of an output of no device's making."""
+    first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if first is None:
+            first = (name, t.device)
+        elif t.device != first[1]:
+            raise InputError(op, name, f"on the device of '{first[0]}' ({first[1]})", str(t.device))
+
+
 # ------------------------------------------------------------------------------------------------ finalize
 @torch.library.custom_op("kerngen::finalize", mutates_args=(), device_types="cuda")
 def finalize(gemm2_out: Tensor, expanded_to_permuted: Tensor, topk_weights: Tensor,
@@ -39,6 +53,7 @@ def _finalize_cpu(gemm2_out, expanded_to_permuted, topk_weights, hidden=None):
 
 @finalize.register_fake
 def _finalize_fake(gemm2_out, expanded_to_permuted, topk_weights, hidden=None):
+    _one_device("finalize", gemm2_out=gemm2_out, expanded_to_permuted=expanded_to_permuted, topk_weights=topk_weights)
     H = gemm2_out.shape[1] if hidden is None else hidden
     return gemm2_out.new_empty((expanded_to_permuted.shape[0], H))
 
@@ -68,6 +83,7 @@ def _route_cpu(logits, top_k, method, bias=None, n_group=1, topk_group=1, routed
 @route.register_fake
 def _route_fake(logits, top_k, method, bias=None, n_group=1, topk_group=1, routed_scaling_factor=1.0,
                 renormalize=True):
+    _one_device("route", logits=logits, bias=bias)
     T = logits.shape[0]
     return (logits.new_empty((T, top_k), dtype=torch.int32), logits.new_empty((T, top_k), dtype=torch.float32))
 
@@ -112,6 +128,7 @@ def _route_permute_cpu(logits, top_k, method, tile, bias=None, n_group=1, topk_g
 @route_permute.register_fake
 def _route_permute_fake(logits, top_k, method, tile, bias=None, n_group=1, topk_group=1, routed_scaling_factor=1.0,
                         renormalize=True, local_start=0, num_local=-1):
+    _one_device("route", logits=logits, bias=bias)
     T, E = logits.shape
     nl = E - local_start if num_local < 0 else num_local
     rows = _pm.max_rows(T, top_k, nl, tile)
@@ -146,6 +163,8 @@ def _moe_align_block_size_cpu(topk_ids, num_experts, block_size, sorted_token_id
 
 @moe_align_block_size.register_fake
 def _moe_align_block_size_fake(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad):
+    _one_device("moe_align_block_size", topk_ids=topk_ids, sorted_token_ids=sorted_token_ids, expert_ids=expert_ids,
+                num_tokens_post_pad=num_tokens_post_pad)
     return None
 
 
@@ -170,6 +189,8 @@ def _moe_tail_cpu(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, ep
 @moe_tail.register_fake
 def _moe_tail_fake(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, eps=1e-6, shared=None,
                    residual=None):
+    _one_device("moe_tail", gemm2_out=gemm2_out, expanded_to_permuted=expanded_to_permuted,
+                topk_weights=topk_weights, norm_weight=norm_weight, shared=shared, residual=residual)
     return gemm2_out.new_empty((expanded_to_permuted.shape[0], norm_weight.shape[0]))
 
 
@@ -195,6 +216,8 @@ def _latent_tail_cpu(gemm2_out, expanded_to_permuted, topk_weights, norm_weight,
 @latent_tail.register_fake
 def _latent_tail_fake(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, eps=1e-6, shared=None,
                       residual=None):
+    _one_device("latent_tail", gemm2_out=gemm2_out, expanded_to_permuted=expanded_to_permuted,
+                topk_weights=topk_weights, norm_weight=norm_weight, up_proj=up_proj, shared=shared, residual=residual)
     return gemm2_out.new_empty((expanded_to_permuted.shape[0], up_proj.shape[0]))
 
 
@@ -274,4 +297,6 @@ def _moe_experts_cpu(x, topk_ids, topk_weights, w13, w2, activation, b13=None, b
 @moe_experts.register_fake
 def _moe_experts_fake(x, topk_ids, topk_weights, w13, w2, activation, b13=None, b2=None, w13_scale=None,
                       w2_scale=None, interleaved=False, alpha=1.702, limit=7.0, fp8_activations=False):
+    _one_device("experts", x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2,
+                w13_scale=w13_scale, w2_scale=w2_scale)
     return x.new_empty((topk_ids.shape[0], x.shape[1]), dtype=torch.bfloat16)

@@ -210,3 +210,22 @@ def test_each_op_named_in_the_cpu_refusal_has_its_reference():
     assert pm.reference is pm.permute_reference
     with pytest.raises(kerngen.InputError, match=r"kerngen\.ops\.permute\.reference"):
         kerngen.permute(torch.zeros(2, 2, dtype=torch.int32), num_experts=4, tile=16)
+
+
+@pytest.mark.parametrize("op", ["finalize", "moe_tail", "latent_tail"])
+@pytest.mark.parametrize("meta", ["gemm2_out", "topk_weights"])
+def test_shape_only_calls_refuse_tensors_on_two_devices(op, meta):
+    """A meta tensor beside CPU ones reaches the shape-only implementation: an InputError naming the argument whose
+    device differs (torch's own ops refuse such a call too), never an output of no device's making."""
+    T, K, H, L = 4, 2, 64, 32
+    a = dict(gemm2_out=torch.randn(T * K, L if op == "latent_tail" else H, dtype=torch.bfloat16),
+             expanded_to_permuted=torch.arange(T * K, dtype=torch.int32).view(T, K), topk_weights=torch.rand(T, K))
+    if op != "finalize":
+        a["norm_weight"] = torch.ones(L if op == "latent_tail" else H, dtype=torch.bfloat16)
+    if op == "latent_tail":
+        a["up_proj"] = torch.randn(H, L, dtype=torch.bfloat16)
+    a[meta] = a[meta].to("meta")
+    with pytest.raises(kerngen.InputError, match="must be on the device of"):
+        getattr(torch.ops.kerngen, op)(*a.values())
+    out = getattr(torch.ops.kerngen, op)(*(t.to("meta") for t in a.values()))   # all on one device: its shape
+    assert out.device.type == "meta" and tuple(out.shape) == (T, H)
