@@ -44,7 +44,7 @@ def test_repeated_calls_replay_and_read_each_calls_inputs(graphs_on, fmt, T):
             out = torch.empty(r.permuted_to_token.shape[0], x.shape[1], dtype=torch.bfloat16, device="cuda")
         kerngen.experts(x, r, *w, out=out, **s)
         check_rows(out, ex.reference(x, r, *w, **s), r)
-    I = w[1].shape[-1] * (32 if fmt == "mxfp4" else 1)
+    I = w[1].shape[-2] * 32 if fmt == "mxfp4" else w[1].shape[-1]   # (MXFP4 w2: [E, H, I / 32, 16] bytes)
     k = ex.dispatch(x.get_device(), H=x.shape[1], I=I, activation="silu", fmt=fmt).kernel(T)
     assert k.graphs is not None and k.graphs.captures == 1 and k.graphs.hits >= 2
 

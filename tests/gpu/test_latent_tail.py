@@ -432,8 +432,8 @@ def test_norm_gemm_norm_async_keeps_the_bits(T, cluster, extra):
     dev = torch.cuda.current_device()
     outs = []
     for na in (False, True):
-        k = lt.kernel(norm_gemm_spec(*KIMI[1:], KIMI[0], cluster, **extra, **({"norm_async": True} if na else {})),
-                      T, dev)
+        na_ = {"norm_async": True} if na else {}
+        k = lt.kernel(norm_gemm_spec(*KIMI[1:], KIMI[0], cluster=cluster, **extra, **na_), T, dev)
         out = torch.full((T, KIMI[2]), float("nan"), dtype=BF, device="cuda")
         outs.append(lt.run(k, *args, 1e-6, out))
     torch.cuda.synchronize()
