@@ -54,9 +54,25 @@ def test_warmup_builds_the_rules_of_both_kinds_of_call(ids_only_tiers):
 
 
 def test_a_permute_true_rule_is_skipped_by_calls_without_a_tile(tmp_path, monkeypatch):
-    with user_tiers(tmp_path, monkeypatch, IDS_ONLY.replace("permute = false", "permute = true")):
-        assert kimi_dispatch(True).spec(1).variant == "topk"
-        assert kimi_dispatch(False).spec(1).variant == "fused"
+    text = IDS_ONLY.replace("permute = false", "permute = true").replace("warps = 4, warps_per_token = 4",
+                                                                           "warps = 8, warps_per_token = 8")
+    with user_tiers(tmp_path, monkeypatch, text):
+        s = kimi_dispatch(True).spec(1)
+        assert s.variant == "topk" and dict(s.params)["warps"] == 8
+        assert dict(kimi_dispatch(False).spec(1).params)["warps"] != 8   # the shipped rules serve it
+
+
+def test_the_shipped_table_gives_kimi_k3_calls_without_a_tile_the_topk_kernel():
+    """kimi-k3's top-k only (measured against SGLang's gate): the topk kernel at 4x4 up to 64 tokens; calls with a
+    tile keep the fused rules."""
+    t = tiers.load()
+    for T in (1, 8, 64):
+        q = {"num_experts": 896, "top_k": 16, "tokens": T, "arch": "sm_90a"}
+        ids = t.rule("routing", {**q, "permute": False})
+        assert ids.variant == "topk" and ids.permute is False and ids.params["warps"] == 4
+        assert t.rule("routing", {**q, "permute": True}).permute is None
+    assert t.rule("routing", {"num_experts": 896, "top_k": 16, "tokens": 1, "arch": "sm_90a",
+                              "permute": True}).variant == "fused"
 
 
 def test_the_tuners_file_keeps_the_field(tmp_path, monkeypatch):
