@@ -25,16 +25,11 @@ from .ops import tail as _tail
 
 def _one_device(op: str, **tensors) -> None:
     """The shape-only implementations (torch.compile's tracing, meta tensors) see the call's devices: tensors on two
-    devices (a meta tensor beside CPU ones, say) are an InputError naming the first that differs, as the kernels'
-    checks are for a real call, instead of an output of no device's making."""
-    first = None
-    for name, t in tensors.items():
-        if t is None:
-            continue
-        if first is None:
-            first = (name, t.device)
-        elif t.device != first[1]:
-            raise InputError(op, name, f"on the device of '{first[0]}' ({first[1]})", str(t.device))
+    devices (a meta tensor beside CPU ones, say) are the kernels' own InputError (check_tensor's device check) naming
+    the first that differs, instead of an output of no device's making."""
+    given = [(name, t) for name, t in tensors.items() if t is not None]
+    for name, t in given[1:]:
+        _common.check_tensor(op, name, t, device=given[0][1].device)
 
 
 # ------------------------------------------------------------------------------------------------ finalize
