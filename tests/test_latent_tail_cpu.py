@@ -895,9 +895,8 @@ def test_items_per_cta_sizes_the_grid_and_leaves_the_source(split):
     m = tiers.load().model("kimi-k3")
     base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
     base.update(split=split)
-    if not split:
-        base.update(n_global=False, l2_lines=None)
-        base = {k: v for k, v in base.items() if v is not None}
+    if not split:   # the one-launch kernel: none of the split builds' params
+        base = {k: v for k, v in base.items() if k not in lt.SPLIT_ONLY}
     mk = lambda H=m.model_hidden, **over: lt.rule_spec(  # noqa: E731
         tiers.Rule(lt.OP, "fused", {}, {**base, **over}), m.hidden, H, m.top_k, "float32", "sm_90a")
     grid = lambda s: lt.launch_shape(s, -1)[0][0]  # noqa: E731
@@ -967,13 +966,14 @@ def test_norm_async_hands_the_sums_over_without_a_gpu_wide_fence(variant, T, tmp
         return resources.sass(b.files).split(f"Function : {lt.NORM}")[1].split("Function :")[0]
 
     assert base.get("cluster", 1) > 1
-    plain, fast = norm_sass(mk()), norm_sass(mk(norm_async=True))
+    assert base.get("norm_async", False) == (variant == "fused")   # the shipped 1-8-token rule takes it
+    plain, fast = norm_sass(mk(norm_async=False)), norm_sass(mk(norm_async=True))
     assert plain.count("MEMBAR.ALL.GPU") >= 2 and "STAS" not in plain
     assert "MEMBAR" not in fast and "STAS" in fast and "SYNCS" in fast
     assert render.render(mk(norm_async=True, cluster=1)) == render.render(mk(cluster=1))
     if variant == "fused":
         src = lambda s: render.render(s).split("latent_tail_proj(const")[1]  # noqa: E731
-        assert src(mk(norm_async=True)) == src(mk())
+        assert src(mk(norm_async=True)) == src(mk(norm_async=False))
 
 
 @pytest.mark.parametrize("mt,unroll", [(16, 2), (24, 2), (32, 2)])
@@ -992,8 +992,8 @@ def test_split_builds_serve_up_to_32_tokens_without_spills(mt, unroll, tmp_path)
     assert dict(resources.usage(built.files))[lt.PROJ]["REG"] * 256 * 2 <= 65536
     with pytest.raises(kerngen.InputError, match="max_tokens"):
         lt.kernel(s, mt + 1, -1)
-    one = dict(base, max_tokens=mt, unroll=unroll, split=False, early_weights=False, n_global=False, l2_lines=None)
-    one = {k: v for k, v in one.items() if v is not None}
+    one = {k: v for k, v in dict(base, max_tokens=mt, unroll=unroll, split=False, early_weights=False).items()
+           if k not in lt.SPLIT_ONLY}
     if mt > 16:
         with pytest.raises(kerngen.InputError, match="max_tokens at most 16"):
             lt.persistent(lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, one), m.hidden, m.model_hidden, m.top_k,
