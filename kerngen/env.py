@@ -88,8 +88,12 @@ def strict() -> bool:
     return _flag("KERNGEN_STRICT")
 
 
-def eager_graphs() -> bool:
-    """KERNGEN_EAGER_GRAPHS: eager calls of kerngen.experts replay repeated launch sequences from CUDA graphs."""
+def eager_graphs() -> bool | None:
+    """KERNGEN_EAGER_GRAPHS: eager calls of kerngen.experts replay repeated launch sequences from CUDA graphs:
+    True at every token count, False never, None (unset or empty) at decode token counts only (the op's own
+    bound, kerngen.ops.experts.EAGER_GRAPH_TOKENS)."""
+    if not os.environ.get("KERNGEN_EAGER_GRAPHS", "").strip():
+        return None
     return _flag("KERNGEN_EAGER_GRAPHS")
 
 

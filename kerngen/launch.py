@@ -304,15 +304,17 @@ class EagerGraphs:
     def launch(self, stream: int, launches, fields: tuple) -> bool:
         """Launch `launches` (Launchers taking `fields`) on `stream` from a graph if this sequence has one or is
         now met for the second time; False where the caller launches them itself."""
-        if self.off or stream_capturing(stream):
+        if self.off:
             return False
         g = self._graphs.get(fields)
+        if g is None and fields not in self._seen:   # met for the first time: the caller launches (no driver call)
+            if len(self._seen) >= 4 * self.size:
+                self._seen.pop(next(iter(self._seen), None), None)
+            self._seen[fields] = None
+            return False
+        if stream_capturing(stream):
+            return False
         if g is None:
-            if fields not in self._seen:
-                if len(self._seen) >= 4 * self.size:
-                    self._seen.pop(next(iter(self._seen), None), None)
-                self._seen[fields] = None
-                return False
             try:
                 g = self._capture(launches, fields)
             except DeviceError as e:   # the launches themselves still work: plain ones from now on, said once

@@ -46,6 +46,10 @@ PARAMS = Params(("x", "ptr"), ("w13", "ptr"), ("b13", "ptr"), ("inw", "ptr"), ("
 # the quantized builds' struct Params (fp8, mxfp4): the bf16 one, then the scales of w13 and w2
 PARAMS_SCALED = Params(*PARAMS.fields, ("s13", "ptr"), ("s2", "ptr"))
 # fp8 activations (fp8_activations=True): then x and the intermediate quantized, with their scales
+# KERNGEN_EAGER_GRAPHS unset: eager calls of at most so many tokens replay repeated launches from a CUDA graph (one
+# driver call where two to four cost the host ~5 us each; past decode sizes the GPU's work hides the launches and the
+# graph would only lose the early start of programmatic dependent launch)
+EAGER_GRAPH_TOKENS = 4
 QUANT_CTAS = 8   # fp8 activations: CTAs an SM of the quantizing kernels (8 warps each: a full SM)
 PARAMS_A8 = Params(*PARAMS_SCALED.fields, ("xq", "ptr"), ("xsc", "ptr"), ("aq", "ptr"), ("asc", "ptr"))
 
@@ -130,7 +134,7 @@ class Kernels:
     The grid follows the routing's tile count, so the launchers are kept per tile count; the intermediate scratch
     per stream."""
     __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "qx", "fused_x", "_mod", "_warps", "_pdl", "_ctas",
-                 "_H", "_I", "_grids", "_act", "_cols", "_q", "_quants", "_no_q", "graphs")
+                 "_H", "_I", "_grids", "_act", "_cols", "_q", "_quants", "_no_q", "graphs", "graph_tokens")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
         if s.variant not in VARIANTS:
@@ -154,8 +158,11 @@ class Kernels:
         self._grids: dict[int, tuple[Launcher, Launcher]] = {}
         self._act: dict[int, torch.Tensor] = {}
         self._q: dict[int, tuple] = {}
-        # KERNGEN_EAGER_GRAPHS: repeated eager calls replay their launches from a CUDA graph (device -1: stubs)
-        self.graphs = EagerGraphs(device) if device >= 0 and env.eager_graphs() else None
+        # KERNGEN_EAGER_GRAPHS: repeated eager calls of at most graph_tokens tokens replay their launches from a CUDA
+        # graph (unset: decode sizes, EAGER_GRAPH_TOKENS; device -1: stub launchers, never)
+        mode = env.eager_graphs()
+        self.graphs = EagerGraphs(device) if device >= 0 and mode is not False else None
+        self.graph_tokens = tiers.INT32_MAX if mode else EAGER_GRAPH_TOKENS
 
     @staticmethod
     def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
@@ -253,7 +260,7 @@ class Kernels:
             fields += q[1]
         else:
             fields += self._no_q
-        if self.graphs is None or not self.graphs.launch(stream, pair, fields):
+        if self.graphs is None or T > self.graph_tokens or not self.graphs.launch(stream, pair, fields):
             for launch in pair:
                 launch(stream, *fields)
         return out

@@ -1,6 +1,6 @@
 """KERNGEN_EAGER_GRAPHS on the GPU: repeated eager kerngen.experts calls on the same buffers replay their launches
-from a CUDA graph and still read the inputs of each call (bf16, and MXFP4 with its four launches); under a graph
-torch captures, the kernels go into that graph and replay right."""
+from a CUDA graph and still read the inputs of each call (bf16, and MXFP4 with its four launches); unset, only calls
+of at most 4 tokens do; under a graph torch captures, the kernels go into that graph and replay right."""
 import pytest
 import torch
 
@@ -33,6 +33,30 @@ def case(fmt, T, E=16, K=4, H=1024, I=256, seed=0):
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
 @pytest.mark.parametrize("T", [1, 8])
 def test_repeated_calls_replay_and_read_each_calls_inputs(graphs_on, fmt, T):
+    k = repeated(fmt, T)
+    assert k.graphs is not None and k.graphs.captures == 1 and k.graphs.hits >= 2
+
+
+@pytest.fixture
+def graphs_unset(monkeypatch):
+    monkeypatch.delenv("KERNGEN_EAGER_GRAPHS", raising=False)
+    kerngen.clear()
+    yield
+    kerngen.clear()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("T", [1, 4, 8])
+def test_unset_replays_decode_calls_only(graphs_unset, fmt, T):
+    """The default: calls of at most EAGER_GRAPH_TOKENS tokens replay, larger ones launch their kernels each time;
+    the rows are right either way."""
+    k = repeated(fmt, T)
+    assert k.graphs is not None
+    assert (k.graphs.captures, k.graphs.hits >= 2) == ((1, True) if T <= ex.EAGER_GRAPH_TOKENS else (0, False))
+
+
+def repeated(fmt, T):
+    """Five calls on the same buffers with new values in them, each checked; the kernels object that served them."""
     x, logits, w, s = case(fmt, T)
     ws = kerngen.RoutingWorkspace(T, 16, 4, 8)
     out = None
@@ -45,8 +69,7 @@ def test_repeated_calls_replay_and_read_each_calls_inputs(graphs_on, fmt, T):
         kerngen.experts(x, r, *w, out=out, **s)
         check_rows(out, ex.reference(x, r, *w, **s), r)
     I = w[1].shape[-2] * 32 if fmt == "mxfp4" else w[1].shape[-1]   # (MXFP4 w2: [E, H, I / 32, 16] bytes)
-    k = ex.dispatch(x.get_device(), H=x.shape[1], I=I, activation="silu", fmt=fmt).kernel(T)
-    assert k.graphs is not None and k.graphs.captures == 1 and k.graphs.hits >= 2
+    return ex.dispatch(x.get_device(), H=x.shape[1], I=I, activation="silu", fmt=fmt).kernel(T)
 
 
 def test_inside_a_graph_torch_captures(graphs_on):

@@ -11,7 +11,9 @@ T = 1: route at kimi-k3's routing (E 896, K 16, sigmoid + fp32 bias, tile 128) b
 qwen3-30b-a3b's (E 128, K 8, softmax_topk) by explicit arguments, with and without `workspace=`, and without a
 tile; permute of 8 ids over 128 experts; experts / finalize / moe_tail at qwen3-30b-a3b's dimensions (H 2048,
 I 768, E 128, K 8, tile 8; experts also at H 256, I 128, whose GPU time is below the host's: at qwen3-30b-a3b's
-dimensions the experts' ~26 µs of GPU work a call bound the back-to-back loop). Blocks: transformers' Qwen3MoeSparseMoeBlock (qwen3-30b-a3b) and DeepseekV3MoE
+dimensions the experts' ~26 µs of GPU work a call bound the back-to-back loop; these rows follow the environment's
+KERNGEN_EAGER_GRAPHS, unset: repeated calls of at most 4 tokens replay from a CUDA graph, and the "=0" row is the
+same call with its kernels launched one by one). Blocks: transformers' Qwen3MoeSparseMoeBlock (qwen3-30b-a3b) and DeepseekV3MoE
 (deepseek-v3, one shared expert), built as tools/bench/moe_block.py builds them at the tier table's intermediate
 size, one token, transformers' "grouped_mm" experts and routers against kerngen
 (kerngen.integrations.transformers.enable).
@@ -43,11 +45,11 @@ class _Rows(dict):
             self[name] = e
 
 
-def eager_graphs(call):
-    """`call` with its shape's kernels built under KERNGEN_EAGER_GRAPHS=1 and its launches' graph captured (three
-    calls: met, captured, replayed)."""
+def eager_graphs(call, value: str):
+    """`call` with its shape's kernels built under KERNGEN_EAGER_GRAPHS=value (three calls: with graphs on, met,
+    captured, replayed)."""
     before = os.environ.get("KERNGEN_EAGER_GRAPHS")
-    os.environ["KERNGEN_EAGER_GRAPHS"] = "1"
+    os.environ["KERNGEN_EAGER_GRAPHS"] = value
     try:
         for _ in range(3):
             call()
@@ -128,8 +130,8 @@ def op_rows(dev) -> dict:
                 lambda: kerngen.experts(xs_s, r, w13_s, w2_s, out=out_s))
             rows["experts(x, r, w13, w2) at H 256, I 128"] = lambda: kerngen.experts(xs_s, r, w13_s, w2_s)
             out_g = torch.empty_like(out_s)   # (gelu: a shape of its own, built with the flag set)
-            rows["experts(..., out=out) at H 256, I 128, KERNGEN_EAGER_GRAPHS=1"] = eager_graphs(
-                lambda: kerngen.experts(xs_s, r, w13_s, w2_s, activation="gelu", out=out_g))
+            rows["experts(..., out=out) at H 256, I 128, KERNGEN_EAGER_GRAPHS=0"] = eager_graphs(
+                lambda: kerngen.experts(xs_s, r, w13_s, w2_s, activation="gelu", out=out_g), "0")
             g = kerngen.experts(xs, r, w13, w2)
             e2p, w = r.expanded_to_permuted, r.topk_weights
             out_f = torch.empty(1, H, dtype=torch.bfloat16, device=dev)
