@@ -615,3 +615,77 @@ def test_fused_x_inside_a_cuda_graph(fmt, act_f16):
     r3 = kerngen.route(logits3, top_k=K, method="softmax_topk", tile=8)
     with pytest.raises(kerngen.InputError, match="at most 2 tokens"):
         k(x3, r3, *w, torch.empty(r3.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda"), **s)
+
+
+SK_SHAPES = [dict(fused_x=2, prefetch=False, blocks_per_sm=8, min_blocks=8), dict(fused_x=2), dict(),
+             dict(fused_x=2, blocks_per_sm=1), dict(fused_x=8, warps=8, prefetch=False, blocks_per_sm=4, min_blocks=4)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("params", SK_SHAPES)
+@pytest.mark.parametrize("H,I", [(1024, 256), (2880, 2880), (3584, 2048)])
+def test_stream_k_matches_the_reference_and_repeats_its_bits(fmt, params, H, I):
+    """stream_k (each GEMM's items x K steps split evenly over the grid; an item split between CTAs added in CTA
+    order by the last of them): against the reference with the weight-only kernels' tolerance, the same bits on a
+    second call (the counters back at zero, the order fixed), the counters zero after the calls; one CTA an SM
+    splits items over more CTAs than two. gpt-oss's 2880 ends its rows mid-step."""
+    if fmt == "fp8" and H % 128:
+        pytest.skip("fp8 block scales need multiples of 128")
+    k = f16x_kernels(fmt, H, I, 8, act_f16=False, stream_k=True, **params)
+    plain = f16x_kernels(fmt, H, I, 8, act_f16=False, **params)
+    for T in (1, params["fused_x"]) if params.get("fused_x") else (1, 7, 40):
+        x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=T + H + 7)
+        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+        got, again = run_f16x(k, x, r, w, s), run_f16x(k, x, r, w, s)
+        ref = ex.reference(x, r, *w, **s)
+        check_rows(got, ref, r)
+        rows = r.permuted_to_token >= 0
+        assert torch.equal(got[rows], again[rows])
+        check_rows(got, run_f16x(plain, x, r, w, s), r)   # (another order of the same sums)
+        torch.cuda.synchronize()
+        assert all(not c.any() for (c, _), _ in k._sk.values())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_stream_k_inside_a_cuda_graph_and_on_two_streams(fmt):
+    """Replayed from a graph on new logits; calls on a second stream take counters and slots of their own."""
+    T, E, K, H, I = 2, 16, 4, 1024, 256
+    x, logits, w, s = make(fmt, T, K, E, H, I, seed=91)
+    k = f16x_kernels(fmt, H, I, 8, fused_x=2, act_f16=False, stream_k=True, blocks_per_sm=2)
+    ws = kerngen.RoutingWorkspace(T, E, K, 8)
+    route = lambda: kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, workspace=ws)  # noqa: E731
+    out = torch.zeros(route().permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
+    replay_on_new_logits(lambda: k(x, route(), *w, out, **s), logits, out)
+    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
+    check_rows(out, ex.reference(x, r, *w, **s), r)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = run_f16x(k, x, r, w, s)
+    torch.cuda.synchronize()
+    assert len(k._sk) >= 2
+    check_rows(got, ex.reference(x, r, *w, **s), r)
+
+
+def test_stream_k_through_dispatch(tmp_path, monkeypatch):
+    """A user tier file giving gpt-oss-120b's 1-2-token MXFP4 rule stream_k: kerngen.experts serves it (its
+    kernels carry the param) and matches the reference."""
+    from kerngen import tiers
+    rule = next(r for r in tiers.load().rules if r.op == "experts" and r.formats == ("mxfp4",)
+                and r.ranges["tokens"][0] == 1)
+    params = ", ".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in rule.params.items())
+    f = tmp_path / "sk.toml"
+    f.write_text(f'schema = 1\n[[tier]]\nop = "experts"\nvariant = "mma"\nformats = ["mxfp4"]\ntokens = [1, 2]\n'
+                 f'params = {{ {params}, stream_k = true }}\n')
+    monkeypatch.setenv("KERNGEN_TIERS", str(f))
+    tiers.reload()
+    try:
+        x, logits, w, s = make("mxfp4", 1, 4, 16, 2880, 2880, seed=5)
+        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+        got = kerngen.experts(x, r, *w, **s, activation="gpt_oss", interleaved=True)
+        k = ex.dispatch(0, H=2880, I=2880, activation="gpt_oss", fmt="mxfp4").kernel(1)
+        assert k.stream_k
+        check_rows(got, ex.reference(x, r, *w, **s, activation="gpt_oss", interleaved=True), r)
+    finally:
+        monkeypatch.delenv("KERNGEN_TIERS")
+        tiers.reload()

@@ -1,0 +1,217 @@
+"""kerngen.experts' stream_k (f16x builds with act_f16 = false, no GPU): each GEMM's items x K steps split evenly over
+the grid, an item split between CTAs added in CTA order by the last of them. The schedule's arithmetic (as the
+kernels compute it) covers every step once and names each split item's CTAs and slots; the builds of every shipped
+MXFP4 model's 1-2-token rule compile within its register bound without spills and with a K-step loop at most a few
+instructions longer than without stream_k; the shipped rules' sources do not change; the host sizes grids, counters and slots; rules that
+cannot take it are refused. The GPU tests (tests/gpu/test_experts_quantized.py) check the bits."""
+import pytest
+import torch
+
+from kerngen import jit, render, resources, tiers
+from kerngen.cache import DiskCache
+from kerngen.errors import TierError
+from kerngen.ops import experts as ex
+from tests.helpers import assert_no_spills
+
+
+def schedule(items: int, steps: int, grid: int):
+    """The kernels' stream-K arithmetic (templates/experts/mma.cu.j2, the item loops and sk_gather), in Python:
+    per CTA its (item, lo, hi) pieces, per item the CTAs c0..c1 sk_gather adds and the slot it reads of each."""
+    U = items * steps
+    L = (U + grid - 1) // grid
+    pieces = {}
+    for c in range(grid):
+        x, end = c * L, min((c + 1) * L, U)
+        while x < end:
+            item = x // steps
+            hi = min(steps, end - item * steps)
+            lo = x - item * steps
+            assert lo == max(c * L - item * steps, 0)   # what sk_gather is passed for lo
+            pieces.setdefault(c, []).append((item, lo, hi))
+            x = item * steps + hi
+    gather = {}
+    for item in range(items):
+        first = item * steps
+        c0, c1 = first // L, (first + steps - 1) // L
+        gather[item] = [(c, 0 if c * L > first else 1) for c in range(c0, c1 + 1)]
+    return pieces, gather
+
+
+@pytest.mark.parametrize("items,steps,grid", [(1440, 23, 1056), (720, 23, 1056), (4096, 28, 1056), (3584, 16, 1056),
+                                              (5, 23, 1056), (1440, 23, 132), (7, 3, 5), (1, 23, 4), (13, 1, 6)])
+def test_the_schedule_covers_every_step_once_and_names_each_split_items_slots(items, steps, grid):
+    pieces, gather = schedule(items, steps, grid)
+    seen = {}
+    for c, ps in pieces.items():
+        slots = []
+        for item, lo, hi in ps:
+            assert 0 <= lo < hi <= steps
+            for s in range(lo, hi):
+                assert (item, s) not in seen
+                seen[item, s] = c
+            if (lo, hi) != (0, steps):   # a partial piece: the slot this CTA writes
+                slots.append(0 if lo > 0 else 1)
+        assert len(slots) == len(set(slots)) <= 2   # two slots a CTA, each written once
+    assert len(seen) == items * steps
+    for item in range(items):
+        owners = sorted({seen[item, s] for s in range(steps)})
+        assert [c for c, _ in gather[item]] == owners   # the CTAs the last one adds, in CTA order
+        if len(owners) > 1:   # each a partial piece, in the slot it wrote
+            for c, slot in gather[item]:
+                (lo, hi), = [(lo, hi) for it, lo, hi in pieces[c] if it == item]
+                assert (lo, hi) != (0, steps) and slot == (0 if lo > 0 else 1)
+    # the longest chain of steps a CTA takes: at most a share of them (the point of it)
+    assert max(sum(hi - lo for _, lo, hi in ps) for ps in pieces.values()) == -(-items * steps // grid)
+
+
+def mxfp4_specs(stream_k=True):
+    """The 1-2-token rule of every shipped MXFP4 model (and fp8 ones at act_f16 = false) with stream_k."""
+    t = tiers.load()
+    out = []
+    for m in sorted(t.models.values(), key=lambda m: m.name):
+        if m.experts_format not in ("fp8", "mxfp4") or not m.intermediate:
+            continue
+        rule = t.rule("experts", {"hidden": m.hidden, "tokens": 1, "arch": "sm_90a", "format": m.experts_format})
+        p = {**rule.params, "fused_x": 2, "act_f16": False, **({"stream_k": True} if stream_k else {})}
+        s = ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 2)}, p), m.hidden, m.intermediate,
+                         m.activation, "sm_90a", m.experts_format)
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def step_loops(sass: str, function: str) -> list[int]:
+    """Lengths of the innermost loops holding tensor-core instructions (the K steps) of `function`."""
+    import re
+    body = [p for p in sass.split("Function : ") if p.startswith(function)][0]
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           (re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line) for line in body.splitlines()) if m]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (a, text) in enumerate(ins):
+        t = re.search(r"BRA[^0-9]*0x([0-9a-f]+)", text)
+        if t and int(t.group(1), 16) < a:
+            seg = [x for _, x in ins[at[int(t.group(1), 16)]:i + 1]]
+            if any("HMMA" in x for x in seg):
+                loops.append((len(seg), any(("LDL" in x or "STL" in x) for x in seg)))
+    inner = min(loops)
+    assert not inner[1], "local memory in the K steps"
+    return inner[0]
+
+
+@pytest.mark.parametrize("spec", mxfp4_specs(), ids=lambda s: s.tag)
+def test_builds_compile_within_the_rules_bound_without_spills(spec, tmp_path):
+    built = jit.build(spec, store=DiskCache(tmp_path))
+    if dict(spec.constants)["FORMAT"] == "mxfp4":   # (fp8 rules are register-bound at 4 CTAs: 128 registers)
+        assert_no_spills(built.files)
+    bound = 65536 // (32 * dict(spec.params)["warps"] * dict(spec.params).get("min_blocks", 1))
+    usage = dict(resources.usage(built.files))
+    assert all(usage[k]["REG"] <= bound for k in ("experts_gemm1", "experts_gemm2"))
+    src = render.render(spec)
+    assert "sk_gather<STEPS>" in src and "int* skc;" in src
+    plain = next(s for s in mxfp4_specs(stream_k=False) if s.tag == spec.tag)
+    sass, plain_sass = resources.sass(built.files), resources.sass(jit.build(plain, store=DiskCache(tmp_path)).files)
+    for f in ("experts_gemm1", "experts_gemm2"):   # the K steps: at most a few instructions more than without it
+        assert step_loops(sass, f) <= step_loops(plain_sass, f) + 4, f
+
+
+def test_the_shipped_rules_do_not_take_it_and_their_source_has_none_of_it():
+    t = tiers.load()
+    for m in t.models.values():
+        if not m.intermediate:
+            continue
+        for T in (1, 2, 8, 64):
+            s = ex.spec(m.hidden, m.intermediate, None, m.activation, T, "sm_90a", t, m.experts_format or "bf16")
+            if s is None:
+                continue
+            assert not dict(s.params).get("stream_k")
+            src = render.render(s)
+            assert "sk_gather" not in src and "skc" not in src
+
+
+@pytest.mark.parametrize("over,layout", [(dict(f16x=False), "nk"), (dict(act_f16=True), "nk"),
+                                         (dict(pingpong=True), "nk"), (dict(mtiles=2), "nk"),
+                                         (dict(stage_act=True, act_f16=True), "nk"), ({}, "kn")])
+def test_rules_that_cannot_take_it_are_refused(over, layout):
+    p = {**dict(tile=8, warps=4, unroll=1, f16x=True, act_f16=False, stream_k=True), **over}
+    with pytest.raises(TierError, match="stream_k"):
+        ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 2)}, p), 2880, 2880, "gpt_oss", "sm_90a",
+                     "mxfp4", layout)
+
+
+def test_the_host_sizes_grids_counters_and_slots(monkeypatch):
+    """Grids: the persistent CTAs, at most the items' steps; fields: the struct with skc and sks; the counters zero,
+    one an item of the larger GEMM, slots 2 x CTAs x 32 lanes x 4 NB floats; kept per stream, grown with the tiles;
+    a caller's scratch gets buffers of the call's own."""
+    monkeypatch.setenv("KERNGEN_EAGER_GRAPHS", "0")
+    launched = []
+
+    class Stub:
+        def __init__(self, module, name, device, grid, block, params, smem=0, pdl=False):
+            self.name, self.grid, self.params = name, grid, params
+
+        def __call__(self, stream, *values):
+            assert len(values) == len(self.params.names)
+            launched.append((self.name, self.grid, dict(zip(self.params.names, values))))
+
+    monkeypatch.setattr(ex, "resolve", lambda s: s)
+    monkeypatch.setattr(ex, "Launcher", Stub)
+    monkeypatch.setattr(ex._common, "persistent_ctas", lambda op, mod, name, dev, launch: 1056)
+    stream = [0]
+    monkeypatch.setattr(ex, "current_stream", lambda dev: stream[0])
+    spec = next(s for s in mxfp4_specs() if dict(s.constants)["H"] == 2880)
+    k = ex.Kernels(spec, 0)
+    assert k.stream_k and ex.params_struct(spec) is ex.PARAMS_SK
+    E, H, I = 128, 2880, 2880
+    w13 = torch.zeros(E, 2 * I, H // 32, 16, dtype=torch.uint8)
+    w2 = torch.zeros(E, H, I // 32, 16, dtype=torch.uint8)
+    s13, s2 = torch.zeros(E, 2 * I, H // 32, dtype=torch.uint8), torch.zeros(E, H, I // 32, dtype=torch.uint8)
+
+    def call(tiles, scratch=None):
+        from types import SimpleNamespace
+        r = SimpleNamespace(permuted_to_token=torch.zeros(tiles * 8, dtype=torch.int32),
+                            tile_to_expert=torch.zeros(tiles, dtype=torch.int32),
+                            num_permuted_rows=torch.zeros(1, dtype=torch.int32))
+        x = torch.zeros(1, H, dtype=torch.bfloat16)
+        out = torch.empty(tiles * 8, H, dtype=torch.bfloat16)
+        launched.clear()
+        k.run(x, r, w13, w2, out, None, None, None, True, 1.702, 7.0, s13, s2, 1, tiles, E, scratch)
+        return {name: (grid, f) for name, grid, f in launched}
+
+    got = call(4)
+    assert set(got) == {"experts_gemm1", "experts_gemm2"}
+    assert got["experts_gemm1"][0][0] == 1056 and got["experts_gemm2"][0][0] == 1056   # 1440 / 720 items x 23 steps
+    (cnt, slots), ptrs = k._sk[0]
+    assert got["experts_gemm1"][1]["skc"] == ptrs[0] == cnt.data_ptr() and got["experts_gemm2"][1]["sks"] == ptrs[1]
+    assert cnt.dtype == torch.int32 and cnt.shape[0] == 4 * 360 and not cnt.any()
+    assert slots.dtype == torch.float32 and slots.shape[0] == 2 * 1056 * 32 * 4
+    assert call(4)["experts_gemm1"][1]["skc"] == ptrs[0]                       # kept
+    assert call(8)["experts_gemm1"][1]["skc"] != ptrs[0] and k._sk[0][0][0].shape[0] == 8 * 360   # grown
+    stream[0] = 7
+    assert call(4)["experts_gemm1"][1]["skc"] not in (ptrs[0], k._sk[0][1][0])   # another stream: its own
+    scratch = torch.empty(8 * 8, I, dtype=torch.bfloat16)
+    own = call(8, scratch)["experts_gemm1"][1]["skc"]
+    assert own not in (k._sk[0][1][0], k._sk[7][1][0])
+    small = ex.Kernels(spec, 0)
+    monkeypatch.setattr(small, "_ctas", {"experts_gemm1": 1056, "experts_gemm2": 1056})
+    k = small
+    assert call(1)["experts_gemm2"][0][0] == min(1056, 180 * 23)
+
+
+def test_a_user_tier_file_reaches_dispatch(tmp_path, monkeypatch):
+    """stream_k set in a user tiers file over gpt-oss-120b's 1-2-token MXFP4 rule: the dispatch's spec carries it."""
+    rule = next(r for r in tiers.load().rules if r.op == "experts" and r.formats == ("mxfp4",)
+                and r.ranges["tokens"][0] == 1)
+    params = ", ".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in rule.params.items())
+    f = tmp_path / "sk.toml"
+    f.write_text(f'schema = 1\n[[tier]]\nop = "experts"\nvariant = "mma"\nformats = ["mxfp4"]\ntokens = [1, 2]\n'
+                 f'params = {{ {params}, stream_k = true }}\n')
+    monkeypatch.setenv("KERNGEN_TIERS", str(f))
+    tiers.reload()
+    try:
+        d = ex.dispatch(-1, H=2880, I=2880, activation="gpt_oss", fmt="mxfp4")
+        assert dict(d.spec(1).params).get("stream_k") and dict(d.spec(2).params).get("stream_k")
+        assert not dict(d.spec(3).params).get("stream_k")
+    finally:
+        monkeypatch.delenv("KERNGEN_TIERS")
+        tiers.reload()
