@@ -13,15 +13,19 @@ from tests.helpers import assert_no_spills
 from tests.test_experts_quantized_cpu import FORMATS, stub_launches
 
 
+def one_token_rules():
+    """(model, its experts rule at one token) of every shipped fp8 and MXFP4 model."""
+    t = tiers.load()
+    for m in sorted(t.models.values(), key=lambda m: m.name):
+        if m.experts_format in ("fp8", "mxfp4") and m.intermediate:
+            yield m, t.rule("experts", {"hidden": m.hidden, "tokens": 1, "arch": "sm_90a", "format": m.experts_format})
+
+
 def fused_specs():
     """The 1-token rule of every shipped fp8 and MXFP4 model, with fused_x = 2 and act_f16 either way; the f16
     intermediate (a quantizing kernel, or stage_act) at most 4 CTAs an SM (it does not fit 64 registers)."""
-    t = tiers.load()
     out = []
-    for m in sorted(t.models.values(), key=lambda m: m.name):
-        if m.experts_format not in ("fp8", "mxfp4") or not m.intermediate:
-            continue
-        rule = t.rule("experts", {"hidden": m.hidden, "tokens": 1, "arch": "sm_90a", "format": m.experts_format})
+    for m, rule in one_token_rules():
         for act in ({"act_f16": True}, {"act_f16": False}, {"act_f16": True, "stage_act": True}):
             p = {**rule.params, "fused_x": 2, **act}
             if act["act_f16"]:

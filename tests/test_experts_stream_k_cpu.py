@@ -12,6 +12,7 @@ from kerngen.cache import DiskCache
 from kerngen.errors import TierError
 from kerngen.ops import experts as ex
 from tests.helpers import assert_no_spills
+from tests.test_experts_fused_x_cpu import one_token_rules
 
 
 def schedule(items: int, steps: int, grid: int):
@@ -66,12 +67,8 @@ def test_the_schedule_covers_every_step_once_and_names_each_split_items_slots(it
 
 def mxfp4_specs(stream_k=True):
     """The 1-2-token rule of every shipped MXFP4 model (and fp8 ones at act_f16 = false) with stream_k."""
-    t = tiers.load()
     out = []
-    for m in sorted(t.models.values(), key=lambda m: m.name):
-        if m.experts_format not in ("fp8", "mxfp4") or not m.intermediate:
-            continue
-        rule = t.rule("experts", {"hidden": m.hidden, "tokens": 1, "arch": "sm_90a", "format": m.experts_format})
+    for m, rule in one_token_rules():
         p = {**rule.params, "fused_x": 2, "act_f16": False, **({"stream_k": True} if stream_k else {})}
         s = ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 2)}, p), m.hidden, m.intermediate,
                          m.activation, "sm_90a", m.experts_format)
@@ -198,8 +195,9 @@ def test_the_host_sizes_grids_counters_and_slots(monkeypatch):
     assert call(1)["experts_gemm2"][0][0] == min(1056, 180 * 23)
 
 
-def test_a_user_tier_file_reaches_dispatch(tmp_path, monkeypatch):
-    """stream_k set in a user tiers file over gpt-oss-120b's 1-2-token MXFP4 rule: the dispatch's spec carries it."""
+def stream_k_tiers(tmp_path, monkeypatch) -> None:
+    """KERNGEN_TIERS: a user file giving the shipped 1-2-token MXFP4 rule stream_k, the table reloaded (the caller
+    unsets it and reloads)."""
     rule = next(r for r in tiers.load().rules if r.op == "experts" and r.formats == ("mxfp4",)
                 and r.ranges["tokens"][0] == 1)
     params = ", ".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in rule.params.items())
@@ -208,6 +206,11 @@ def test_a_user_tier_file_reaches_dispatch(tmp_path, monkeypatch):
                  f'params = {{ {params}, stream_k = true }}\n')
     monkeypatch.setenv("KERNGEN_TIERS", str(f))
     tiers.reload()
+
+
+def test_a_user_tier_file_reaches_dispatch(tmp_path, monkeypatch):
+    """stream_k set in a user tiers file over gpt-oss-120b's 1-2-token MXFP4 rule: the dispatch's spec carries it."""
+    stream_k_tiers(tmp_path, monkeypatch)
     try:
         d = ex.dispatch(-1, H=2880, I=2880, activation="gpt_oss", fmt="mxfp4")
         assert dict(d.spec(1).params).get("stream_k") and dict(d.spec(2).params).get("stream_k")

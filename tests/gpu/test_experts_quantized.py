@@ -58,6 +58,19 @@ def replay_on_new_logits(run, logits, out):
     torch.cuda.synchronize()
 
 
+def replayed_two_tokens(fmt, k, seed, E=16, K=4, H=1024, I=256):
+    """Kernels `k` on two tokens through a workspace's routing, replayed from a CUDA graph on new logits and checked;
+    (x, the routing of the new logits, weights, scales)."""
+    x, logits, w, s = make(fmt, 2, K, E, H, I, seed=seed)
+    ws = kerngen.RoutingWorkspace(2, E, K, 8)
+    route = lambda: kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, workspace=ws)  # noqa: E731
+    out = torch.zeros(route().permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
+    replay_on_new_logits(lambda: k(x, route(), *w, out, **s), logits, out)
+    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
+    check_rows(out, ex.reference(x, r, *w, **s), r)
+    return x, r, w, s
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("T", [1, 3, 8, 16, 17, 64, 256])
 @pytest.mark.parametrize("H,I", [(1024, 256), (2048, 768)])
@@ -602,16 +615,10 @@ def test_act_f16_false_matches_the_dequantized_reference(fmt, params, H, I):
 @pytest.mark.parametrize("act_f16", [True, False])
 def test_fused_x_inside_a_cuda_graph(fmt, act_f16):
     """Two launches (or three) replayed from a graph on new logits; more tokens than fused_x is a kerngen error."""
-    T, E, K, H, I = 2, 16, 4, 1024, 256
-    x, logits, w, s = make(fmt, T, K, E, H, I, seed=81)
+    E, K, H, I = 16, 4, 1024, 256
     k = f16x_kernels(fmt, H, I, 8, fused_x=2, act_f16=act_f16)
-    ws = kerngen.RoutingWorkspace(T, E, K, 8)
-    route = lambda: kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, workspace=ws)  # noqa: E731
-    out = torch.zeros(route().permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
-    replay_on_new_logits(lambda: k(x, route(), *w, out, **s), logits, out)
-    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
-    check_rows(out, ex.reference(x, r, *w, **s), r)
-    x3, logits3, _, _ = make(fmt, 3, K, E, H, I, seed=82)
+    replayed_two_tokens(fmt, k, seed=81)
+    x3, logits3, w, s = make(fmt, 3, K, E, H, I, seed=82)
     r3 = kerngen.route(logits3, top_k=K, method="softmax_topk", tile=8)
     with pytest.raises(kerngen.InputError, match="at most 2 tokens"):
         k(x3, r3, *w, torch.empty(r3.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda"), **s)
@@ -649,15 +656,8 @@ def test_stream_k_matches_the_reference_and_repeats_its_bits(fmt, params, H, I):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_stream_k_inside_a_cuda_graph_and_on_two_streams(fmt):
     """Replayed from a graph on new logits; calls on a second stream take counters and slots of their own."""
-    T, E, K, H, I = 2, 16, 4, 1024, 256
-    x, logits, w, s = make(fmt, T, K, E, H, I, seed=91)
-    k = f16x_kernels(fmt, H, I, 8, fused_x=2, act_f16=False, stream_k=True, blocks_per_sm=2)
-    ws = kerngen.RoutingWorkspace(T, E, K, 8)
-    route = lambda: kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, workspace=ws)  # noqa: E731
-    out = torch.zeros(route().permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
-    replay_on_new_logits(lambda: k(x, route(), *w, out, **s), logits, out)
-    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
-    check_rows(out, ex.reference(x, r, *w, **s), r)
+    k = f16x_kernels(fmt, 1024, 256, 8, fused_x=2, act_f16=False, stream_k=True, blocks_per_sm=2)
+    x, r, w, s = replayed_two_tokens(fmt, k, seed=91)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -671,14 +671,8 @@ def test_stream_k_through_dispatch(tmp_path, monkeypatch):
     """A user tier file giving gpt-oss-120b's 1-2-token MXFP4 rule stream_k: kerngen.experts serves it (its
     kernels carry the param) and matches the reference."""
     from kerngen import tiers
-    rule = next(r for r in tiers.load().rules if r.op == "experts" and r.formats == ("mxfp4",)
-                and r.ranges["tokens"][0] == 1)
-    params = ", ".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in rule.params.items())
-    f = tmp_path / "sk.toml"
-    f.write_text(f'schema = 1\n[[tier]]\nop = "experts"\nvariant = "mma"\nformats = ["mxfp4"]\ntokens = [1, 2]\n'
-                 f'params = {{ {params}, stream_k = true }}\n')
-    monkeypatch.setenv("KERNGEN_TIERS", str(f))
-    tiers.reload()
+    from tests.test_experts_stream_k_cpu import stream_k_tiers
+    stream_k_tiers(tmp_path, monkeypatch)
     try:
         x, logits, w, s = make("mxfp4", 1, 4, 16, 2880, 2880, seed=5)
         r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
