@@ -71,6 +71,26 @@ def opcodes(files: dict[str, bytes]) -> list[str]:
     return ops
 
 
+def mma_loop(text: str, function: str) -> tuple[int, bool] | None:
+    """The innermost loop of `function` in SASS `text` (sass()'s) that holds tensor-core instructions (HMMA, HGMMA,
+    QMMA): its instruction count and whether it touches local memory (LDL / STL: spills in the K steps); None where
+    no loop holds one."""
+    part = next((p for p in text.split("Function : ")[1:] if p.split(None, 1)[0] == function), None)
+    if part is None:
+        raise KerngenError(f"no function {function} in the SASS")
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           (re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line) for line in part.splitlines()) if m]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (a, text_) in enumerate(ins):
+        target = re.search(r"\bBRA\b[^;]*?0x([0-9a-f]+)", text_)
+        if target and int(target.group(1), 16) < a and int(target.group(1), 16) in at:
+            body = [x for _, x in ins[at[int(target.group(1), 16)]:i + 1]]
+            if any(re.search(r"\b[HQ]G?MMA\b", x) for x in body):
+                loops.append((len(body), any(re.search(r"\b(LDL|STL)\b", x) for x in body)))
+    return min(loops) if loops else None
+
+
 def cubins(files: dict[str, bytes]) -> list[bytes]:
     """The cubin of a CUDA C++ artifact, or the 64-bit CUDA ELF images embedded in a CuTe DSL object file."""
     if "kernel.cubin" in files:

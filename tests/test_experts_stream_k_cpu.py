@@ -3,7 +3,8 @@ the grid, an item split between CTAs added in CTA order by the last of them. The
 kernels compute it) covers every step once and names each split item's CTAs and slots; the builds of every shipped
 MXFP4 model's 1-2-token rule compile within its register bound without spills and with a K-step loop at most a few
 instructions longer than without stream_k; the shipped rules' sources do not change; the host sizes grids, counters and slots; rules that
-cannot take it are refused. The GPU tests (tests/gpu/test_experts_quantized.py) check the bits."""
+cannot take it are refused; kerngen.resources.mma_loop, which finds the K-step loop in the SASS. The GPU tests
+(tests/gpu/test_experts_quantized.py) check the bits."""
 import pytest
 import torch
 
@@ -77,23 +78,11 @@ def mxfp4_specs(stream_k=True):
     return out
 
 
-def step_loops(sass: str, function: str) -> list[int]:
-    """Lengths of the innermost loops holding tensor-core instructions (the K steps) of `function`."""
-    import re
-    body = [p for p in sass.split("Function : ") if p.startswith(function)][0]
-    ins = [(int(m.group(1), 16), m.group(2)) for m in
-           (re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line) for line in body.splitlines()) if m]
-    at = {a: i for i, (a, _) in enumerate(ins)}
-    loops = []
-    for i, (a, text) in enumerate(ins):
-        t = re.search(r"BRA[^0-9]*0x([0-9a-f]+)", text)
-        if t and int(t.group(1), 16) < a:
-            seg = [x for _, x in ins[at[int(t.group(1), 16)]:i + 1]]
-            if any("HMMA" in x for x in seg):
-                loops.append((len(seg), any(("LDL" in x or "STL" in x) for x in seg)))
-    inner = min(loops)
-    assert not inner[1], "local memory in the K steps"
-    return inner[0]
+def step_loop(sass: str, function: str) -> int:
+    """The instructions of `function`'s K-step loop, which touches no local memory."""
+    n, local = resources.mma_loop(sass, function)
+    assert not local, f"local memory in {function}'s K steps"
+    return n
 
 
 @pytest.mark.parametrize("spec", mxfp4_specs(), ids=lambda s: s.tag)
@@ -109,7 +98,7 @@ def test_builds_compile_within_the_rules_bound_without_spills(spec, tmp_path):
     plain = next(s for s in mxfp4_specs(stream_k=False) if s.tag == spec.tag)
     sass, plain_sass = resources.sass(built.files), resources.sass(jit.build(plain, store=DiskCache(tmp_path)).files)
     for f in ("experts_gemm1", "experts_gemm2"):   # the K steps: at most a few instructions more than without it
-        assert step_loops(sass, f) <= step_loops(plain_sass, f) + 4, f
+        assert step_loop(sass, f) <= step_loop(plain_sass, f) + 4, f
 
 
 def test_the_shipped_rules_do_not_take_it_and_their_source_has_none_of_it():
@@ -218,3 +207,23 @@ def test_a_user_tier_file_reaches_dispatch(tmp_path, monkeypatch):
     finally:
         monkeypatch.delenv("KERNGEN_TIERS")
         tiers.reload()
+
+
+def test_mma_loop_finds_the_innermost_tensor_core_loop_and_its_local_memory():
+    """kerngen.resources.mma_loop on SASS text: the shortest backward branch's body holding an HMMA (an outer loop
+    and a loop without one ignored), LOCAL where it holds an LDL / STL; None without such a loop; a missing function
+    is a KerngenError."""
+    import kerngen
+
+    def fn(name, lines):
+        return f"\t\tFunction : {name}\n" + "".join(f"        /*{16 * i:04x}*/                   {x} ;\n"
+                                                   for i, x in enumerate(lines))
+    body = ["MOV R1, c[0x0][0x28]", "IADD3 R2, R2, 0x1, RZ", "HMMA.16816.F32 R4, R8, R12, R4", "LDG.E R8, [R2.64]",
+            "@P0 BRA 0x10", "LDL R3, [R1]", "@P1 BRA 0x0", "IADD3 R5, R5, 0x1, RZ", "@P2 BRA 0x70", "EXIT"]
+    spilled = body[:3] + ["STL [R1], R3"] + body[4:]
+    text = "\n\tcode for sm_90a\n" + fn("k1", body) + fn("k2", spilled) + fn("k3", ["BRA 0x0", "EXIT"])
+    assert resources.mma_loop(text, "k1") == (4, False)   # 0x10 .. the first BRA
+    assert resources.mma_loop(text, "k2") == (4, True)
+    assert resources.mma_loop(text, "k3") is None
+    with pytest.raises(kerngen.KerngenError, match="no function"):
+        resources.mma_loop(text, "k4")

@@ -5,7 +5,8 @@
     python3 -m tools.diagnose.kernel_resources --tail H,K --threads 128,256,512 --max-loads 16,32 [--branch-free 0,1]
 
 Kernels are built into the cache first when missing (as `kerngen warmup` would), then read by
-`kerngen.resources` (cuobjdump). STACK > 0 means register spills. With R registers a CTA of N threads fits about
+`kerngen.resources` (cuobjdump). STACK > 0 means register spills; K-STEP: the instructions of a tensor-core kernel's
+innermost loop over K (LOCAL where it touches local memory). With R registers a CTA of N threads fits about
 65536 // (N * R) times on an sm_90 SM. The second form times nothing: it lists what tail configurations of
 `kerngen tune` cost in registers and spills before any of them runs on a GPU.
 """
@@ -28,10 +29,13 @@ def short(function: str) -> str:
 
 def report(spec: KernelSpec) -> None:
     built = jit.build(spec)
+    sass = resources.sass(built.files) if spec.backend == "nvrtc" else ""
     for function, r in resources.usage(built.files):
         params = ", ".join(f"{k}={v}" for k, v in spec.params)
+        loop = resources.mma_loop(sass, function) if sass else None   # (tensor-core kernels: the K-step loop)
+        steps = f"  K-STEP {loop[0]:4d}{' LOCAL' if loop[1] else ''}" if loop else ""
         print(f"{spec.op:9s} {spec.variant:12s} {short(function):48s} REG {r.get('REG', 0):3d}  "
-              f"SHARED {r.get('SHARED', 0):6d}  STACK {r.get('STACK', 0):4d}  {params}")
+              f"SHARED {r.get('SHARED', 0):6d}  STACK {r.get('STACK', 0):4d}{steps}  {params}")
 
 
 def main() -> None:
