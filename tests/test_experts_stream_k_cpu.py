@@ -66,16 +66,21 @@ def test_the_schedule_covers_every_step_once_and_names_each_split_items_slots(it
     assert max(sum(hi - lo for _, lo, hi in ps) for ps in pieces.values()) == -(-items * steps // grid)
 
 
-def mxfp4_specs(stream_k=True):
-    """The 1-2-token rule of every shipped MXFP4 model (and fp8 ones at act_f16 = false) with stream_k."""
-    out = []
+def stream_k_specs(stream_k=True):
+    """The 1-2-token rule of every shipped MXFP4 model (and fp8 ones at act_f16 = false), and the 1-token bf16 rule
+    at every shipped model's shape, with stream_k (or without)."""
+    out, sk = [], {"stream_k": True} if stream_k else {}
     for m, rule in one_token_rules():
-        p = {**rule.params, "fused_x": 2, "act_f16": False, **({"stream_k": True} if stream_k else {})}
-        s = ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 2)}, p), m.hidden, m.intermediate,
-                         m.activation, "sm_90a", m.experts_format)
-        if s not in out:
-            out.append(s)
-    return out
+        p = {**rule.params, "fused_x": 2, "act_f16": False, **sk}
+        out.append(ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 2)}, p), m.hidden, m.intermediate,
+                                m.activation, "sm_90a", m.experts_format))
+    t = tiers.load()
+    for m in sorted(t.models.values(), key=lambda m: m.name):
+        if m.intermediate:
+            rule = t.rule("experts", {"hidden": m.hidden, "tokens": 1, "arch": "sm_90a"})
+            out.append(ex.rule_spec(tiers.Rule("experts", "mma", {}, {**rule.params, **sk}), m.hidden, m.intermediate,
+                                    m.activation, "sm_90a"))
+    return list(dict.fromkeys(out))
 
 
 def step_loop(sass: str, function: str) -> int:
@@ -85,17 +90,18 @@ def step_loop(sass: str, function: str) -> int:
     return n
 
 
-@pytest.mark.parametrize("spec", mxfp4_specs(), ids=lambda s: s.tag)
+@pytest.mark.parametrize("spec", stream_k_specs(), ids=lambda s: s.tag)
 def test_builds_compile_within_the_rules_bound_without_spills(spec, tmp_path):
     built = jit.build(spec, store=DiskCache(tmp_path))
-    if dict(spec.constants)["FORMAT"] == "mxfp4":   # (fp8 rules are register-bound at 4 CTAs: 128 registers)
+    if dict(spec.constants)["FORMAT"] != "fp8":   # (fp8's rule at fused_x spills without stream_k too)
         assert_no_spills(built.files)
-    bound = 65536 // (32 * dict(spec.params)["warps"] * dict(spec.params).get("min_blocks", 1))
+    p = dict(spec.params)   # the CTAs an SM the rule asks for still fit
+    bound = 65536 // (32 * p["warps"] * max(p.get("min_blocks", 1), p.get("blocks_per_sm", 4)))
     usage = dict(resources.usage(built.files))
     assert all(usage[k]["REG"] <= bound for k in ("experts_gemm1", "experts_gemm2"))
     src = render.render(spec)
     assert "sk_gather<STEPS>" in src and "int* skc;" in src
-    plain = next(s for s in mxfp4_specs(stream_k=False) if s.tag == spec.tag)
+    plain = next(s for s in stream_k_specs(stream_k=False) if s.tag == spec.tag)
     sass, plain_sass = resources.sass(built.files), resources.sass(jit.build(plain, store=DiskCache(tmp_path)).files)
     for f in ("experts_gemm1", "experts_gemm2"):   # the K steps: at most a few instructions more than without it
         assert step_loop(sass, f) <= step_loop(plain_sass, f) + 4, f
@@ -145,7 +151,7 @@ def test_the_host_sizes_grids_counters_and_slots(monkeypatch):
     monkeypatch.setattr(ex._common, "persistent_ctas", lambda op, mod, name, dev, launch: 1056)
     stream = [0]
     monkeypatch.setattr(ex, "current_stream", lambda dev: stream[0])
-    spec = next(s for s in mxfp4_specs() if dict(s.constants)["H"] == 2880)
+    spec = next(s for s in stream_k_specs() if dict(s.constants)["H"] == 2880 and dict(s.params).get("f16x"))
     k = ex.Kernels(spec, 0)
     assert k.stream_k and ex.params_struct(spec) is ex.PARAMS_SK
     E, H, I = 128, 2880, 2880
@@ -178,10 +184,15 @@ def test_the_host_sizes_grids_counters_and_slots(monkeypatch):
     scratch = torch.empty(8 * 8, I, dtype=torch.bfloat16)
     own = call(8, scratch)["experts_gemm1"][1]["skc"]
     assert own not in (k._sk[0][1][0], k._sk[7][1][0])
-    small = ex.Kernels(spec, 0)
-    monkeypatch.setattr(small, "_ctas", {"experts_gemm1": 1056, "experts_gemm2": 1056})
-    k = small
-    assert call(1)["experts_gemm2"][0][0] == min(1056, 180 * 23)
+    bf16 = next(s for s in stream_k_specs() if dict(s.constants)["H"] == 2880 and not dict(s.params).get("f16x"))
+    k = ex.Kernels(bf16, 0)   # 64-wide steps: 45 an item; the bf16 struct with the counters and slots after it
+    assert ex.params_struct(bf16) is ex.PARAMS_BF16_SK
+    w13, w2 = torch.zeros(E, 2 * I, H, dtype=torch.bfloat16), torch.zeros(E, H, I, dtype=torch.bfloat16)
+    monkeypatch.setattr(ex._common, "persistent_ctas", lambda op, mod, name, dev, launch: 20000)
+    k = ex.Kernels(bf16, 0)
+    got = call(1)
+    assert got["experts_gemm1"][0][0] == 360 * 45 and got["experts_gemm2"][0][0] == 180 * 45   # at most the steps
+    assert set(got["experts_gemm2"][1]) == set(ex.PARAMS_BF16_SK.names)
 
 
 def stream_k_tiers(tmp_path, monkeypatch) -> None:

@@ -53,6 +53,9 @@ def families():
         x = spec_for(tiers.Rule("experts", "mma", {}, dict(warps=4, unroll=1, f16x=True, act_f16=False, stream_k=True)),
                      *ex.tag_constants(H, I, 8, act, fmt), "sm_90a")
         yield f"experts mma {fmt} stream_k", x, ex.params_struct(x)
+    x = spec_for(tiers.Rule("experts", "mma", {}, dict(warps=8, unroll=2, stream_k=True)),
+                 *ex.tag_constants(2048, 768, 8, "silu"), "sm_90a")
+    yield "experts mma bf16 stream_k", x, ex.PARAMS_BF16_SK
 
 
 def check_layout(name, src, params: Params):

@@ -52,8 +52,9 @@ PARAMS_SCALED = Params(*PARAMS.fields, ("s13", "ptr"), ("s2", "ptr"))
 EAGER_GRAPH_TOKENS = 4
 QUANT_CTAS = 8   # fp8 activations: CTAs an SM of the quantizing kernels (8 warps each: a full SM)
 PARAMS_A8 = Params(*PARAMS_SCALED.fields, ("xq", "ptr"), ("xsc", "ptr"), ("aq", "ptr"), ("asc", "ptr"))
-# stream_k: then a counter an item and two partial-sum slots a CTA
-PARAMS_SK = Params(*PARAMS_A8.fields, ("skc", "ptr"), ("sks", "ptr"))
+# stream_k: then a counter an item and two partial-sum slots a CTA (after the bf16 or the f16x struct)
+SK_FIELDS = (("skc", "ptr"), ("sks", "ptr"))
+PARAMS_SK, PARAMS_BF16_SK = Params(*PARAMS_A8.fields, *SK_FIELDS), Params(*PARAMS.fields, *SK_FIELDS)
 
 
 def tag_constants(H: int, I: int, tile: int, activation: str, fmt: str = "bf16",
@@ -80,10 +81,11 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
     if params.get("f16x") and (fmt not in ("fp8", "mxfp4") or a8):
         raise TierError(f"{where} sets f16x, which only fp8 and MXFP4 weights with bf16 activations take (not "
                         f"{rule_format(fmt, a8)})")
-    if params.get("stream_k") and (not params.get("f16x") or params.get("act_f16", True) or params.get("pingpong")
+    if params.get("stream_k") and (a8 or (fmt != "bf16" and not params.get("f16x"))
+                                   or (params.get("f16x") and params.get("act_f16", True)) or params.get("pingpong")
                                    or params.get("stage_act") or params.get("mtiles", 1) != 1 or layout == "kn"):
-        raise TierError(f"{where} sets stream_k, which only f16x builds with act_f16 = false take (one m16 tile an "
-                        "item, no pingpong or stage_act, weights as stored)")
+        raise TierError(f"{where} sets stream_k, which bf16 builds and f16x builds with act_f16 = false take (one "
+                        "m16 tile an item, no pingpong or stage_act, weights as stored)")
     if params.get("pingpong") and not (params.get("f16x") and params.get("prefetch", True)):
         raise TierError(f"{where} sets pingpong without f16x and prefetch: only the f16-activation builds that load "
                         "the next steps ahead take it")
@@ -188,7 +190,8 @@ class Kernels:
         pair = self._grids.get(tiles)
         if pair is None:
             block = (32 * self._warps, 1, 1)
-            k1, k2 = (-(-self._H // QBLOCK), -(-self._I // QBLOCK)) if self.stream_k else (1, 1)   # units an item
+            kstep = QBLOCK if self.scaled else 64   # K values of a warp's step
+            k1, k2 = (-(-self._H // kstep), -(-self._I // kstep)) if self.stream_k else (1, 1)   # units an item
             grid1 = (min(self._ctas["experts_gemm1"], tiles * -(-self._I // self._cols[0]) * k1), 1, 1)
             grid2 = (min(self._ctas["experts_gemm2"], tiles * -(-self._H // self._cols[1]) * k2), 1, 1)
             params = params_struct(self.spec)
@@ -334,9 +337,9 @@ def quant_kernels(s: plan_mod.KernelSpec) -> tuple[str, ...]:
 def params_struct(s: plan_mod.KernelSpec) -> Params:
     """The launch fields of spec `s`'s struct Params: bf16 weights PARAMS, quantized ones their scales too
     (PARAMS_SCALED), with quantized activations (A8, f16x) their buffers (PARAMS_A8), with stream_k its counters and
-    partial-sum slots too (PARAMS_SK)."""
+    partial-sum slots too (PARAMS_SK, PARAMS_BF16_SK)."""
     if dict(s.params).get("stream_k"):
-        return PARAMS_SK
+        return PARAMS_SK if quantizes_activations(s) else PARAMS_BF16_SK
     if quantizes_activations(s):
         return PARAMS_A8
     return PARAMS_SCALED if dict(s.constants).get("FORMAT", "bf16") != "bf16" else PARAMS
