@@ -151,10 +151,11 @@ def experts_formats(model: tiers.Model) -> tuple[str, ...]:
 
 def experts_candidates(fmt: str = "bf16"):
     """kerngen.experts' launch shapes for weights in `fmt` (bf16, fp8, mxfp4, or w8a8: fp8 with fp8 activations):
-    routing tiles of 8 and 16 rows (bf16 at 8 also with stream_k); fp8 and MXFP4 also with f16x, two m16 tiles an item (mtiles), two weight buffers
-    taking turns (pingpong), 8 warps an item, the shapes the shipped rules take with no early weight loads or
-    with early_l2, and for 1-2 (or up to 8) tokens x quantized by the first GEMM itself (fused_x, act_f16, stage_act;
-    also at 32 warps an SM, 64 registers without prefetch, there with stream_k too); w8a8 with early_l2."""
+    routing tiles of 8 and 16 rows (bf16 at 8 also with stream_k); fp8 and MXFP4 also with f16x, two m16 tiles an
+    item (mtiles), two weight buffers taking turns (pingpong), 8 warps an item, the shapes the shipped rules take
+    with no early weight loads or with early_l2, and for 1-2 (or up to 8) tokens x quantized by the first GEMM
+    itself (fused_x, act_f16, stage_act; also at 32 warps an SM, 64 registers without prefetch, there with
+    stream_k too); w8a8 with early_l2."""
     if fmt == "bf16":
         for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
             yield "mma", dict(tile=tile, warps=warps, unroll=unroll, blocks_per_sm=bps, pdl=True)

@@ -1,10 +1,11 @@
-"""kerngen.experts' stream_k (f16x builds with act_f16 = false, no GPU): each GEMM's items x K steps split evenly over
-the grid, an item split between CTAs added in CTA order by the last of them. The schedule's arithmetic (as the
-kernels compute it) covers every step once and names each split item's CTAs and slots; the builds of every shipped
-MXFP4 model's 1-2-token rule compile within its register bound without spills and with a K-step loop at most a few
-instructions longer than without stream_k; the shipped rules' sources do not change; the host sizes grids, counters and slots; rules that
-cannot take it are refused; kerngen.resources.mma_loop, which finds the K-step loop in the SASS. The GPU tests
-(tests/gpu/test_experts_quantized.py) check the bits."""
+"""kerngen.experts' stream_k (bf16 builds, and f16x builds with act_f16 = false; no GPU): each GEMM's items x K steps
+split evenly over the grid, an item split between CTAs added in CTA order by the last of them. The schedule's
+arithmetic (as the kernels compute it) covers every step once and names each split item's CTAs and slots; the builds
+of every shipped fp8 / MXFP4 model's 1-2-token rule and of the bf16 1-token rule at every shipped shape compile
+within the CTAs an SM their rule asks for, without spills (fp8 aside) and with a K-step loop at most a few
+instructions longer than without stream_k; the shipped rules' sources do not change; the host sizes grids, counters
+and slots; rules that cannot take it are refused; kerngen.resources.mma_loop, which finds the K-step loop in the
+SASS. The GPU tests (tests/gpu/test_experts_quantized.py, tests/gpu/test_experts.py) check the bits."""
 import pytest
 import torch
 

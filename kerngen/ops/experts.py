@@ -43,13 +43,13 @@ MAX_TILE = 16   # rows of a tile the kernels take (two 8-row n-blocks of mma acc
 PARAMS = Params(("x", "ptr"), ("w13", "ptr"), ("b13", "ptr"), ("inw", "ptr"), ("w2", "ptr"), ("b2", "ptr"),
                 ("p2t", "ptr"), ("t2e", "ptr"), ("nrows", "ptr"), ("act", "ptr"), ("out", "ptr"), ("tokens", "int"),
                 ("experts", "int"), ("interleaved", "int"), ("tiles", "int"), ("a0", "float"), ("a1", "float"))
-# the quantized builds' struct Params (fp8, mxfp4): the bf16 one, then the scales of w13 and w2
-PARAMS_SCALED = Params(*PARAMS.fields, ("s13", "ptr"), ("s2", "ptr"))
-# fp8 activations (fp8_activations=True): then x and the intermediate quantized, with their scales
 # KERNGEN_EAGER_GRAPHS unset: eager calls of at most so many tokens replay repeated launches from a CUDA graph (one
 # driver call where two to four cost the host ~5 us each; past decode sizes the GPU's work hides the launches and the
 # graph would only lose the early start of programmatic dependent launch)
 EAGER_GRAPH_TOKENS = 4
+# the quantized builds' struct Params (fp8, mxfp4): the bf16 one, then the scales of w13 and w2
+PARAMS_SCALED = Params(*PARAMS.fields, ("s13", "ptr"), ("s2", "ptr"))
+# fp8 activations (fp8_activations=True): then x and the intermediate quantized, with their scales
 QUANT_CTAS = 8   # fp8 activations: CTAs an SM of the quantizing kernels (8 warps each: a full SM)
 PARAMS_A8 = Params(*PARAMS_SCALED.fields, ("xq", "ptr"), ("xsc", "ptr"), ("aq", "ptr"), ("asc", "ptr"))
 # stream_k: then a counter an item and two partial-sum slots a CTA (after the bf16 or the f16x struct)
@@ -236,7 +236,7 @@ class Kernels:
 
     def sk_buffers(self, tiles: int, device: torch.device) -> tuple[tuple, tuple]:
         """stream_k: a counter an item of either GEMM (zero: the kernels leave them so) and two partial-sum slots a CTA
-        (32 lanes x 4 n-blocks' sums), with their launch fields."""
+        (32 lanes x 4 sums x the tile's n-blocks of 8 rows), with their launch fields."""
         items = tiles * max(-(-self._I // self._cols[0]), -(-self._H // self._cols[1]))
         ctas = max(self._ctas["experts_gemm1"], self._ctas["experts_gemm2"])
         bufs = (torch.zeros(items, dtype=torch.int32, device=device),
