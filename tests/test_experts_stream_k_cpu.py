@@ -1,11 +1,12 @@
-"""kerngen.experts' stream_k (bf16 builds, and f16x builds with act_f16 = false; no GPU): each GEMM's items x K steps
-split evenly over the grid, an item split between CTAs added in CTA order by the last of them. The schedule's
-arithmetic (as the kernels compute it) covers every step once and names each split item's CTAs and slots; the builds
-of every shipped fp8 / MXFP4 model's 1-2-token rule and of the bf16 1-token rule at every shipped shape compile
-within the CTAs an SM their rule asks for, without spills (fp8 aside) and with a K-step loop at most a few
-instructions longer than without stream_k; the shipped rules' sources do not change; the host sizes grids, counters
-and slots; rules that cannot take it are refused; kerngen.resources.mma_loop, which finds the K-step loop in the
-SASS. The GPU tests (tests/gpu/test_experts_quantized.py, tests/gpu/test_experts.py) check the bits."""
+"""kerngen.experts' stream_k (bf16 builds, and f16x builds with act_f16 = false; no GPU): where whole items would leave
+more than a tenth of their last round's CTAs idle, each GEMM's items x K steps split evenly over the grid, an item
+split between CTAs added in CTA order by the last of them; elsewhere the items in turn. The schedule's arithmetic
+(as the kernels compute it) picks that way, covers every step once and names each split item's chunks and slots; the
+builds of every shipped fp8 / MXFP4 model's 1-2-token rule and of the bf16 1-token rule at every shipped shape
+compile within the CTAs an SM their rule asks for, without spills (fp8 aside) and with a K-step loop at most 5%
+longer than without stream_k; the shipped rules' sources do not change; the host sizes grids, counters and slots;
+rules that cannot take it are refused; kerngen.resources.mma_loop, which finds the K-step loop in the SASS. The GPU
+tests (tests/gpu/test_experts_quantized.py, tests/gpu/test_experts.py) check the bits."""
 import pytest
 import torch
 
@@ -18,53 +19,65 @@ from tests.test_experts_fused_x_cpu import one_token_rules
 
 
 def schedule(items: int, steps: int, grid: int):
-    """The kernels' stream-K arithmetic (templates/experts/mma.cu.j2, the item loops and sk_gather), in Python:
-    per CTA its (item, lo, hi) pieces, per item the CTAs c0..c1 sk_gather adds and the slot it reads of each."""
-    U = items * steps
-    L = (U + grid - 1) // grid
+    """The kernels' stream-K arithmetic (templates/experts/mma.cu.j2: sk_chunk, the item loops, sk_next, sk_gather) in
+    Python: the chunk length, per CTA its (chunk, item, lo, hi) pieces, per item the chunks sk_gather adds and the
+    slot it reads of each."""
+    U, rounds = items * steps, -(-items // grid)
+    L = -(-U // grid) if rounds * grid * 9 > items * 10 else steps
     pieces = {}
     for c in range(grid):
-        x, end = c * L, min((c + 1) * L, U)
-        while x < end:
+        x = c * L
+        while x < U:
             item = x // steps
-            hi = min(steps, end - item * steps)
             lo = x - item * steps
-            assert lo == max(c * L - item * steps, 0)   # what sk_gather is passed for lo
-            pieces.setdefault(c, []).append((item, lo, hi))
-            x = item * steps + hi
+            hi = min(min(steps, lo + L - x % L), U - item * steps)
+            k = (item * steps + hi - 1) // L   # sk_gather's chunk and lo, recomputed
+            assert lo == max(k * L - item * steps, 0) and k % grid == c
+            pieces.setdefault(c, []).append((k, item, lo, hi))
+            y = item * steps + hi
+            x = y if y % L else y + (grid - 1) * L
     gather = {}
     for item in range(items):
         first = item * steps
         c0, c1 = first // L, (first + steps - 1) // L
         gather[item] = [(c, 0 if c * L > first else 1) for c in range(c0, c1 + 1)]
-    return pieces, gather
+    return L, pieces, gather
 
 
 @pytest.mark.parametrize("items,steps,grid", [(1440, 23, 1056), (720, 23, 1056), (4096, 28, 1056), (3584, 16, 1056),
-                                              (5, 23, 1056), (1440, 23, 132), (7, 3, 5), (1, 23, 4), (13, 1, 6)])
+                                              (5, 23, 1056), (1440, 23, 132), (7, 3, 5), (1, 23, 4), (13, 1, 6),
+                                              (768, 32, 528), (1024, 12, 528), (2048, 56, 528), (20, 3, 5)])
 def test_the_schedule_covers_every_step_once_and_names_each_split_items_slots(items, steps, grid):
-    pieces, gather = schedule(items, steps, grid)
+    """Split evenly (one chunk a CTA) where whole items would leave more than a tenth of their last round idle
+    (gpt-oss-120b's 1440 / 720 items at 1056 CTAs, qwen3-30b-a3b's 768 at 528), else the items in turn (kimi-k3's
+    4096, deepseek-v3's 2048): every step once, each split item's chunks in order with the slots they wrote, a
+    CTA's longest chain of steps the even share or the rounds of whole items."""
+    L, pieces, gather = schedule(items, steps, grid)
+    rounds = -(-items // grid)
+    split = rounds * grid * 9 > items * 10
+    assert L == (-(-items * steps // grid) if split else steps)
     seen = {}
     for c, ps in pieces.items():
         slots = []
-        for item, lo, hi in ps:
+        for k, item, lo, hi in ps:
             assert 0 <= lo < hi <= steps
             for s in range(lo, hi):
                 assert (item, s) not in seen
-                seen[item, s] = c
-            if (lo, hi) != (0, steps):   # a partial piece: the slot this CTA writes
-                slots.append(0 if lo > 0 else 1)
-        assert len(slots) == len(set(slots)) <= 2   # two slots a CTA, each written once
+                seen[item, s] = k
+            if (lo, hi) != (0, steps):   # a partial piece: the slot its chunk writes
+                slots.append((k, 0 if lo > 0 else 1))
+        assert len(slots) == len(set(slots))   # each slot written once
     assert len(seen) == items * steps
     for item in range(items):
         owners = sorted({seen[item, s] for s in range(steps)})
-        assert [c for c, _ in gather[item]] == owners   # the CTAs the last one adds, in CTA order
+        assert [c for c, _ in gather[item]] == owners   # the chunks the last one adds, in chunk order
         if len(owners) > 1:   # each a partial piece, in the slot it wrote
-            for c, slot in gather[item]:
-                (lo, hi), = [(lo, hi) for it, lo, hi in pieces[c] if it == item]
+            assert split
+            for k, slot in gather[item]:
+                (lo, hi), = [(lo, hi) for c in pieces for kk, it, lo, hi in pieces[c] if kk == k and it == item]
                 assert (lo, hi) != (0, steps) and slot == (0 if lo > 0 else 1)
-    # the longest chain of steps a CTA takes: at most a share of them (the point of it)
-    assert max(sum(hi - lo for _, lo, hi in ps) for ps in pieces.values()) == -(-items * steps // grid)
+    chain = max(sum(hi - lo for _, _, lo, hi in ps) for ps in pieces.values())
+    assert chain == (-(-items * steps // grid) if split else min(rounds, items) * steps)
 
 
 def stream_k_specs(stream_k=True):
@@ -104,8 +117,8 @@ def test_builds_compile_within_the_rules_bound_without_spills(spec, tmp_path):
     assert "sk_gather<STEPS>" in src and "int* skc;" in src
     plain = next(s for s in stream_k_specs(stream_k=False) if s.tag == spec.tag)
     sass, plain_sass = resources.sass(built.files), resources.sass(jit.build(plain, store=DiskCache(tmp_path)).files)
-    for f in ("experts_gemm1", "experts_gemm2"):   # the K steps: at most a few instructions more than without it
-        assert step_loop(sass, f) <= step_loop(plain_sass, f) + 4, f
+    for f in ("experts_gemm1", "experts_gemm2"):   # the K steps: at most 5% more instructions than without it
+        assert step_loop(sass, f) <= step_loop(plain_sass, f) * 1.05, f
 
 
 def test_the_shipped_rules_do_not_take_it_and_their_source_has_none_of_it():
