@@ -635,7 +635,8 @@ def test_stream_k_matches_the_reference_and_repeats_its_bits(fmt, params, H, I):
     """stream_k (each GEMM's items x K steps split evenly over the grid; an item split between CTAs added in CTA
     order by the last of them): against the reference with the weight-only kernels' tolerance, the same bits on a
     second call (the counters back at zero, the order fixed), the counters zero after the calls; one CTA an SM
-    splits items over more CTAs than two. gpt-oss's 2880 ends its rows mid-step."""
+    splits items over more CTAs than two. gpt-oss's 2880 ends its rows mid-step. Both schedules run: e.g. at T = 1
+    (3584, 2048) takes its 1024 experts_gemm1 items in turn on 1056 CTAs and splits experts_gemm2's 896."""
     if fmt == "fp8" and H % 128:
         pytest.skip("fp8 block scales need multiples of 128")
     k = f16x_kernels(fmt, H, I, 8, act_f16=False, stream_k=True, **params)
