@@ -51,8 +51,9 @@ def _poisoned(monkeypatch, fns):
 
 def test_every_op_after_its_first_call(monkeypatch):
     calls = _calls()
-    for fn in calls.values():
-        fn()
+    for _ in range(2):   # (the second call of a small experts shape captures its eager graph: the guarded ones replay)
+        for fn in calls.values():
+            fn()
     torch.cuda.synchronize()
     built = set(dispatch.registry())
     _poisoned(monkeypatch, calls.values())
