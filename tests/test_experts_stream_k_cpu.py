@@ -1,10 +1,10 @@
-"""kerngen.experts' stream_k (bf16 builds, and f16x builds with act_f16 = false; no GPU): where whole items would leave
-more than a tenth of their last round's CTAs idle, each GEMM's items x K steps split evenly over the grid, an item
-split between CTAs added in CTA order by the last of them; elsewhere the items in turn. The schedule's arithmetic
-(as the kernels compute it) picks that way, covers every step once and names each split item's chunks and slots; the
-builds of every shipped fp8 / MXFP4 model's 1-2-token rule and of the bf16 1-token rule at every shipped shape
-compile within the CTAs an SM their rule asks for, without spills (fp8 aside) and with a K-step loop at most 5%
-longer than without stream_k; the shipped rules' sources do not change; the host sizes grids, counters and slots;
+"""kerngen.experts' stream_k (bf16 builds, and f16x builds with act_f16 = false; no GPU): where splitting them saves
+load batches in a row beyond its fixups' cost (stream_k_fix), each GEMM's items x K steps split evenly over the
+grid, an item split between CTAs added in CTA order by the last of them; elsewhere the items in turn. The schedule's
+arithmetic (as the kernels compute it) picks that way, covers every step once and names each split item's chunks and
+slots; the builds of every shipped fp8 / MXFP4 model's 1-2-token rule and of the bf16 1-token rule at every shipped
+shape compile within the CTAs an SM their rule asks for, without spills (fp8 aside) and with a K-step loop at most
+8% longer than without stream_k; the shipped rules' sources do not change; the host sizes grids, counters and slots;
 rules that cannot take it are refused; kerngen.resources.mma_loop, which finds the K-step loop in the SASS. The GPU
 tests (tests/gpu/test_experts_quantized.py, tests/gpu/test_experts.py) check the bits."""
 import pytest
@@ -18,12 +18,13 @@ from tests.helpers import assert_no_spills
 from tests.test_experts_fused_x_cpu import one_token_rules
 
 
-def schedule(items: int, steps: int, grid: int):
+def schedule(items: int, steps: int, grid: int, batch: int = 4, fix: int = 2):
     """The kernels' stream-K arithmetic (templates/experts/mma.cu.j2: sk_chunk, the item loops, sk_next, sk_gather) in
-    Python: the chunk length, per CTA its (chunk, item, lo, hi) pieces, per item the chunks sk_gather adds and the
-    slot it reads of each."""
+    Python, `batch` = WARPS x UNROLL steps loaded at once, `fix` = SK_FIX: the chunk length, per CTA its (chunk, item,
+    lo, hi) pieces, per item the chunks sk_gather adds and the slot it reads of each."""
     U, rounds = items * steps, -(-items // grid)
-    L = -(-U // grid) if rounds * grid * 9 > items * 10 else steps
+    even = -(-U // grid)
+    L = even if (-(-even // batch) + fix) * 10 < rounds * -(-steps // batch) * 9 else steps
     pieces = {}
     for c in range(grid):
         x = c * L
@@ -44,17 +45,21 @@ def schedule(items: int, steps: int, grid: int):
     return L, pieces, gather
 
 
-@pytest.mark.parametrize("items,steps,grid", [(1440, 23, 1056), (720, 23, 1056), (4096, 28, 1056), (3584, 16, 1056),
-                                              (5, 23, 1056), (1440, 23, 132), (7, 3, 5), (1, 23, 4), (13, 1, 6),
-                                              (768, 32, 528), (1024, 12, 528), (2048, 56, 528), (20, 3, 5)])
-def test_the_schedule_covers_every_step_once_and_names_each_split_items_slots(items, steps, grid):
-    """Split evenly (one chunk a CTA) where whole items would leave more than a tenth of their last round idle
-    (gpt-oss-120b's 1440 / 720 items at 1056 CTAs, qwen3-30b-a3b's 768 at 528), else the items in turn (kimi-k3's
-    4096, deepseek-v3's 2048): every step once, each split item's chunks in order with the slots they wrote, a
-    CTA's longest chain of steps the even share or the rounds of whole items."""
-    L, pieces, gather = schedule(items, steps, grid)
+CASES = [  # items, steps, grid, batch, fix, split: gpt-oss-120b MXFP4 at T = 1 (1440 / 720 items at 1056 CTAs,
+    # 4 warps, one step a batch), kimi-k3 (4096 / 3584), qwen3-30b-a3b bf16 (768 at 528, 8 warps x 2), deepseek-v3
+    (1440, 23, 1056, 4, 2, True), (720, 23, 1056, 4, 2, False), (720, 23, 1056, 4, 0, True),
+    (4096, 28, 1056, 4, 2, False), (3584, 16, 1056, 4, 2, False), (768, 32, 528, 16, 2, False),
+    (768, 32, 528, 16, 0, True), (2048, 112, 528, 16, 0, False), (5, 23, 1056, 4, 2, True), (1440, 23, 132, 4, 0, False),
+    (7, 3, 5, 1, 0, True), (1, 23, 4, 1, 0, True), (13, 1, 6, 1, 0, False), (20, 3, 5, 1, 0, False)]
+
+
+@pytest.mark.parametrize("items,steps,grid,batch,fix,split", CASES)
+def test_the_schedule_covers_every_step_once_and_names_each_split_items_slots(items, steps, grid, batch, fix, split):
+    """Split evenly (one chunk a CTA) where that takes under 90% of the load batches in a row that whole items take,
+    `fix` batches counted for the fixup, else the items in turn: every step once, each split item's chunks in order
+    with the slots they wrote, a CTA's longest chain of steps the even share or the rounds of whole items."""
+    L, pieces, gather = schedule(items, steps, grid, batch, fix)
     rounds = -(-items // grid)
-    split = rounds * grid * 9 > items * 10
     assert L == (-(-items * steps // grid) if split else steps)
     seen = {}
     for c, ps in pieces.items():
@@ -117,8 +122,8 @@ def test_builds_compile_within_the_rules_bound_without_spills(spec, tmp_path):
     assert "sk_gather<STEPS>" in src and "int* skc;" in src
     plain = next(s for s in stream_k_specs(stream_k=False) if s.tag == spec.tag)
     sass, plain_sass = resources.sass(built.files), resources.sass(jit.build(plain, store=DiskCache(tmp_path)).files)
-    for f in ("experts_gemm1", "experts_gemm2"):   # the K steps: at most 5% more instructions than without it
-        assert step_loop(sass, f) <= step_loop(plain_sass, f) * 1.05, f
+    for f in ("experts_gemm1", "experts_gemm2"):   # the K steps: at most 8% more instructions than without it
+        assert step_loop(sass, f) <= step_loop(plain_sass, f) * 1.08, f
 
 
 def test_the_shipped_rules_do_not_take_it_and_their_source_has_none_of_it():
@@ -252,3 +257,15 @@ def test_mma_loop_finds_the_innermost_tensor_core_loop_and_its_local_memory():
     assert resources.mma_loop(text, "k3") is None
     with pytest.raises(kerngen.KerngenError, match="no function"):
         resources.mma_loop(text, "k4")
+
+
+def test_stream_k_fix_sets_the_fixups_cost_and_needs_stream_k():
+    base = dict(tile=8, warps=8, unroll=2, blocks_per_sm=4)
+    mk = lambda **p: ex.rule_spec(tiers.Rule("experts", "mma", {}, {**base, **p}), 2048, 768, "silu",  # noqa: E731
+                                  "sm_90a")
+    assert "constexpr int SK_FIX = 2;" in render.render(mk(stream_k=True))
+    assert "constexpr int SK_FIX = 0;" in render.render(mk(stream_k=True, stream_k_fix=0))
+    with pytest.raises(TierError, match="stream_k_fix without stream_k"):
+        mk(stream_k_fix=1)
+    with pytest.raises(TierError, match="stream_k_fix"):
+        tiers.check_params("a rule", "experts", "mma", {**base, "stream_k": True, "stream_k_fix": 65})

@@ -86,6 +86,8 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
                                    or params.get("stage_act") or params.get("mtiles", 1) != 1 or layout == "kn"):
         raise TierError(f"{where} sets stream_k, which bf16 builds and f16x builds with act_f16 = false take (one "
                         "m16 tile an item, no pingpong or stage_act, weights as stored)")
+    if "stream_k_fix" in params and not params.get("stream_k"):
+        raise TierError(f"{where} sets stream_k_fix without stream_k")
     if params.get("pingpong") and not (params.get("f16x") and params.get("prefetch", True)):
         raise TierError(f"{where} sets pingpong without f16x and prefetch: only the f16-activation builds that load "
                         "the next steps ahead take it")
