@@ -624,8 +624,10 @@ def test_fused_x_inside_a_cuda_graph(fmt, act_f16):
         k(x3, r3, *w, torch.empty(r3.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda"), **s)
 
 
-SK_SHAPES = [dict(fused_x=2, prefetch=False, blocks_per_sm=8, min_blocks=8), dict(fused_x=2), dict(),
-             dict(fused_x=2, blocks_per_sm=1), dict(fused_x=8, warps=8, prefetch=False, blocks_per_sm=4, min_blocks=4)]
+SK_SHAPES = [dict(fused_x=2, prefetch=False, blocks_per_sm=8, min_blocks=8),   # (the shipped rule's: both schedules)
+             dict(fused_x=2, prefetch=False, blocks_per_sm=8, min_blocks=8, stream_k_fix=0),
+             dict(fused_x=2, stream_k_fix=0), dict(stream_k_fix=0), dict(fused_x=2, blocks_per_sm=1, stream_k_fix=0),
+             dict(fused_x=8, warps=8, prefetch=False, blocks_per_sm=4, min_blocks=4, stream_k_fix=0)]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -635,8 +637,9 @@ def test_stream_k_matches_the_reference_and_repeats_its_bits(fmt, params, H, I):
     """stream_k (each GEMM's items x K steps split evenly over the grid; an item split between CTAs added in CTA
     order by the last of them): against the reference with the weight-only kernels' tolerance, the same bits on a
     second call (the counters back at zero, the order fixed), the counters zero after the calls; one CTA an SM
-    splits items over more CTAs than two. gpt-oss's 2880 ends its rows mid-step. Both schedules run: e.g. at T = 1
-    (3584, 2048) takes its 1024 experts_gemm1 items in turn on 1056 CTAs and splits experts_gemm2's 896."""
+    splits items over more CTAs than two. gpt-oss's 2880 ends its rows mid-step. stream_k_fix = 0 splits wherever
+    the steps alone gain (most of these shapes); the default cost splits gpt-oss's experts_gemm1 at T = 1 and takes
+    the smaller shapes' items in turn."""
     if fmt == "fp8" and H % 128:
         pytest.skip("fp8 block scales need multiples of 128")
     k = f16x_kernels(fmt, H, I, 8, act_f16=False, stream_k=True, **params)
@@ -657,7 +660,7 @@ def test_stream_k_matches_the_reference_and_repeats_its_bits(fmt, params, H, I):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_stream_k_inside_a_cuda_graph_and_on_two_streams(fmt):
     """Replayed from a graph on new logits; calls on a second stream take counters and slots of their own."""
-    k = f16x_kernels(fmt, 1024, 256, 8, fused_x=2, act_f16=False, stream_k=True, blocks_per_sm=2)
+    k = f16x_kernels(fmt, 1024, 256, 8, fused_x=2, act_f16=False, stream_k=True, stream_k_fix=0, blocks_per_sm=2)
     x, r, w, s = replayed_two_tokens(fmt, k, seed=91)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
