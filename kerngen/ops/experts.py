@@ -145,7 +145,7 @@ class Kernels:
     per stream."""
     __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "qx", "fused_x", "_mod", "_warps", "_pdl", "_ctas",
                  "_H", "_I", "_grids", "_act", "_cols", "_q", "_quants", "_no_q", "graphs", "graph_tokens", "stream_k",
-                 "_sk", "_sk_items")
+                 "_sk", "_per_tile")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
         if s.variant not in VARIANTS:
@@ -164,7 +164,7 @@ class Kernels:
         self._cols = (16, 32) if c.get("KN") else (8 * mt, 16 * mt)   # an item's columns: GEMM1, GEMM2
         self.stream_k = bool(p.get("stream_k"))   # the grid splits items x K steps evenly (counters and slots)
         self._sk: dict[int, tuple] = {}
-        self._sk_items = max(-(-self._I // self._cols[0]), -(-self._H // self._cols[1]))   # counters a tile
+        self._per_tile = (-(-self._I // self._cols[0]), -(-self._H // self._cols[1]))   # items a tile: GEMM1, GEMM2
         self._mod = resolve(s)
         self._pdl = bool(p.get("pdl", False))
         self._ctas = {name: _common.persistent_ctas(OP, self._mod, name, device, launch)
@@ -195,8 +195,8 @@ class Kernels:
             block = (32 * self._warps, 1, 1)
             kstep = QBLOCK if self.scaled else 64   # K values of a warp's step
             k1, k2 = (-(-self._H // kstep), -(-self._I // kstep)) if self.stream_k else (1, 1)   # units an item
-            grid1 = (min(self._ctas["experts_gemm1"], tiles * -(-self._I // self._cols[0]) * k1), 1, 1)
-            grid2 = (min(self._ctas["experts_gemm2"], tiles * -(-self._H // self._cols[1]) * k2), 1, 1)
+            grid1 = (min(self._ctas["experts_gemm1"], tiles * self._per_tile[0] * k1), 1, 1)
+            grid2 = (min(self._ctas["experts_gemm2"], tiles * self._per_tile[1] * k2), 1, 1)
             params = params_struct(self.spec)
             dyn = dynamic_smem(self.spec)
             pair = (Launcher(self._mod, "experts_gemm1", self.device, grid1, block, params, dyn["experts_gemm1"],
@@ -241,14 +241,14 @@ class Kernels:
         """stream_k: a counter an item of either GEMM (zero: the kernels leave them so) and two partial-sum slots a CTA
         (32 lanes x 4 sums x the tile's n-blocks of 8 rows), with their launch fields."""
         ctas = max(self._ctas["experts_gemm1"], self._ctas["experts_gemm2"])
-        bufs = (torch.zeros(tiles * self._sk_items, dtype=torch.int32, device=device),
+        bufs = (torch.zeros(tiles * max(self._per_tile), dtype=torch.int32, device=device),
                 torch.empty(2 * ctas * 32 * 4 * -(-self.tile // 8), dtype=torch.float32, device=device))
         return bufs, tuple(t.data_ptr() for t in bufs)
 
     def sk_scratch(self, stream: int, tiles: int, device: torch.device) -> tuple[tuple, tuple]:
         """sk_buffers kept per stream, grown to the most tiles seen."""
         sk = self._sk.get(stream)
-        if sk is None or sk[0][0].shape[0] < tiles * self._sk_items:
+        if sk is None or sk[0][0].shape[0] < tiles * max(self._per_tile):
             sk = self._sk[stream] = self.sk_buffers(tiles, device)
         return sk
 
