@@ -151,16 +151,13 @@ def experts_formats(model: tiers.Model) -> tuple[str, ...]:
 
 def experts_candidates(fmt: str = "bf16"):
     """kerngen.experts' launch shapes for weights in `fmt` (bf16, fp8, mxfp4, or w8a8: fp8 with fp8 activations):
-    routing tiles of 8 and 16 rows (bf16 at 8 also with stream_k); fp8 and MXFP4 also with f16x, two m16 tiles an
-    item (mtiles), two weight buffers taking turns (pingpong), 8 warps an item, the shapes the shipped rules take
-    with no early weight loads or with early_l2, and for 1-2 (or up to 8) tokens x quantized by the first GEMM
-    itself (fused_x, act_f16, stage_act; also at 32 warps an SM, 64 registers without prefetch, there with
-    stream_k too); w8a8 with early_l2."""
+    routing tiles of 8 and 16 rows; fp8 and MXFP4 also with f16x, two m16 tiles an item (mtiles), two weight
+    buffers taking turns (pingpong), 8 warps an item, the shapes the shipped rules take with no early weight loads or
+    with early_l2, and for 1-2 (or up to 8) tokens x quantized by the first GEMM itself (fused_x, act_f16, stage_act;
+    also at 32 warps an SM, 64 registers without prefetch); w8a8 with early_l2."""
     if fmt == "bf16":
         for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
             yield "mma", dict(tile=tile, warps=warps, unroll=unroll, blocks_per_sm=bps, pdl=True)
-        for warps in (4, 8):   # items x K steps split evenly over the grid (stream_k)
-            yield "mma", dict(tile=8, warps=warps, unroll=2, blocks_per_sm=32 // warps, pdl=True, stream_k=True)
         return
     for tile, unroll, bps, px in itertools.product((8, 16), (1, 2), (4, 5, 6), (False, True)):
         base = dict(tile=tile, warps=4, unroll=unroll, blocks_per_sm=bps, pdl=True, prefetch_x=px)
@@ -193,9 +190,6 @@ def experts_candidates(fmt: str = "bf16"):
                 continue   # one step a warp in flight (no copies between steps), latency hidden by the warps
             yield "mma", dict(tile=8, warps=warps, unroll=1, blocks_per_sm=32 // warps, min_blocks=32 // warps,
                               pdl=True, prefetch=False, f16x=True, fused_x=fx, act_f16=f16)
-            if not f16:   # items x K steps split evenly over the grid (stream_k)
-                yield "mma", dict(tile=8, warps=warps, unroll=1, blocks_per_sm=32 // warps, min_blocks=32 // warps,
-                                  pdl=True, prefetch=False, f16x=True, fused_x=fx, act_f16=False, stream_k=True)
         # any token count at tiles of 8 rows: 32 warps an SM at 64 registers, activations prefetched (fp8: no spills)
         yield "mma", dict(tile=8, warps=8, unroll=1, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
                           prefetch_x=True, f16x=True)

@@ -4,7 +4,7 @@ import pytest
 
 from kerngen import cli, env, jit, occupancy, resources, tiers, warmup
 from kerngen.errors import InputError, KerngenError
-from kerngen.occupancy import Launch, resident
+from kerngen.occupancy import resident
 from kerngen.ops import _common
 from kerngen.ops import experts as ex
 from kerngen.ops import latent_tail as lt
@@ -170,3 +170,23 @@ def test_without_cuobjdump_explain_and_warmup_say_so_in_one_line(cache_dir, caps
     assert cli.main(["explain", *EXPERTS]) == 0
     out = capsys.readouterr().out
     assert "kernels   registers and CTAs an SM not shown: cuobjdump not found" in out and "regs" not in out
+
+
+def test_mma_loop_finds_the_innermost_tensor_core_loop_and_its_local_memory():
+    """kerngen.resources.mma_loop on SASS text: the shortest backward branch's body holding an HMMA (an outer loop
+    and a loop without one ignored), LOCAL where it holds an LDL / STL; None without such a loop; a missing function
+    is a KerngenError."""
+    import kerngen
+
+    def fn(name, lines):
+        return f"\t\tFunction : {name}\n" + "".join(f"        /*{16 * i:04x}*/                   {x} ;\n"
+                                                   for i, x in enumerate(lines))
+    body = ["MOV R1, c[0x0][0x28]", "IADD3 R2, R2, 0x1, RZ", "HMMA.16816.F32 R4, R8, R12, R4", "LDG.E R8, [R2.64]",
+            "@P0 BRA 0x10", "LDL R3, [R1]", "@P1 BRA 0x0", "IADD3 R5, R5, 0x1, RZ", "@P2 BRA 0x70", "EXIT"]
+    spilled = body[:3] + ["STL [R1], R3"] + body[4:]
+    text = "\n\tcode for sm_90a\n" + fn("k1", body) + fn("k2", spilled) + fn("k3", ["BRA 0x0", "EXIT"])
+    assert resources.mma_loop(text, "k1") == (4, False)   # 0x10 .. the first BRA
+    assert resources.mma_loop(text, "k2") == (4, True)
+    assert resources.mma_loop(text, "k3") is None
+    with pytest.raises(kerngen.KerngenError, match="no function"):
+        resources.mma_loop(text, "k4")

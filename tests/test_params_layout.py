@@ -49,13 +49,6 @@ def families():
             yield f"experts mma {fmt} f16x={f16x}", x, ex.PARAMS_A8 if f16x else ex.PARAMS_SCALED
     s = ex.spec(7168, 2048, 8, "silu", 1, "sm_90a", t, "fp8", a8=True)
     yield "experts mma fp8 a8", s, ex.PARAMS_A8
-    for fmt, H, I, act in (("fp8", 7168, 2048, "silu"), ("mxfp4", 2880, 2880, "gpt_oss")):   # stream_k: counters, slots
-        x = spec_for(tiers.Rule("experts", "mma", {}, dict(warps=4, unroll=1, f16x=True, act_f16=False, stream_k=True)),
-                     *ex.tag_constants(H, I, 8, act, fmt), "sm_90a")
-        yield f"experts mma {fmt} stream_k", x, ex.params_struct(x)
-    x = spec_for(tiers.Rule("experts", "mma", {}, dict(warps=8, unroll=2, stream_k=True)),
-                 *ex.tag_constants(2048, 768, 8, "silu"), "sm_90a")
-    yield "experts mma bf16 stream_k", x, ex.PARAMS_BF16_SK
 
 
 def check_layout(name, src, params: Params):

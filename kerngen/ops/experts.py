@@ -52,9 +52,6 @@ PARAMS_SCALED = Params(*PARAMS.fields, ("s13", "ptr"), ("s2", "ptr"))
 # fp8 activations (fp8_activations=True): then x and the intermediate quantized, with their scales
 QUANT_CTAS = 8   # fp8 activations: CTAs an SM of the quantizing kernels (8 warps each: a full SM)
 PARAMS_A8 = Params(*PARAMS_SCALED.fields, ("xq", "ptr"), ("xsc", "ptr"), ("aq", "ptr"), ("asc", "ptr"))
-# stream_k: then a counter an item and two partial-sum slots a CTA (after the bf16 or the f16x struct)
-SK_FIELDS = (("skc", "ptr"), ("sks", "ptr"))
-PARAMS_SK, PARAMS_BF16_SK = Params(*PARAMS_A8.fields, *SK_FIELDS), Params(*PARAMS.fields, *SK_FIELDS)
 
 
 def tag_constants(H: int, I: int, tile: int, activation: str, fmt: str = "bf16",
@@ -81,13 +78,6 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
     if params.get("f16x") and (fmt not in ("fp8", "mxfp4") or a8):
         raise TierError(f"{where} sets f16x, which only fp8 and MXFP4 weights with bf16 activations take (not "
                         f"{rule_format(fmt, a8)})")
-    if params.get("stream_k") and (a8 or (fmt != "bf16" and not params.get("f16x"))
-                                   or (params.get("f16x") and params.get("act_f16", True)) or params.get("pingpong")
-                                   or params.get("stage_act") or params.get("mtiles", 1) != 1 or layout == "kn"):
-        raise TierError(f"{where} sets stream_k, which bf16 builds and f16x builds with act_f16 = false take (one "
-                        "m16 tile an item, no pingpong or stage_act, weights as stored)")
-    if "stream_k_fix" in params and not params.get("stream_k"):
-        raise TierError(f"{where} sets stream_k_fix without stream_k")
     if params.get("pingpong") and not (params.get("f16x") and params.get("prefetch", True)):
         raise TierError(f"{where} sets pingpong without f16x and prefetch: only the f16-activation builds that load "
                         "the next steps ahead take it")
@@ -144,8 +134,7 @@ class Kernels:
     The grid follows the routing's tile count, so the launchers are kept per tile count; the intermediate scratch
     per stream."""
     __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "qx", "fused_x", "_mod", "_warps", "_pdl", "_ctas",
-                 "_H", "_I", "_grids", "_act", "_cols", "_q", "_quants", "_no_q", "graphs", "graph_tokens", "stream_k",
-                 "_sk", "_per_tile")
+                 "_H", "_I", "_grids", "_act", "_cols", "_q", "_quants", "_no_q", "graphs", "graph_tokens", "_per_tile")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
         if s.variant not in VARIANTS:
@@ -162,8 +151,6 @@ class Kernels:
         self._warps, self._H, self._I = p["warps"], c["H"], c["I"]
         mt = p.get("mtiles", 1) if self.x16 else 1   # m16 tiles of weight rows an item takes
         self._cols = (16, 32) if c.get("KN") else (8 * mt, 16 * mt)   # an item's columns: GEMM1, GEMM2
-        self.stream_k = bool(p.get("stream_k"))   # the grid splits items x K steps evenly (counters and slots)
-        self._sk: dict[int, tuple] = {}
         self._per_tile = (-(-self._I // self._cols[0]), -(-self._H // self._cols[1]))   # items a tile: GEMM1, GEMM2
         self._mod = resolve(s)
         self._pdl = bool(p.get("pdl", False))
@@ -193,10 +180,8 @@ class Kernels:
         pair = self._grids.get(tiles)
         if pair is None:
             block = (32 * self._warps, 1, 1)
-            kstep = QBLOCK if self.scaled else 64   # K values of a warp's step
-            k1, k2 = (-(-self._H // kstep), -(-self._I // kstep)) if self.stream_k else (1, 1)   # units an item
-            grid1 = (min(self._ctas["experts_gemm1"], tiles * self._per_tile[0] * k1), 1, 1)
-            grid2 = (min(self._ctas["experts_gemm2"], tiles * self._per_tile[1] * k2), 1, 1)
+            grid1 = (min(self._ctas["experts_gemm1"], tiles * self._per_tile[0]), 1, 1)
+            grid2 = (min(self._ctas["experts_gemm2"], tiles * self._per_tile[1]), 1, 1)
             params = params_struct(self.spec)
             dyn = dynamic_smem(self.spec)
             pair = (Launcher(self._mod, "experts_gemm1", self.device, grid1, block, params, dyn["experts_gemm1"],
@@ -237,21 +222,6 @@ class Kernels:
                      for o, (shape, d) in zip(offsets, shapes))
         return bufs, tuple(t.data_ptr() for t in bufs)
 
-    def sk_buffers(self, tiles: int, device: torch.device) -> tuple[tuple, tuple]:
-        """stream_k: a counter an item of either GEMM (zero: the kernels leave them so) and two partial-sum slots a CTA
-        (32 lanes x 4 sums x the tile's n-blocks of 8 rows), with their launch fields."""
-        ctas = max(self._ctas["experts_gemm1"], self._ctas["experts_gemm2"])
-        bufs = (torch.zeros(tiles * max(self._per_tile), dtype=torch.int32, device=device),
-                torch.empty(2 * ctas * 32 * 4 * -(-self.tile // 8), dtype=torch.float32, device=device))
-        return bufs, tuple(t.data_ptr() for t in bufs)
-
-    def sk_scratch(self, stream: int, tiles: int, device: torch.device) -> tuple[tuple, tuple]:
-        """sk_buffers kept per stream, grown to the most tiles seen."""
-        sk = self._sk.get(stream)
-        if sk is None or sk[0][0].shape[0] < tiles * max(self._per_tile):
-            sk = self._sk[stream] = self.sk_buffers(tiles, device)
-        return sk
-
     def scratch(self, stream: int, tiles: int, device: torch.device) -> torch.Tensor:
         """The intermediate (at least [tiles * tile, I]; the kernels read its first rows), one buffer per stream,
         reused call after call on it and grown to the most tiles seen."""
@@ -291,9 +261,6 @@ class Kernels:
             fields += q[1]
         else:
             fields += self._no_q
-        if self.stream_k:
-            sk = self.sk_scratch(stream, tiles, x.device) if own else self.sk_buffers(tiles, x.device)
-            fields += sk[1]
         if self.graphs is None or T > self.graph_tokens or not self.graphs.launch(stream, pair, fields):
             for launch in pair:
                 launch(stream, *fields)
@@ -338,10 +305,7 @@ def quant_kernels(s: plan_mod.KernelSpec) -> tuple[str, ...]:
 
 def params_struct(s: plan_mod.KernelSpec) -> Params:
     """The launch fields of spec `s`'s struct Params: bf16 weights PARAMS, quantized ones their scales too
-    (PARAMS_SCALED), with quantized activations (A8, f16x) their buffers (PARAMS_A8), with stream_k its counters and
-    partial-sum slots too (PARAMS_SK, PARAMS_BF16_SK)."""
-    if dict(s.params).get("stream_k"):
-        return PARAMS_SK if quantizes_activations(s) else PARAMS_BF16_SK
+    (PARAMS_SCALED), and with quantized activations (A8, f16x) their buffers (PARAMS_A8)."""
     if quantizes_activations(s):
         return PARAMS_A8
     return PARAMS_SCALED if dict(s.constants).get("FORMAT", "bf16") != "bf16" else PARAMS

@@ -196,38 +196,3 @@ def test_transposed_weights_past_their_rules_run_grouped_mm():
     ref = ex.reference(x, r, w13, w2)
     rows = r.permuted_to_token >= 0
     torch.testing.assert_close(got[rows].float(), ref[rows].float(), rtol=2e-2, atol=2 * 2 ** -8 * ref.abs().max().item())
-
-
-@pytest.mark.parametrize("params", [dict(warps=8, unroll=2, blocks_per_sm=4), dict(warps=8, unroll=2, blocks_per_sm=4,
-                                    stream_k_fix=0), dict(warps=4, unroll=1, blocks_per_sm=1, stream_k_fix=0),
-                                    dict(warps=4, unroll=2, blocks_per_sm=8, pdl=True, stream_k_fix=0)],
-                         ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
-@pytest.mark.parametrize("T,tile", [(1, 8), (2, 8), (5, 8), (16, 16), (3, 1)])
-@pytest.mark.parametrize("H,I,act", [(2048, 768, "silu"), (2880, 2880, "gpt_oss"), (1000, 200, "situglu")])
-def test_stream_k_against_the_reference_with_the_same_bits_twice(params, T, tile, H, I, act):
-    """stream_k on bf16 weights (each GEMM's items x 64-wide K steps split evenly over the grid, a split item added
-    in CTA order by its last CTA; stream_k_fix = 0: wherever the steps alone gain): against the reference, the same
-    bits on a second call, the counters zero after both (its own per-stream ones; a caller's intermediate gets
-    buffers of the call's own); Llama-4's input weights too."""
-    E, K = 24, 4
-    x, logits, w13, w2, b13, b2 = make(T, K, E, H, I, bias=act == "gpt_oss", seed=T + 11)
-    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=tile)
-    tag, consts = ex.tag_constants(H, I, tile, act)
-    k = ex.Kernels(spec_for(Rule(op="experts", variant="mma", ranges={}, params={**params, "stream_k": True}), tag,
-                            consts, target_arch()), torch.cuda.current_device())
-    a0, a1 = (1.702, 7.0) if act == "gpt_oss" else (1.0, 2.0)
-    inw = torch.rand(T, device="cuda") + 0.5 if act == "silu" else None
-    ref = ex.reference(x, r, w13, w2, activation=act, interleaved=act == "gpt_oss", b13=b13, b2=b2,
-                       linear_beta=2.0 if act == "situglu" else 0.0, input_weights=inw)
-    rows = r.permuted_to_token >= 0
-    outs = []
-    for own in (True, False, True):
-        out = torch.full((r.permuted_to_token.shape[0], H), float("nan"), dtype=torch.bfloat16, device="cuda")
-        act_buf = None if own else torch.empty(r.tile_to_expert.shape[0] * tile, I, dtype=torch.bfloat16,
-                                               device="cuda")
-        k(x, r, w13, w2, out, act_buf, interleaved=act == "gpt_oss", b13=b13, b2=b2, input_weights=inw, a0=a0, a1=a1)
-        torch.testing.assert_close(out[rows].float(), ref[rows].float(), rtol=2e-2, atol=2e-2)
-        outs.append(out[rows])
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    torch.cuda.synchronize()
-    assert all(not c.any() for (c, _), _ in k._sk.values())
