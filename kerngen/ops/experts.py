@@ -78,6 +78,10 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
     if params.get("f16x") and (fmt not in ("fp8", "mxfp4") or a8):
         raise TierError(f"{where} sets f16x, which only fp8 and MXFP4 weights with bf16 activations take (not "
                         f"{rule_format(fmt, a8)})")
+    if "cp_async" in params and (fmt == "bf16" or a8 or layout == "kn" or params.get("prefetch", True)
+                                 or params.get("unroll", 2) != 1):
+        raise TierError(f"{where} sets cp_async, which fp8 and MXFP4 weights with bf16 activations take with "
+                        "prefetch = false and unroll = 1 (a step a ring slot)")
     if params.get("pingpong") and not (params.get("f16x") and params.get("prefetch", True)):
         raise TierError(f"{where} sets pingpong without f16x and prefetch: only the f16-activation builds that load "
                         "the next steps ahead take it")

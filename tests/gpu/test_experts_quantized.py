@@ -622,3 +622,37 @@ def test_fused_x_inside_a_cuda_graph(fmt, act_f16):
     r3 = kerngen.route(logits3, top_k=K, method="softmax_topk", tile=8)
     with pytest.raises(kerngen.InputError, match="at most 2 tokens"):
         k(x3, r3, *w, torch.empty(r3.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda"), **s)
+
+
+CP_SHAPES = [dict(f16x=True, fused_x=2, act_f16=False, blocks_per_sm=8, min_blocks=8),   # the 1-2-token rule's
+             dict(f16x=True, fused_x=2, act_f16=False, blocks_per_sm=1), dict(f16x=True), dict(f16x=True, mtiles=2),
+             dict(f16x=True, warps=8, blocks_per_sm=4, min_blocks=4), dict(f16x=False)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("params", CP_SHAPES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+@pytest.mark.parametrize("cps", [2, 3, 5])
+@pytest.mark.parametrize("H,I", [(1024, 256), (2880, 2880), (3584, 1024)])
+def test_cp_async_gives_the_bits_of_the_build_without_it(fmt, params, cps, H, I):
+    """cp_async (weight steps in flight through a shared-memory ring) only changes how the weight bytes arrive: the
+    same bits as the same launch shape without it, every token count it serves, a CTA of one warp to eight, rows
+    that end mid-step (2880), items of one m16 tile and of two; and close to the reference."""
+    if fmt == "fp8" and H % 128:
+        pytest.skip("fp8 block scales need multiples of 128")
+    base = dict(prefetch=False, **params)
+    k = shape_kernels(fmt, H, I, 8, **base, cp_async=cps)
+    plain = shape_kernels(fmt, H, I, 8, **base)
+    for T in (1, 2) if params.get("fused_x") else (1, 5, 40):
+        x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=T + H + cps)
+        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+        got, want = run_f16x(k, x, r, w, s), run_f16x(plain, x, r, w, s)
+        rows = r.permuted_to_token >= 0
+        assert torch.equal(got[rows], want[rows])
+        check_rows(got, ex.reference(x, r, *w, **s), r)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cp_async_inside_a_cuda_graph(fmt):
+    """Replayed from a graph on new logits (two tokens, x quantized by experts_gemm1 itself)."""
+    replayed_two_tokens(fmt, shape_kernels(fmt, 1024, 256, 8, f16x=True, fused_x=2, act_f16=False, prefetch=False,
+                                           cp_async=3), seed=93)
