@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import env, tiers
-from .errors import CompileError, KerngenError
+from .errors import CompileError, KerngenError, TierError
 from .plan import spec_for, target_arch
 from .timing import both_settings_us, graph_time_us
 
@@ -194,9 +194,10 @@ def experts_candidates(fmt: str = "bf16"):
         for warps, cps in itertools.product((2, 4), (3, 4)):   # the same, weight steps in flight through a ring
             yield "mma", dict(tile=8, warps=warps, unroll=1, blocks_per_sm=32 // warps, min_blocks=32 // warps,
                               pdl=True, prefetch=False, f16x=True, fused_x=2, act_f16=False, cp_async=cps)
-        for cps in (3, 4):   # two m16 tiles an item, the weight steps in flight through a ring instead of registers
-            yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=4, pdl=True, prefetch=False, f16x=True,
-                              mtiles=2, cp_async=cps)
+        for cps in (2, 3, 4):   # two m16 tiles an item, the weight steps in flight through a ring instead of
+            if cps * 8 * (2 if fmt == "fp8" else 1) <= 40:   # registers (KiB within static shared memory)
+                yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=4, pdl=True, prefetch=False, f16x=True,
+                                  mtiles=2, cp_async=cps)
         # any token count at tiles of 8 rows: 32 warps an SM at 64 registers, activations prefetched (fp8: no spills)
         yield "mma", dict(tile=8, warps=8, unroll=1, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
                           prefetch_x=True, f16x=True)
@@ -393,7 +394,8 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
             for variant, params in cands:
                 try:
                     us = timer(model, T, variant, params)
-                except CompileError as e:   # e.g. more token groups than the shared memory of E experts holds
+                except (CompileError, TierError) as e:   # e.g. more token groups than the shared memory of E
+                    # experts holds, or a shape this model's sizes refuse (a ring or fused rows too large)
                     unfit[(variant, str(params))] = e
                     us = float("inf")
                 if best is None or us < best[0]:
@@ -408,7 +410,7 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
         for (variant, params), e in unfit.items():
             lines = str(e).splitlines()
             reason = next((line.strip() for line in lines if "error" in line), lines[0] if lines else "")
-            print(f"kerngen tune: {op} {variant} {params} does not compile for {model_name}, skipped ({reason})")
+            print(f"kerngen tune: {op} {variant} {params} does not build for {model_name}, skipped ({reason})")
         rules += _merge(op, model, winners, _target(), (fmt,) if fmt else (), permute)
     return rules
 

@@ -65,3 +65,10 @@ def test_rules_that_cannot_take_it_are_refused(over, fmt, layout, a8):
 def test_the_ring_depth_is_bounded():
     with pytest.raises(TierError, match="cp_async"):
         tiers.check_params("test", "experts", "mma", {"tile": 8, "warps": 4, "unroll": 1, "cp_async": 1})
+
+
+def test_a_ring_past_static_shared_memory_is_refused():
+    p = {"tile": 8, "warps": 8, "unroll": 1, "prefetch": False, "f16x": True, "mtiles": 2, "cp_async": 4}
+    ex.rule_spec(tiers.Rule("experts", "mma", {}, {**p, "mtiles": 1}), 2048, 768, "silu", "sm_90a", "mxfp4")  # 32 KiB
+    with pytest.raises(TierError, match="cp_async = 4: its ring .* of 64 KiB"):
+        ex.rule_spec(tiers.Rule("experts", "mma", {}, p), 2048, 768, "silu", "sm_90a", "mxfp4")

@@ -78,7 +78,7 @@ def test_a_candidate_that_does_not_compile_for_the_shape_is_skipped_and_named(mo
     assert [(r.params, r.permute) for r in rules] == [(dict(warps=8, warps_per_token=1), False),   # no tile
                                                       (dict(warps=8, warps_per_token=1), None)]
     out = capsys.readouterr().out
-    assert "{'warps': 16, 'warps_per_token': 1} does not compile for kimi-k3, skipped" in out
+    assert "{'warps': 16, 'warps_per_token': 1} does not build for kimi-k3, skipped" in out
     assert "static assertion failed" in out
 
 

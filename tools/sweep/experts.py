@@ -29,6 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 import kerngen
 from kerngen import tiers
+from kerngen.errors import TierError
 from kerngen.launch import _drv
 from kerngen.ops import experts as ex
 from kerngen.plan import target_arch
@@ -115,8 +116,11 @@ def main():
                     if w * b <= 32 and not (mt == 2 and few):
                         p = dict(warps=w, unroll=1, blocks_per_sm=b, min_blocks=b, pdl=True, prefetch=False,
                                  f16x=True, cp_async=c, tile=tile, **few, **({"mtiles": 2} if mt == 2 else {}))
-                        cands.append((f"w{w} b{b} t{mt} ring{c} h", ex.rule_spec(
-                            tiers.Rule("experts", "mma", {"tokens": (1, T)}, p), H, I, act, arch, fmt, "nk", a8)))
+                        try:
+                            cands.append((f"w{w} b{b} t{mt} ring{c} h", ex.rule_spec(
+                                tiers.Rule("experts", "mma", {"tokens": (1, T)}, p), H, I, act, arch, fmt, "nk", a8)))
+                        except TierError:   # a ring past static shared memory
+                            pass
             if sweep and not deep and not ring:
                 for w, u, b, px in itertools.product((4,), (1, 2), (4, 5, 6, 8), (False, True)):
                     cands.append((f"w{w} u{u} b{b}" + " x" * px + " h" * x16,
