@@ -206,8 +206,12 @@ def cmd_explain(args) -> int:
     if args.op:
         _explain_one(args, tbl, arch, store, args.op)
         return 0
+    model = tbl.model(args.model)
     for i, op in enumerate(shape_ops()):   # every op of the model, at --tokens
         print("" if i == 0 else "\n", end="")
+        if not warmup.model_specs(model, tbl, arch, ops=[op]):   # (latent_tail: only latent MoE models)
+            print(f"op        {op}\nnot used  {args.model} has no {op} kernel (warmup builds none for it)")
+            continue
         try:
             _explain_one(args, tbl, arch, store, op)
         except KerngenError as e:
@@ -225,14 +229,14 @@ def _explain_one(args, tbl: tiers.Table, arch: str, store: cache_mod.DiskCache, 
     print(f"op        {op}\ntier      {rule.source}\nvariant   {spec.variant} ({spec.backend})\n"
           f"params    {dict(spec.params)}\nconstants {dict(spec.constants)}\narch      {arch}\nkey       {key}\n"
           f"cached    {'yes' if files is not None else 'no'} ({store.root / key})")
-    _explain_usage(spec, files)
+    _explain_usage(spec, files, args.model)
 
 
-def _explain_usage(spec, files) -> None:
+def _explain_usage(spec, files, model: str | None = None) -> None:
     """One line per kernel function of a cached build (registers, shared memory, spills, CTAs an SM), read from
-    the artifact; else how to build it."""
+    the artifact; else how to build it (the warmup of `model` where it needs the kernel)."""
     if files is None:
-        print(f"kernels   registers and CTAs an SM show once built: {warmup.warmup_command(spec)}")
+        print(f"kernels   registers and CTAs an SM show once built: {warmup.warmup_command(spec, model)}")
         return
     try:
         rows = warmup.usage(spec, files)

@@ -29,14 +29,14 @@ def model_specs(model: Model, tbl: Table, arch: str, ops=None) -> list[KernelSpe
     return list(specs)
 
 
-def warmup_command(spec: KernelSpec) -> str:
-    """The exact command that builds `spec`: a model's warmup when a shipped/user model needs it (with the
-    user tiers file the model or its rules come from), else the spec's own."""
+def warmup_command(spec: KernelSpec, prefer: str | None = None) -> str:
+    """The exact command that builds `spec`: a model's warmup when a shipped/user model needs it (`prefer` first,
+    then by name; with the user tiers file the model or its rules come from), else the spec's own."""
     from . import tiers
     try:
         tbl = tiers.load()
         user = "".join(f" --tiers {shlex.quote(f)}" for f in tbl.files[1:])
-        for name, model in sorted(tbl.models.items()):
+        for name, model in sorted(tbl.models.items(), key=lambda kv: (kv[0] != prefer, kv[0])):
             if spec in model_specs(model, tbl, spec.arch):
                 return f"kerngen warmup --model {shlex.quote(name)} --arch {spec.arch}{user}"
     except Exception:  # a broken tiers file must not hide the miss itself

@@ -258,6 +258,15 @@ def test_explain_a_model_without_op_explains_each_of_its_ops(tmp_path):
     assert out.count("key       ") == len(explained) >= 3, out
 
 
+def test_explain_a_model_names_its_own_warmup_and_skips_the_ops_it_has_no_kernel_of(tmp_path):
+    """qwen3-30b-a3b shares its routing kernel with qwen3-235b-a22b: the build command is its own warmup; it is no
+    latent MoE, so latent_tail is named as unused, not explained at a made-up shape."""
+    out = kerngen("explain", "--model", "qwen3-30b-a3b", "--tokens", "1", cache=tmp_path).stdout
+    hints = [line for line in out.splitlines() if line.startswith("kernels ")]
+    assert hints and all("kerngen warmup --model qwen3-30b-a3b " in line for line in hints), out
+    assert "not used  qwen3-30b-a3b has no latent_tail kernel" in out and "latent_tail-" not in out, out
+
+
 @pytest.mark.parametrize("op, shape", [("permute", ("--experts", "64", "--topk", "8")),
                                        ("experts", ("--hidden", "2048", "--intermediate", "768"))])
 def test_explain_knows_the_ops_warmup_builds(tmp_path, op, shape):
