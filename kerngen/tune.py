@@ -154,8 +154,8 @@ def experts_candidates(fmt: str = "bf16"):
     routing tiles of 8 and 16 rows; fp8 and MXFP4 also with f16x, two m16 tiles an item (mtiles), two weight
     buffers taking turns (pingpong), 8 warps an item, the shapes the shipped rules take with no early weight loads or
     with early_l2, and for 1-2 (or up to 8) tokens x quantized by the first GEMM itself (fused_x, act_f16, stage_act;
-    also at 32 warps an SM, 64 registers without prefetch); weight steps in flight through a
-    shared-memory ring (cp_async); w8a8 with early_l2."""
+    also at 32 warps an SM, 64 registers without prefetch); weight steps in flight through a shared-memory ring
+    (cp_async); w8a8 with early_l2."""
     if fmt == "bf16":
         for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
             yield "mma", dict(tile=tile, warps=warps, unroll=unroll, blocks_per_sm=bps, pdl=True)
@@ -194,8 +194,9 @@ def experts_candidates(fmt: str = "bf16"):
         for warps, cps in itertools.product((2, 4), (3, 4)):   # the same, weight steps in flight through a ring
             yield "mma", dict(tile=8, warps=warps, unroll=1, blocks_per_sm=32 // warps, min_blocks=32 // warps,
                               pdl=True, prefetch=False, f16x=True, fused_x=2, act_f16=False, cp_async=cps)
+        from .ops.experts import CP_RING
         for cps in (2, 3, 4):   # two m16 tiles an item, the weight steps in flight through a ring instead of
-            if cps * 8 * (2 if fmt == "fp8" else 1) <= 40:   # registers (KiB within static shared memory)
+            if cps * 8 * (2 if fmt == "fp8" else 1) * 1024 <= CP_RING:   # registers (within static shared memory)
                 yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=4, pdl=True, prefetch=False, f16x=True,
                                   mtiles=2, cp_async=cps)
         # any token count at tiles of 8 rows: 32 warps an SM at 64 registers, activations prefetched (fp8: no spills)
