@@ -199,14 +199,12 @@ def cmd_explain(args) -> int:
     tbl = _table(args)
     if not args.op and not args.model:
         raise InputError("explain", "--op", "given with its shape (or --model NAME: every op of the model)", "none")
-    if args.model:
-        _model(tbl, args.model)   # a misspelt model is one error, not one per op
+    model = _model(tbl, args.model) if args.model else None   # a misspelt model is one error, not one per op
     arch = _arches(args.arch)[0]
     store = cache_mod.default()
     if args.op:
         _explain_one(args, tbl, arch, store, args.op)
         return 0
-    model = tbl.model(args.model)
     for i, op in enumerate(shape_ops()):   # every op of the model, at --tokens
         print("" if i == 0 else "\n", end="")
         if not warmup.model_specs(model, tbl, arch, ops=[op]):   # (latent_tail: only latent MoE models)
