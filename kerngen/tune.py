@@ -155,7 +155,7 @@ def experts_candidates(fmt: str = "bf16"):
     buffers taking turns (pingpong), 8 warps an item, the shapes the shipped rules take with no early weight loads or
     with early_l2, and for 1-2 (or up to 8) tokens x quantized by the first GEMM itself (fused_x, act_f16, stage_act;
     also at 32 warps an SM, 64 registers without prefetch); weight steps in flight through a shared-memory ring
-    (cp_async); the K loop's whole steps with no bound checks (unguarded); w8a8 with early_l2."""
+    (cp_async); the K loop's whole steps with no bound checks (lean); w8a8 with early_l2."""
     if fmt == "bf16":
         for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
             yield "mma", dict(tile=tile, warps=warps, unroll=unroll, blocks_per_sm=bps, pdl=True)
@@ -199,13 +199,13 @@ def experts_candidates(fmt: str = "bf16"):
             if cps * 8 * (2 if fmt == "fp8" else 1) * 1024 <= CP_RING:   # registers (within static shared memory)
                 yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=4, pdl=True, prefetch=False, f16x=True,
                                   mtiles=2, cp_async=cps)
-        # no early weight loads, the whole steps with no bound checks (unguarded): the 1-2-token shapes at 32 and 16
+        # no early weight loads, the whole steps with no bound checks (lean): the 1-2-token shapes at 32 and 16
         # warps an SM, and two m16 tiles an item
         for few in (dict(unroll=1, blocks_per_sm=8, min_blocks=8, fused_x=2, act_f16=False),
                     dict(unroll=2, blocks_per_sm=4, min_blocks=4, fused_x=2, act_f16=False),
                     dict(unroll=2, blocks_per_sm=4, min_blocks=4, prefetch_x=True),
                     dict(unroll=1, blocks_per_sm=4, mtiles=2)):
-            yield "mma", dict(tile=8, warps=4, pdl=True, prefetch=False, f16x=True, unguarded=True, **few)
+            yield "mma", dict(tile=8, warps=4, pdl=True, prefetch=False, f16x=True, lean=True, **few)
         # any token count at tiles of 8 rows: 32 warps an SM at 64 registers, activations prefetched (fp8: no spills)
         yield "mma", dict(tile=8, warps=8, unroll=1, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
                           prefetch_x=True, f16x=True)

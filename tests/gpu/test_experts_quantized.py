@@ -667,14 +667,14 @@ UNG_SHAPES = [RULE_1_2, dict(RULE_1_2, unroll=2, blocks_per_sm=4, min_blocks=4),
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("params", UNG_SHAPES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
 @pytest.mark.parametrize("H,I", [(1024, 256), (2880, 2880), (3584, 1024)])
-def test_unguarded_gives_the_bits_of_the_build_without_it(fmt, params, H, I):
-    """unguarded (whole K steps with no bound checks, absent rows read a zero vector) changes no arithmetic: the same
+def test_lean_gives_the_bits_of_the_build_without_it(fmt, params, H, I):
+    """lean (whole K steps with no bound checks, absent rows read a zero vector) changes no arithmetic: the same
     bits as the same launch shape without it, every token count it serves, x from shared memory (fused_x, stage_act)
     and from global memory, f16 and bf16 activations, one and two steps a batch, rows that end mid-step (2880)."""
     if fmt == "fp8" and H % 128:
         pytest.skip("fp8 block scales need multiples of 128")
     base = dict(prefetch=False, **params)
-    k = shape_kernels(fmt, H, I, 8, **base, unguarded=True)
+    k = shape_kernels(fmt, H, I, 8, **base, lean=True)
     plain = shape_kernels(fmt, H, I, 8, **base)
     for T in (1, 2) if params.get("fused_x") else (1, 5, 40):
         x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=T + H + 7)
@@ -686,6 +686,6 @@ def test_unguarded_gives_the_bits_of_the_build_without_it(fmt, params, H, I):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_unguarded_inside_a_cuda_graph(fmt):
+def test_lean_inside_a_cuda_graph(fmt):
     """Replayed from a graph on new logits (two tokens, x quantized by experts_gemm1 itself)."""
-    replayed_two_tokens(fmt, shape_kernels(fmt, 1024, 256, 8, **RULE_1_2, prefetch=False, unguarded=True), seed=97)
+    replayed_two_tokens(fmt, shape_kernels(fmt, 1024, 256, 8, **RULE_1_2, prefetch=False, lean=True), seed=97)

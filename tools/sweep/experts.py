@@ -11,7 +11,7 @@
 Random quantized weights (kerngen.tune.random_expert_weights: every code but NaN; scale bytes 118..123 for MXFP4) of
 up to 4 layers cycled, a routing per call, CUDA graphs, each step after a 4 MB producer kernel (its time taken off);
 the floor is the active experts' quantized weight and scale bytes at the streaming-read bandwidth. Prints the tier
-rule's time, its variant without prefetch and that with unguarded (whole K steps with no bound checks), and with `sweep` the six fastest of 4 warps x unroll x blocks_per_sm x
+rule's time, its variant without prefetch and that with lean (whole K steps with no bound checks), and with `sweep` the six fastest of 4 warps x unroll x blocks_per_sm x
 prefetch_x (for -x16 formats also two m16 tiles an item, two weight buffers taking turns, 8 warps an item, no early
 weight loads, and early_l2: the first weights toward L2 before the wait, beside the rule as "rule-early"; `deep`
 times instead only the f16x shapes of 3-6 steps a load batch: more weight bytes in flight a warp at few tokens;
@@ -102,7 +102,7 @@ def main():
                 cands.append(("rule-x16", build({**dict(rule.params), "f16x": True})))
             cands.append(("rule-nopf", build({**dict(rule.params), "prefetch": False})))
             if not a8:   # without early weight loads, the whole K steps with no bound checks
-                cands.append(("nopf-ung", build({**dict(rule.params), "prefetch": False, "unguarded": True})))
+                cands.append(("nopf-ung", build({**dict(rule.params), "prefetch": False, "lean": True})))
             if a8 or x16 or dict(rule.params).get("f16x"):   # the rule with its first weights to L2 before the wait
                 cands.append(("rule-early", build({**dict(rule.params), "early_l2": True,
                                                    **({} if a8 else {"f16x": True})})))

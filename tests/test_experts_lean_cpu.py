@@ -1,10 +1,10 @@
-"""kerngen.experts' unguarded (fp8 / MXFP4 weights, prefetch = false, no cp_async; no GPU): a warp's K steps wholly
-inside the dot product run in a loop of their own with no bound checks, and an absent activation row reads a zero
-vector instead of predicated loads; the partial last step (gpt-oss-120b's 2880 = 22.5 steps) takes the checked loop.
-The 1-token rule of every shipped fp8 and MXFP4 model builds with it in fewer instructions a K step, without local
-memory in the loop and within its register bound; the shipped rules' sources hold none of it; rules that cannot take
-it are refused. The GPU tests (tests/gpu/test_experts_quantized.py) check that the bits are those of the build
-without it."""
+"""kerngen.experts' lean (fp8 / MXFP4 weights, prefetch = false, no cp_async; no GPU): a warp's K steps wholly inside
+the dot product run in a loop of their own with no bound checks, an absent activation row reads a zero vector instead
+of predicated loads (the partial last step, gpt-oss-120b's 2880 = 22.5 steps, takes the checked loop), and MXFP4
+widens to bf16 in three integer instructions a pair. The 1-token rule of every shipped fp8 and MXFP4 model builds
+with it in fewer instructions a K step, without local memory in the loop and within its register bound; the shipped
+rules' sources hold none of it; rules that cannot take it are refused. The GPU tests
+(tests/gpu/test_experts_quantized.py) check that the bits are those of the build without it."""
 import pytest
 
 from kerngen import jit, render, resources, tiers
@@ -15,11 +15,11 @@ from tests.test_experts_fused_x_cpu import one_token_rules
 
 
 def pairs():
-    """(model, its 1-token rule's spec, the same with unguarded) of every shipped fp8 and MXFP4 model."""
+    """(model, its 1-token rule's spec, the same with lean) of every shipped fp8 and MXFP4 model."""
     for m, rule in one_token_rules():
         p = dict(rule.params)
         specs = [ex.rule_spec(tiers.Rule("experts", "mma", rule.ranges, q), m.hidden, m.intermediate, m.activation,
-                              "sm_90a", m.experts_format) for q in (p, {**p, "unguarded": True})]
+                              "sm_90a", m.experts_format) for q in (p, {**p, "lean": True})]
         yield m, *specs
 
 
@@ -42,7 +42,7 @@ def test_one_token_rules_take_fewer_instructions_a_step_without_spills(tmp_path)
 
 def test_the_shipped_rules_do_not_take_it():
     rules = [r for r in tiers.load().rules if r.op == "experts"]
-    assert rules and not any("unguarded" in r.params for r in rules)
+    assert rules and not any("lean" in r.params for r in rules)
     for m, plain, _ in pairs():
         src = render.render(plain)
         assert "KBool" not in src and "kg_xzero" not in src
@@ -52,11 +52,11 @@ def test_the_shipped_rules_do_not_take_it():
     ({}, "bf16", "nk", False), ({"prefetch": True}, "mxfp4", "nk", False), ({"cp_async": 3}, "fp8", "nk", False),
     ({}, "fp8", "nk", True)])
 def test_rules_that_cannot_take_it_are_refused(over, fmt, layout, a8):
-    p = {"tile": 8, "warps": 4, "unroll": 1, "prefetch": False, "unguarded": True, **over}
-    with pytest.raises(TierError, match="unguarded"):
+    p = {"tile": 8, "warps": 4, "unroll": 1, "prefetch": False, "lean": True, **over}
+    with pytest.raises(TierError, match="lean"):
         ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 8)}, p), 2048, 768, "silu", "sm_90a", fmt, layout, a8)
 
 
 def test_the_flag_is_a_flag():
-    with pytest.raises(TierError, match="unguarded"):
-        tiers.check_params("test", "experts", "mma", {"tile": 8, "warps": 4, "unroll": 1, "unguarded": 3})
+    with pytest.raises(TierError, match="lean"):
+        tiers.check_params("test", "experts", "mma", {"tile": 8, "warps": 4, "unroll": 1, "lean": 3})
