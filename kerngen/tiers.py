@@ -118,7 +118,7 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                          "act_f16": FLAG,   # with f16x: gemm2 on the intermediate as f16 (default) or bf16 (false)
                          "stage_act": FLAG,   # with fused_x: gemm2 copies its tile's f16 rows into shared memory
                          "cp_async": _n(2, 8),   # quantized, prefetch = false, unroll 1: weight steps in flight a warp
-                         "lean": FLAG,   # quantized, no pingpong / cp_async: whole K steps unchecked, fewer instructions a step
+                         "lean": FLAG,   # quantized, prefetch = false: whole K steps unchecked, fewer instructions a step
                          "early_l2": FLAG},   # the first item's first weight bytes to L2 before the wait
     ("latent_tail", "fused"): {"backend": NVRTC, "max_tokens": _n(1, 32, required=True),
                                "warps": _n(1, 32, required=True), "unroll": _n(1, 8, required=True),

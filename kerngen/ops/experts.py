@@ -83,9 +83,10 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
                                  or params.get("unroll", 2) != 1):
         raise TierError(f"{where} sets cp_async, which fp8 and MXFP4 weights with bf16 activations take with "
                         "prefetch = false and unroll = 1 (a step a ring slot)")
-    if params.get("lean") and (fmt == "bf16" or a8 or layout == "kn" or params.get("pingpong") or "cp_async" in params):
-        raise TierError(f"{where} sets lean, which fp8 and MXFP4 weights with bf16 or f16 activations take without "
-                        "pingpong and cp_async")
+    if params.get("lean") and (fmt == "bf16" or a8 or layout == "kn" or params.get("prefetch", True)
+                                    or "cp_async" in params):
+        raise TierError(f"{where} sets lean, which fp8 and MXFP4 weights with bf16 or f16 activations take with "
+                        "prefetch = false and without cp_async")
     ring = params.get("cp_async", 0) * params["warps"] * params.get("mtiles", 1) * (2 if fmt == "fp8" else 1) * 1024
     if ring > CP_RING:
         raise TierError(f"{where} sets cp_async = {params['cp_async']}: its ring (cp_async x warps x mtiles KiB, twice "

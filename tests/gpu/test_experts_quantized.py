@@ -661,30 +661,24 @@ def test_cp_async_inside_a_cuda_graph(fmt):
 
 UNG_SHAPES = [RULE_1_2, dict(RULE_1_2, unroll=2, blocks_per_sm=4, min_blocks=4),
               dict(f16x=True, unroll=2, blocks_per_sm=4, min_blocks=4), dict(f16x=True, mtiles=2),
-              dict(f16x=True, fused_x=2, stage_act=True), dict(f16x=False), dict(f16x=False, unroll=2),
-              dict(f16x=True, mtiles=2, prefetch=True, prefetch_x=True), dict(f16x=True, prefetch=True),
-              dict(f16x=True, fused_x=2, stage_act=True, prefetch=True, prefetch_x=True),
-              dict(f16x=False, prefetch=True, prefetch_x=True), dict(f16x=False, tile=16, prefetch=True)]
+              dict(f16x=True, fused_x=2, stage_act=True), dict(f16x=False), dict(f16x=False, unroll=2)]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("params", UNG_SHAPES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
 @pytest.mark.parametrize("H,I", [(1024, 256), (2880, 2880), (3584, 1024)])
 def test_lean_gives_the_bits_of_the_build_without_it(fmt, params, H, I):
-    """lean (whole K steps with no bound checks, absent rows read a zero vector, MXFP4's widening to bf16 in three
-    instructions a pair, a bf16 intermediate stored paired) changes no arithmetic: the same bits as the same launch
-    shape without it, every token count it serves, x from shared memory (fused_x, stage_act) and from global memory,
-    f16 and bf16 activations, one and two steps a batch, with and without the next steps' loads issued early
-    (prefetch, prefetch_x), rows that end mid-step (2880)."""
+    """lean (whole K steps with no bound checks, absent rows read a zero vector) changes no arithmetic: the same
+    bits as the same launch shape without it, every token count it serves, x from shared memory (fused_x, stage_act)
+    and from global memory, f16 and bf16 activations, one and two steps a batch, rows that end mid-step (2880)."""
     if fmt == "fp8" and H % 128:
         pytest.skip("fp8 block scales need multiples of 128")
-    base = {"prefetch": False, **params}
-    tile = base.pop("tile", 8)
-    k = shape_kernels(fmt, H, I, tile, **base, lean=True)
-    plain = shape_kernels(fmt, H, I, tile, **base)
+    base = dict(prefetch=False, **params)
+    k = shape_kernels(fmt, H, I, 8, **base, lean=True)
+    plain = shape_kernels(fmt, H, I, 8, **base)
     for T in (1, 2) if params.get("fused_x") else (1, 5, 40):
         x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=T + H + 7)
-        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=tile)
+        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
         got, want = run_f16x(k, x, r, w, s), run_f16x(plain, x, r, w, s)
         rows = r.permuted_to_token >= 0
         assert torch.equal(got[rows], want[rows])
