@@ -117,7 +117,6 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                          "fused_x": _n(1, 16),   # with f16x: gemm1 quantizes x itself, calls of at most so many tokens
                          "act_f16": FLAG,   # with f16x: gemm2 on the intermediate as f16 (default) or bf16 (false)
                          "stage_act": FLAG,   # with fused_x: gemm2 copies its tile's f16 rows into shared memory
-                         "cp_async": _n(2, 8),   # quantized, prefetch = false, unroll 1: weight steps in flight a warp
                          "lean": FLAG,   # quantized, prefetch = false: whole K steps unchecked, fewer instructions a step
                          "early_l2": FLAG},   # the first item's first weight bytes to L2 before the wait
     ("latent_tail", "fused"): {"backend": NVRTC, "max_tokens": _n(1, 32, required=True),

@@ -154,8 +154,8 @@ def experts_candidates(fmt: str = "bf16"):
     routing tiles of 8 and 16 rows; fp8 and MXFP4 also with f16x, two m16 tiles an item (mtiles), two weight
     buffers taking turns (pingpong), 8 warps an item, the shapes the shipped rules take with no early weight loads or
     with early_l2, and for 1-2 (or up to 8) tokens x quantized by the first GEMM itself (fused_x, act_f16, stage_act;
-    also at 32 warps an SM, 64 registers without prefetch); weight steps in flight through a shared-memory ring
-    (cp_async); the K loop's whole steps with no bound checks (lean); w8a8 with early_l2."""
+    also at 32 warps an SM, 64 registers without prefetch); the K loop's whole steps with no bound checks (lean);
+    w8a8 with early_l2."""
     if fmt == "bf16":
         for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
             yield "mma", dict(tile=tile, warps=warps, unroll=unroll, blocks_per_sm=bps, pdl=True)
@@ -191,14 +191,6 @@ def experts_candidates(fmt: str = "bf16"):
                 continue   # one step a warp in flight (no copies between steps), latency hidden by the warps
             yield "mma", dict(tile=8, warps=warps, unroll=1, blocks_per_sm=32 // warps, min_blocks=32 // warps,
                               pdl=True, prefetch=False, f16x=True, fused_x=fx, act_f16=f16)
-        for warps, cps in itertools.product((2, 4), (3, 4)):   # the same, weight steps in flight through a ring
-            yield "mma", dict(tile=8, warps=warps, unroll=1, blocks_per_sm=32 // warps, min_blocks=32 // warps,
-                              pdl=True, prefetch=False, f16x=True, fused_x=2, act_f16=False, cp_async=cps)
-        from .ops.experts import CP_RING
-        for cps in (2, 3, 4):   # two m16 tiles an item, the weight steps in flight through a ring instead of
-            if cps * 8 * (2 if fmt == "fp8" else 1) * 1024 <= CP_RING:   # registers (within static shared memory)
-                yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=4, pdl=True, prefetch=False, f16x=True,
-                                  mtiles=2, cp_async=cps)
         # no early weight loads, the whole steps with no bound checks (lean): the 1-2-token shapes at 32 and 16
         # warps an SM, and two m16 tiles an item
         for few in (dict(unroll=1, blocks_per_sm=8, min_blocks=8, fused_x=2, act_f16=False),
@@ -403,7 +395,7 @@ def tune(model_name: str, ops, tokens=DEFAULT_TOKENS, progress: bool = True) -> 
                 try:
                     us = timer(model, T, variant, params)
                 except (CompileError, TierError) as e:   # e.g. more token groups than the shared memory of E
-                    # experts holds, or a shape this model's sizes refuse (a ring or fused rows too large)
+                    # experts holds, or a shape this model's sizes refuse (fused rows too large)
                     unfit[(variant, str(params))] = e
                     us = float("inf")
                 if best is None or us < best[0]:

@@ -1,4 +1,4 @@
-"""kerngen.experts' lean (fp8 / MXFP4 weights, prefetch = false, no cp_async; no GPU): a warp's K steps wholly inside
+"""kerngen.experts' lean (fp8 / MXFP4 weights, prefetch = false; no GPU): a warp's K steps wholly inside
 the dot product run in a loop of their own with no bound checks, an absent activation row reads a zero vector instead
 of predicated loads (the partial last step, gpt-oss-120b's 2880 = 22.5 steps, takes the checked loop), and MXFP4
 widens to bf16 in three integer instructions a pair. The 1-token rule of every shipped fp8 and MXFP4 model builds
@@ -55,7 +55,7 @@ def test_the_mxfp4_one_token_rule_takes_it_and_no_other():
 
 
 @pytest.mark.parametrize("over,fmt,layout,a8", [
-    ({}, "bf16", "nk", False), ({"prefetch": True}, "mxfp4", "nk", False), ({"cp_async": 3}, "fp8", "nk", False),
+    ({}, "bf16", "nk", False), ({"prefetch": True}, "mxfp4", "nk", False), ({}, "mxfp4", "kn", False),
     ({}, "fp8", "nk", True)])
 def test_rules_that_cannot_take_it_are_refused(over, fmt, layout, a8):
     p = {"tile": 8, "warps": 4, "unroll": 1, "prefetch": False, "lean": True, **over}

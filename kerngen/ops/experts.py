@@ -51,7 +51,6 @@ EAGER_GRAPH_TOKENS = 4
 PARAMS_SCALED = Params(*PARAMS.fields, ("s13", "ptr"), ("s2", "ptr"))
 # fp8 activations (fp8_activations=True): then x and the intermediate quantized, with their scales
 QUANT_CTAS = 8   # fp8 activations: CTAs an SM of the quantizing kernels (8 warps each: a full SM)
-CP_RING = 40 << 10   # cp_async: the most bytes its ring takes (static shared memory stops at 48 KiB a CTA)
 PARAMS_A8 = Params(*PARAMS_SCALED.fields, ("xq", "ptr"), ("xsc", "ptr"), ("aq", "ptr"), ("asc", "ptr"))
 
 
@@ -79,19 +78,9 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
     if params.get("f16x") and (fmt not in ("fp8", "mxfp4") or a8):
         raise TierError(f"{where} sets f16x, which only fp8 and MXFP4 weights with bf16 activations take (not "
                         f"{rule_format(fmt, a8)})")
-    if "cp_async" in params and (fmt == "bf16" or a8 or layout == "kn" or params.get("prefetch", True)
-                                 or params.get("unroll", 2) != 1):
-        raise TierError(f"{where} sets cp_async, which fp8 and MXFP4 weights with bf16 activations take with "
-                        "prefetch = false and unroll = 1 (a step a ring slot)")
-    if params.get("lean") and (fmt == "bf16" or a8 or layout == "kn" or params.get("prefetch", True)
-                                    or "cp_async" in params):
+    if params.get("lean") and (fmt == "bf16" or a8 or layout == "kn" or params.get("prefetch", True)):
         raise TierError(f"{where} sets lean, which fp8 and MXFP4 weights with bf16 or f16 activations take with "
-                        "prefetch = false and without cp_async")
-    ring = params.get("cp_async", 0) * params["warps"] * params.get("mtiles", 1) * (2 if fmt == "fp8" else 1) * 1024
-    if ring > CP_RING:
-        raise TierError(f"{where} sets cp_async = {params['cp_async']}: its ring (cp_async x warps x mtiles KiB, twice "
-                        f"that for fp8) of {ring // 1024} KiB is more than the {CP_RING // 1024} KiB of static shared "
-                        "memory it may take")
+                        "prefetch = false")
     if params.get("pingpong") and not (params.get("f16x") and params.get("prefetch", True)):
         raise TierError(f"{where} sets pingpong without f16x and prefetch: only the f16-activation builds that load "
                         "the next steps ahead take it")

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import kerngen
-from kerngen.errors import TierError
 from kerngen.ops import experts as ex
 from tests.test_experts_fp8_cpu import fp8_weights
 from tests.test_experts_mxfp4_cpu import mx_weights
@@ -626,45 +625,6 @@ def test_fused_x_inside_a_cuda_graph(fmt, act_f16):
 
 
 RULE_1_2 = dict(f16x=True, fused_x=2, act_f16=False, blocks_per_sm=8, min_blocks=8)   # the 1-2-token rule's shape
-CP_SHAPES = [(RULE_1_2, 3), (RULE_1_2, 2), (dict(f16x=True, fused_x=2, act_f16=False, blocks_per_sm=1), 5),
-             (dict(f16x=True), 3), (dict(f16x=True, mtiles=2), 3), (dict(f16x=True, warps=8, blocks_per_sm=4), 4),
-             (dict(f16x=False), 3)]
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("params,cps", CP_SHAPES,
-                         ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()) if isinstance(p, dict) else str(p))
-@pytest.mark.parametrize("H,I", [(1024, 256), (2880, 2880), (3584, 1024)])
-def test_cp_async_gives_the_bits_of_the_build_without_it(fmt, params, cps, H, I):
-    """cp_async (weight steps in flight through a shared-memory ring) only changes how the weight bytes arrive: the
-    same bits as the same launch shape without it, every token count it serves, CTAs of 4 and 8 warps, rows
-    that end mid-step (2880), items of one m16 tile and of two; and close to the reference."""
-    if fmt == "fp8" and H % 128:
-        pytest.skip("fp8 block scales need multiples of 128")
-    base = dict(prefetch=False, **params)
-    ring = cps * base.get("warps", 4) * base.get("mtiles", 1) * (2 if fmt == "fp8" else 1) * 1024
-    if ring > ex.CP_RING:   # (fp8's ring is twice MXFP4's: these shapes do not fit, and say so)
-        with pytest.raises(TierError, match=f"cp_async = {cps}: its ring"):
-            shape_kernels(fmt, H, I, 8, **base, cp_async=cps)
-        return
-    k = shape_kernels(fmt, H, I, 8, **base, cp_async=cps)
-    plain = shape_kernels(fmt, H, I, 8, **base)
-    for T in (1, 2) if params.get("fused_x") else (1, 5, 40):
-        x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=T + H + cps)
-        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
-        got, want = run_f16x(k, x, r, w, s), run_f16x(plain, x, r, w, s)
-        rows = r.permuted_to_token >= 0
-        assert torch.equal(got[rows], want[rows])
-        check_rows(got, ex.reference(x, r, *w, **s), r)
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_cp_async_inside_a_cuda_graph(fmt):
-    """Replayed from a graph on new logits (two tokens, x quantized by experts_gemm1 itself)."""
-    replayed_two_tokens(fmt, shape_kernels(fmt, 1024, 256, 8, f16x=True, fused_x=2, act_f16=False, prefetch=False,
-                                           cp_async=3), seed=93)
-
-
 UNG_SHAPES = [RULE_1_2, dict(RULE_1_2, unroll=2, blocks_per_sm=4, min_blocks=4),
               dict(f16x=True, unroll=2, blocks_per_sm=4, min_blocks=4), dict(f16x=True, mtiles=2),
               dict(f16x=True, fused_x=2, stage_act=True), dict(f16x=False), dict(f16x=False, unroll=2)]

@@ -1,12 +1,11 @@
 #!/usr/bin/env python3
 """kerngen.experts' quantized builds (fp8, MXFP4) over launch shapes, for their tier rules (GPU).
 
-    python3 -m tools.sweep.experts FORMAT MODELS TOKENS [sweep|deep|ring] (FORMAT fp8, mxfp4, fp8-a8: fp8_activations,
+    python3 -m tools.sweep.experts FORMAT MODELS TOKENS [sweep|deep] (FORMAT fp8, mxfp4, fp8-a8: fp8_activations,
                                                                       fp8-x16 / mxfp4-x16: f16x launch shapes)
     python3 -m tools.sweep.experts fp8 deepseek-v3,kimi-k2 1,8,64 sweep
     python3 -m tools.sweep.experts mxfp4-x16 gpt-oss-120b,kimi-k3 1,8,64 sweep
     python3 -m tools.sweep.experts mxfp4-x16 gpt-oss-120b,kimi-k3 1,2 deep     # deeper load batches only
-    python3 -m tools.sweep.experts mxfp4-x16 gpt-oss-120b,kimi-k3 1,2,8,64 ring   # weight steps through a ring
 
 Random quantized weights (kerngen.tune.random_expert_weights: every code but NaN; scale bytes 118..123 for MXFP4) of
 up to 4 layers cycled, a routing per call, CUDA graphs, each step after a 4 MB producer kernel (its time taken off);
@@ -14,8 +13,7 @@ the floor is the active experts' quantized weight and scale bytes at the streami
 rule's time, its variant without prefetch and that with lean (whole K steps with no bound checks), and with `sweep` the six fastest of 4 warps x unroll x blocks_per_sm x
 prefetch_x (for -x16 formats also two m16 tiles an item, two weight buffers taking turns, 8 warps an item, no early
 weight loads, and early_l2: the first weights toward L2 before the wait, beside the rule as "rule-early"; `deep`
-times instead only the f16x shapes of 3-6 steps a load batch: more weight bytes in flight a warp at few tokens;
-`ring` only the f16x shapes whose weight steps travel through a shared-memory ring, cp_async 2-6 deep), each
+times instead only the f16x shapes of 3-6 steps a load batch: more weight bytes in flight a warp at few tokens), each
 launched at most as many CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). A
 -x16 format times the rule with f16x (activations carried as f16) beside it, and sweeps the f16x shapes. Every
 candidate is built first by a pool of processes. Correctness is the GPU tests' job
@@ -29,7 +27,6 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 import kerngen
 from kerngen import tiers
-from kerngen.errors import TierError
 from kerngen.launch import _drv
 from kerngen.ops import experts as ex
 from kerngen.plan import target_arch
@@ -69,8 +66,8 @@ def main():
     a8 = fmt == "fp8-a8"   # fp8 weights with fp8 activations (experts(..., fp8_activations=True))
     x16 = fmt.endswith("-x16")   # the f16x launch shapes
     fmt = "fp8" if a8 else fmt.removesuffix("-x16")
-    sweep = len(sys.argv) > 4 and sys.argv[4] in ("sweep", "deep", "ring")
-    deep, ring = sweep and sys.argv[4] == "deep", sweep and sys.argv[4] == "ring"
+    sweep = len(sys.argv) > 4 and sys.argv[4] in ("sweep", "deep")
+    deep = sweep and sys.argv[4] == "deep"
     bw = read_bandwidth_tbs()
     dev, arch = 0, target_arch(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -102,7 +99,7 @@ def main():
                 cands.append(("rule-x16", build({**dict(rule.params), "f16x": True})))
             cands.append(("rule-nopf", build({**dict(rule.params), "prefetch": False})))
             if not a8:   # without early weight loads, the whole K steps with no bound checks
-                cands.append(("nopf-ung", build({**dict(rule.params), "prefetch": False, "lean": True})))
+                cands.append(("nopf-lean", build({**dict(rule.params), "prefetch": False, "lean": True})))
             if a8 or x16 or dict(rule.params).get("f16x"):   # the rule with its first weights to L2 before the wait
                 cands.append(("rule-early", build({**dict(rule.params), "early_l2": True,
                                                    **({} if a8 else {"f16x": True})})))
@@ -112,18 +109,7 @@ def main():
                                   build(dict(warps=4, unroll=u, blocks_per_sm=b, pdl=True, prefetch=pf,
                                              prefetch_x=True, f16x=True, **({"mtiles": 2} if mt == 2 else {}),
                                              **({"min_blocks": b} if b <= 4 else {})))))
-            if ring:   # weight steps in flight through a shared-memory ring (x quantized by gemm1 itself to 2 tokens)
-                few = dict(fused_x=2, act_f16=False) if T <= 2 else {}
-                for w, c, b, mt in itertools.product((2, 4), (2, 3, 4, 6), (4, 6, 8, 16), (1, 2)):
-                    if w * b <= 32 and not (mt == 2 and few):
-                        p = dict(warps=w, unroll=1, blocks_per_sm=b, min_blocks=b, pdl=True, prefetch=False,
-                                 f16x=True, cp_async=c, tile=tile, **few, **({"mtiles": 2} if mt == 2 else {}))
-                        try:
-                            cands.append((f"w{w} b{b} t{mt} ring{c} h", ex.rule_spec(
-                                tiers.Rule("experts", "mma", {"tokens": (1, T)}, p), H, I, act, arch, fmt, "nk", a8)))
-                        except TierError:   # a ring past static shared memory
-                            pass
-            if sweep and not deep and not ring:
+            if sweep and not deep:
                 for w, u, b, px in itertools.product((4,), (1, 2), (4, 5, 6, 8), (False, True)):
                     cands.append((f"w{w} u{u} b{b}" + " x" * px + " h" * x16,
                                   build(dict(warps=w, unroll=u, blocks_per_sm=b, pdl=True, prefetch_x=px,
@@ -165,7 +151,7 @@ def main():
                                       build(dict(warps=4, unroll=1, blocks_per_sm=b, pdl=True, prefetch_x=px,
                                                  min_blocks=b, **({"f16x": True} if x16 else {})))))
             prebuild([s for _, s in cands])
-            if deep or ring:   # shapes that spill are not timed
+            if deep:   # shapes that spill are not timed
                 cands = [(label, s) for label, s in cands if label == "rule" or not spills(s)]
             res, seen = [], set()
             for label, s in cands:
@@ -189,7 +175,7 @@ def main():
             rr = next(r for r in res if r[1] == "rule")
             print(f"{fmt}{'-a8' if a8 else ''} {m:13s} T={T:3d} tile {tile:2d} floor {floor:7.1f} | rule {rr[0]:7.1f} ({100*floor/rr[0]:3.0f}%) occ {rr[2]} {rr[3]}", flush=True)
             for us, label, occ, p in res[:6] if sweep else [r for r in res if r[1] in ("bf16-act", "rule-x16", "rule-early",
-                                                                            "rule-nopf", "nopf-ung")]:
+                                                                            "rule-nopf", "nopf-lean")]:
                 print(f"      {us:7.1f} ({100*floor/us:3.0f}%) {label:12s} occ {occ} {p}", flush=True)
         del W
         torch.cuda.empty_cache()
