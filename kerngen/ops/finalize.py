@@ -1,6 +1,9 @@
 """finalize: gather each token's top-k expert output rows, weight them, reduce in fp32 (k ascending).
 
     out[t, :] = sum_k  w[t, k] * gemm2_out[expanded_to_permuted[t, k], :H]      (index -1 skipped)
+
+This module plans and launches; the reference is finalize_reference.py's, the input checks finalize_checks.py's
+(both re-exported here).
 """
 from __future__ import annotations
 
@@ -11,34 +14,17 @@ from ..errors import InputError
 from ..dispatch import Dispatch, calls, lookup, rule_spec
 from ..launch import Launcher, Params, current_stream
 from ..tiers import BACKENDS, Model, Table
-from ._common import (SHORT, DTYPE_NAMES, arch, check_aligned, check_buffer, check_gather_inputs, check_rows,
-                      resolve, table)
+from ._common import SHORT, DTYPE_NAMES, arch, check_buffer, resolve, table
+# the reference and the checks live in modules of their own; re-exported here
+from .finalize_checks import MAX_K, _ACT, _W, check_args  # noqa: F401
+from .finalize_reference import reference  # noqa: F401
 
 OP = "finalize"
 TORCH_OPS = ("finalize",)   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
-MAX_K = 64
 CUTE_MAX_K = 32   # templates/finalize/cute.py keeps a token's indices and weights in registers
-_ACT = (torch.bfloat16, torch.float16)
-_W = (torch.float32, torch.bfloat16)
 # struct Params of templates/finalize/_finalize.cuh.j2 (`in_`: the C field `in`, a Python keyword)
 PARAMS = Params(("in_", "ptr"), ("idx", "ptr"), ("w", "ptr"), ("out", "ptr"), ("ld", "int"), ("rows", "int"),
                 ("tokens", "int"))
-
-
-def reference(gemm2_out, expanded_to_permuted, topk_weights, hidden=None):
-    """Plain torch: fp32, k ascending, separate multiply and add; the kernels match it bitwise."""
-    H = hidden or gemm2_out.shape[1]
-    T, K = expanded_to_permuted.shape
-    acc = torch.zeros(T, H, dtype=torch.float32, device=gemm2_out.device)
-    rows = gemm2_out.shape[0]
-    if rows == 0:   # every index lies outside [0, rows): nothing contributes
-        return acc.to(gemm2_out.dtype)
-    for k in range(K):
-        idx = expanded_to_permuted[:, k].long()
-        valid = (idx >= 0) & (idx < rows)
-        x = gemm2_out[idx.clamp(0, rows - 1), :H].float()
-        acc = torch.where(valid[:, None], acc + topk_weights[:, k].float()[:, None] * x, acc)
-    return acc.to(gemm2_out.dtype)
 
 
 def spec(hidden: int, top_k: int, dtype: str, weights_dtype: str, tokens: int, arch_: str,
@@ -202,16 +188,3 @@ def _prepare(g, e2p, w, hidden) -> tuple:
     d = dispatch(dev, hidden=H, top_k=K, dtype=DTYPE_NAMES[g.dtype], weights_dtype=DTYPE_NAMES[w.dtype])
     launcher = d.served(T)
     return launcher, T, H, g.stride(0), g.shape[0], dev
-
-
-def check_args(g, e2p, w, hidden, *, cuda: bool = True):
-    """Full validation with a message naming the argument; runs on the first call of a shape or on any doubt,
-    and (cuda=False) before the reference of torch.ops.kerngen.finalize on CPU tensors."""
-    T, K = check_gather_inputs(OP, g, e2p, w, _ACT, _W, MAX_K, cuda=cuda)
-    H = g.shape[1] if hidden is None else hidden
-    if not isinstance(H, int) or H < 8 or H % 8 or H > g.shape[1]:
-        raise InputError(OP, "hidden", f"a multiple of 8 in [8, {g.shape[1]}] (gemm2_out's width)", repr(H))
-    check_rows(OP, g, H)
-    check_aligned(OP, "gemm2_out", g)
-
-
