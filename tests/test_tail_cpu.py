@@ -14,7 +14,7 @@ import kerngen
 from kerngen import jit, resources, tiers
 from kerngen.cache import DiskCache
 from kerngen.errors import CompileError
-from kerngen.ops import tail
+from kerngen.ops import tail, tail_checks
 from tests.helpers import assert_no_spills
 
 
@@ -250,7 +250,7 @@ def cpu_moe_tail(monkeypatch):
     """moe_tail on CPU tensors past the device check, with a stand-in for the kernel that records its call."""
     calls = []
     kerngen.dispatch.calls("tail").clear()
-    monkeypatch.setattr(tail, "check_gather_inputs", lambda op, g, e2p, w, *a, **kw: tuple(e2p.shape))
+    monkeypatch.setattr(tail_checks, "check_gather_inputs", lambda op, g, e2p, w, *a, **kw: tuple(e2p.shape))
     monkeypatch.setattr(tail, "arch", lambda dev: "sm_90a")
     monkeypatch.setattr(tail, "kernel", lambda s, *a: lambda *args: calls.append((s, args)))
 

@@ -19,6 +19,9 @@ The kernel divides with IEEE fp32 division, as the reference does, so the two di
 differ (FMA and summation order, ~1e-7 relative): scales agree to a few 1e-7 relative, and q bitwise except
 where n / scale lies that close to an e4m3 rounding boundary (one e4m3 step apart there). A NaN in y makes
 the row's rstd, scales and values NaN, as it makes the bf16 output NaN.
+
+This module plans and launches; the reference is tail_reference.py's, the input checks tail_checks.py's (both
+re-exported here).
 """
 from __future__ import annotations
 
@@ -28,20 +31,14 @@ from .. import plan as plan_mod
 from ..errors import InputError
 from ..dispatch import Dispatch, calls, lookup
 from ..tiers import Model, Rule, Table
-from ._common import (DTYPE_NAMES, SHORT, arch, check_aligned, check_buffer, check_eps, check_gather_inputs,
-                      check_rows, check_tensor, resolve, table)
+from ._common import DTYPE_NAMES, SHORT, arch, check_aligned, check_buffer, check_eps, resolve, table
+# the reference and the checks live in modules of their own; re-exported here
+from .tail_checks import MAX_K, _ACT, _OUT, _W, check_args  # noqa: F401
+from .tail_reference import FP8, FP8_BLOCK, FP8_MAX, SCALE_FLOOR, quantize_fp8, reference  # noqa: F401
 from .tail_tp import moe_tail_tp
 
 OP = "tail"
 TORCH_OPS = ("moe_tail",)   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
-MAX_K = 32
-FP8 = torch.float8_e4m3fn
-FP8_BLOCK = 128      # columns per scale
-FP8_MAX = 448.0      # largest finite e4m3fn
-SCALE_FLOOR = 1e-12  # an all-zero block gets this amax (scale > 0, q = 0)
-_ACT = (torch.bfloat16, torch.float16)
-_W = (torch.float32, torch.bfloat16)
-_OUT = _ACT + (FP8,)
 _NAMES = {**DTYPE_NAMES, FP8: "float8_e4m3fn"}
 _SHORT = {**SHORT, "float8_e4m3fn": "e4m3"}
 # Flag sets `kerngen warmup` builds for every model: (shared, residual, residual_out). The pre-norm residual
@@ -49,43 +46,6 @@ _SHORT = {**SHORT, "float8_e4m3fn": "e4m3"}
 # new residual), with the model's dtype as output. Other combinations, fp8 output among them, compile on
 # first use (fp8 variants for every model would double warmup's compile time).
 WARMUP_FLAGS = ((True, True, False), (True, True, True))
-
-
-def quantize_fp8(n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, H] fp32 -> (q [T, H] float8_e4m3fn, scales [T, H // 128] fp32), per token and 128 columns."""
-    T, H = n.shape
-    blocks = n.float().view(T, H // FP8_BLOCK, FP8_BLOCK)
-    scales = blocks.abs().amax(-1).clamp_min(SCALE_FLOOR) / FP8_MAX
-    # n / scale exceeds 448 only by a rounding error; saturate explicitly, as the kernel's cvt.rn.satfinite
-    # does, instead of relying on how a torch version casts values beyond 448 (round to nearest even below)
-    q = (blocks / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(T, H), scales
-
-
-def reference(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, *, eps=1e-6, shared=None,
-              residual=None, out_dtype=None):
-    """fp32 torch math of the fused tail; returns (out, residual_out). Index -1 (or >= rows) is skipped.
-
-    out is what moe_tail returns: a tensor, or (q, scales) for out_dtype=torch.float8_e4m3fn.
-    out_dtype=torch.float32 gives n itself (the normalized row before any rounding)."""
-    g, e2p = gemm2_out, expanded_to_permuted
-    H = norm_weight.shape[0]
-    rows = g.shape[0]
-    idx = e2p.long()
-    valid = (idx >= 0) & (idx < rows)
-    x = g[idx.clamp(0, max(rows - 1, 0)), :H].float() if rows else torch.zeros(*idx.shape, H, device=g.device)
-    w = torch.where(valid, topk_weights.float(), 0.0)
-    y = torch.zeros(e2p.shape[0], H, dtype=torch.float32, device=g.device)
-    for k in range(e2p.shape[1]):  # k ascending, like the kernel
-        y = y + w[:, k, None] * torch.where(valid[:, k, None], x[:, k], 0.0)
-    if shared is not None:
-        y = y + shared.float()
-    if residual is not None:
-        y = y + residual.float()
-    rstd = torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    n = y * rstd * norm_weight.float()
-    out = quantize_fp8(n) if out_dtype == FP8 else n.to(out_dtype or g.dtype)
-    return out, y.to(g.dtype)
 
 
 def _tag(H, K, dtype, wdtype, odtype, flags):
@@ -246,31 +206,3 @@ def _prepare(g, e2p, w, nw, shared, residual, residual_out, out_dtype) -> tuple:
 
 
 _INF = float("inf")
-
-
-def check_args(g, e2p, w, nw, shared=None, residual=None, residual_out=None, out_dtype=None, *, cuda: bool = True):
-    """Full validation with a message naming the argument; runs on the first call of a signature, and
-    (cuda=False) before the reference of torch.ops.kerngen.moe_tail on CPU tensors."""
-    T, K = check_gather_inputs(OP, g, e2p, w, _ACT, _W, MAX_K, cuda=cuda)
-    dev = g.device
-    check_tensor(OP, "norm_weight", nw, dtypes=(g.dtype,), ndim=1, device=dev, contiguous=True)
-    H = nw.shape[0]
-    if H < 8 or H % 8 or H > g.shape[1]:
-        raise InputError(OP, "norm_weight", f"of length H, a multiple of 8 in [8, {g.shape[1]}] (gemm2_out's width)",
-                         f"length {H}")
-    check_rows(OP, g, H)
-    for name, t in (("shared", shared), ("residual", residual), ("residual_out", residual_out)):
-        if t is not None:
-            check_tensor(OP, name, t, dtypes=(g.dtype,), ndim=2, device=dev, contiguous=True)
-            if tuple(t.shape) != (T, H):
-                raise InputError(OP, name, f"of shape {(T, H)}", f"{tuple(t.shape)}")
-            check_aligned(OP, name, t)
-    if out_dtype is not None and out_dtype not in _OUT:
-        raise InputError(OP, "out_dtype", "torch.bfloat16, torch.float16, torch.float8_e4m3fn or None", str(out_dtype))
-    if out_dtype == FP8 and H % FP8_BLOCK:
-        raise InputError(OP, "norm_weight", f"of length H, a multiple of {FP8_BLOCK}, for out_dtype="
-                         "torch.float8_e4m3fn (one scale per 128 columns); use a bf16/fp16 out_dtype", f"length {H}")
-    for name, t in (("gemm2_out", g), ("expanded_to_permuted", e2p), ("topk_weights", w), ("norm_weight", nw)):
-        check_aligned(OP, name, t)
-
-
