@@ -199,7 +199,7 @@ def experts_specs():
     for m in t.models.values():
         specs += [s for s in ex.model_specs(m, t, "sm_90a") if s not in specs]
     for act in ex.ACTIVATIONS:
-        s = ex.spec(2880, 2880, ex.MAX_TILE, act, 64, "sm_90a", t)
+        s = ex.spec(2880, 2880, ex.MMA_MAX_TILE, act, 64, "sm_90a", t)
         if s not in specs:
             specs.append(s)
     return specs

@@ -21,7 +21,7 @@ def specs(fmt):
     t = tiers.load()
     out = [s for m in t.models.values() for s in ex.model_specs(m, t, "sm_90a") if dict(s.constants)["FORMAT"] == fmt]
     for act in ex.ACTIVATIONS:
-        s = ex.spec(2048, 768, ex.MAX_TILE, act, 64, "sm_90a", t, fmt)
+        s = ex.spec(2048, 768, ex.MMA_MAX_TILE, act, 64, "sm_90a", t, fmt)
         if s not in out:
             out.append(s)
     return out

@@ -7,7 +7,7 @@ For every permuted row r of token t = permuted_to_token[r] and local expert e = 
     out = bf16(a @ w2[e].T + b2[e])             (fp32) -> kerngen.finalize / moe_tail
 
 Padding rows (token -1) of `out` are left unwritten by the kernel (zero in the reference); finalize never reads
-them. Shapes an "experts" tier rule serves with a tile of at most MAX_TILE rows run templates/experts/mma.cu.j2
+them. Shapes an "experts" tier rule serves with a tile of at most MMA_MAX_TILE rows run templates/experts/mma.cu.j2
 (tensor cores, a persistent grid); any other shape on CUDA runs torch._grouped_mm, and CPU tensors run the
 reference. This module plans and launches; the reference is experts_reference.py's, the input checks
 experts_checks.py's (both re-exported here).
@@ -38,7 +38,7 @@ OP = "experts"
 TORCH_OPS = ("moe_experts",)   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
 SHAPE_FLAGS = ("hidden", "intermediate")   # the shape `kerngen explain --op experts` needs (default: top_k, hidden)
 VARIANTS = ("mma",)
-MAX_TILE = 16   # rows of a tile the kernels take (two 8-row n-blocks of mma accumulators)
+MMA_MAX_TILE = 16   # rows of a tile the kernels take (two 8-row n-blocks of mma accumulators)
 # struct Params of templates/experts/mma.cu.j2 (both kernels)
 PARAMS = Params(("x", "ptr"), ("w13", "ptr"), ("b13", "ptr"), ("inw", "ptr"), ("w2", "ptr"), ("b2", "ptr"),
                 ("p2t", "ptr"), ("t2e", "ptr"), ("nrows", "ptr"), ("act", "ptr"), ("out", "ptr"), ("tokens", "int"),
@@ -499,7 +499,7 @@ def _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weight
     a0, a1 = (alpha, limit) if activation == "gpt_oss" else (beta, linear_beta)
     dev = x.get_device()
     k = None
-    if x.device.type in _common.KERNEL_DEVICES and tile <= MAX_TILE and routing.tile_to_expert.shape[0]:
+    if x.device.type in _common.KERNEL_DEVICES and tile <= MMA_MAX_TILE and routing.tile_to_expert.shape[0]:
         d = dispatch(dev, H=H, I=I, activation=activation, fmt=fmt, layout=layout, a8=fp8_activations)
         k = d.kernel(x.shape[0])
         if k is not None and k.tile != tile:   # a routing built with another tile: the same rule at that tile
