@@ -1,8 +1,8 @@
-"""kerngen's imports run one way: tiers → plan → render → compile → trust → cache → jit → launch/dispatch → ops →
-warmup/tune/cli. Every import in the package, lazy ones inside functions too, is read from the source: none
-reaches a module of a later tier, and the graph has no cycle. (The modules the backend table names, tiers.BACKENDS'
-compiler and loader, are imported by name from jit and ops/_common: compile and cute_backend, launch; all below
-those.)"""
+"""kerngen's imports run one way: tiers → plan → render → compile → trust → cache_entry → cache → jit →
+launch/dispatch → ops → warmup/tune/cli. Every import in the package, lazy ones inside functions too, is read from
+the source: none reaches a module of a later tier, and the graph has no cycle. (The modules the backend table names,
+tiers.BACKENDS' compiler and loader, are imported by name from jit and ops/_common: compile and cute_backend, launch;
+all below those.)"""
 import ast
 from pathlib import Path
 
@@ -16,6 +16,7 @@ TIERS = [
     ("render",),
     ("compile", "cute_backend", "resources", "occupancy"),
     ("trust",),                                  # who may have written a cache: the policy cache applies
+    ("cache_entry",),                            # an entry's files: read, checked, written, removed
     ("cache",),
     ("jit",),
     ("launch", "timing", "dispatch"),
