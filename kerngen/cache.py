@@ -44,6 +44,57 @@ def check_key(key: str) -> str:
     return key
 
 
+class KeyLocks:
+    """The per-key file locks of one root, <root>/.locks/<key>.lock (the OS releases one whose holder died, even
+    by kill -9), and the keys this process holds."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.held: set[str] = set()
+
+    def path(self, key: str) -> Path:
+        return self.root / LOCKS / f"{key}.lock"
+
+    def take(self, key: str, timeout: float) -> filelock.FileLock:
+        """The key's lock, waited for up to `timeout` seconds: a CacheError past it, OSError where it cannot be
+        made."""
+        path = self.path(key)
+        try:
+            mkdirs(path.parent)
+            lk = filelock.FileLock(str(path), timeout=timeout, mode=FILE_MODE)
+            lk.acquire()
+        except filelock.Timeout:   # a TimeoutError: never the OSError the caller takes for an unwritable root
+            raise CacheError(f"kernel {key}: waited {timeout:g}s for its lock {path}, which another process holds "
+                             f"(compiling it, or stuck). Retry, find the holder (fuser {path}), or raise "
+                             f"KERNGEN_LOCK_TIMEOUT (now {timeout:g} seconds)") from None
+        return lk
+
+    def try_take(self, key: str):
+        """The key's lock if it is free now; None if another process holds it; False if it cannot be taken."""
+        path = self.path(key)
+        lk = filelock.FileLock(str(path), timeout=0, mode=FILE_MODE)
+        try:
+            mkdirs(path.parent)   # the caller checked that the root is marked: kerngen's to write in
+            lk.acquire()
+        except filelock.Timeout:
+            return None
+        except OSError:
+            return False
+        return lk
+
+    @contextmanager
+    def holding(self, key: str, lk: filelock.FileLock | None):
+        """`key` counts as held while the block runs, then its lock `lk` is released (None: no lock, no-op)."""
+        if lk is not None:
+            self.held.add(key)
+        try:
+            yield
+        finally:
+            if lk is not None:
+                self.held.discard(key)
+                lk.release()
+
+
 class DiskCache:
     """One cache directory: get / put entries by key, and a lock per key (jit.build holds the contract). It
     decides whom to trust and when to write, heal or stop writing; the files are kerngen/cache_entry.py's."""
@@ -57,7 +108,7 @@ class DiskCache:
         self._distrust: str | None = None
         self.refusal_reason = ""              # "unusable" or "untrusted" once distrust() found a problem
         self._trust_checked = False
-        self._held: set[str] = set()           # keys whose lock this object holds
+        self._locks = KeyLocks(self.root)      # per-key file locks, and the keys this object holds
 
     # ------------------------------------------------------------------ read
     def distrust(self) -> str | None:
@@ -111,9 +162,9 @@ class DiskCache:
     def _heal(self, key: str, miss: Miss, artifacts: tuple[str, ...]) -> dict[str, bytes] | None:
         """A broken entry is removed under its lock. While another process holds the lock it is being built:
         a quiet miss (the caller waits for that lock)."""
-        if key in self._held:
+        if key in self._locks.held:
             return self._discard(key, miss)
-        lk = self._try_lock(key)
+        lk = self._locks.try_take(key) if self.writable and self.is_marked() else False
         if lk is None:
             log.debug("kerngen cache: entry %s is being built by another process", key)
             return self._miss(key, "building")
@@ -169,7 +220,7 @@ class DiskCache:
         if not self.writable or self.distrust():
             return False
         try:
-            return write_entry(self.root, key, files, meta, held=key in self._held) is not None
+            return write_entry(self.root, key, files, meta, held=key in self._locks.held) is not None
         except OSError as e:
             self._stop_writing(e, key)
             return False
@@ -179,7 +230,7 @@ class DiskCache:
         check_key(key)
         if self.writable and not self.distrust():
             try:
-                entry = write_entry(self.root, key, {name: text.encode()}, held=key in self._held)
+                entry = write_entry(self.root, key, {name: text.encode()}, held=key in self._locks.held)
                 if entry is not None:
                     return str(entry / name)
             except OSError as e:
@@ -196,50 +247,19 @@ class DiskCache:
         """Exclusive per-key lock across processes (it creates and marks the root). A no-op where this
         directory is not written to: each process then compiles the kernel in memory."""
         check_key(key)
-        lk = self._acquire(key, env.lock_timeout() if timeout is None else timeout)
-        if lk is not None:
-            self._held.add(key)
-        try:
+        with self._locks.holding(key, self._acquire(key, env.lock_timeout() if timeout is None else timeout)):
             yield
-        finally:
-            if lk is not None:
-                self._held.discard(key)
-                lk.release()
 
     # --------------------------------------------------------------- helpers
-    def _acquire(self, key: str, timeout: float):
+    def _acquire(self, key: str, timeout: float) -> filelock.FileLock | None:
         if not self.writable or self.distrust():
             return None
-        path = self.root / LOCKS / f"{key}.lock"
         try:
             self._prepare_root()
-            mkdirs(path.parent)
-            lk = filelock.FileLock(str(path), timeout=timeout, mode=FILE_MODE)
-            lk.acquire()
-        except filelock.Timeout:   # before OSError: Timeout is a TimeoutError
-            raise CacheError(f"kernel {key}: waited {timeout:g}s for its lock {path}, which another process holds "
-                             f"(compiling it, or stuck). Retry, find the holder (fuser {path}), or raise "
-                             f"KERNGEN_LOCK_TIMEOUT (now {timeout:g} seconds)") from None
+            return self._locks.take(key, timeout)
         except OSError as e:
             self._stop_writing(e)
             return None
-        return lk
-
-    def _try_lock(self, key: str):
-        """The key's lock if it is free now; None if another process holds it; False if it cannot be taken here
-        (the root is not marked as kerngen's, or not writable)."""
-        path = self.root / LOCKS / f"{key}.lock"
-        if not self.writable or not self.is_marked():
-            return False
-        lk = filelock.FileLock(str(path), timeout=0, mode=FILE_MODE)
-        try:
-            mkdirs(path.parent)   # a marked root is kerngen's to write in
-            lk.acquire()
-        except filelock.Timeout:
-            return None
-        except OSError:
-            return False
-        return lk
 
     def _prepare_root(self) -> None:
         """Create the root and its marker before the first lock or entry (raises OSError)."""
@@ -252,7 +272,7 @@ class DiskCache:
         self._warn("write", f"kerngen: cache directory {self.root} is not writable ({self.write_error}); the "
                    "kernels it holds are still used, the others are compiled in memory for this process only. Set "
                    "KERNGEN_CACHE_DIR to a writable directory to keep them.")
-        if key in self._held:
+        if key in self._locks.held:
             self.remove(key)
 
     def _warn(self, kind: str, text: str) -> None:
