@@ -95,6 +95,38 @@ class KeyLocks:
                 lk.release()
 
 
+def heal(locks: KeyLocks, key: str, miss: Miss, artifacts: tuple[str, ...],
+         writable: bool) -> tuple[dict[str, bytes] | None, str]:
+    """A broken (incomplete or corrupt) entry is removed under its lock: (its files, "") when its builder finished
+    it just before we locked, else (None, why it missed). While another process holds the lock it is being built:
+    "building", a quiet miss (the caller waits for that lock). Where no lock can be taken (not `writable`, root
+    not marked) it is left in place."""
+    root = locks.root
+    if key in locks.held:
+        return None, _discard(root, key, miss)
+    lk = locks.try_take(key) if writable and is_marked(root) else False
+    if lk is None:
+        log.debug("kerngen cache: entry %s is being built by another process", key)
+        return None, "building"
+    if lk is False:   # no lock to be had here (read-only, not yet marked): leave it, build in memory
+        log.warning("kerngen cache: entry %s is %s (%s); left in place (its lock cannot be taken here)", key,
+                    miss.reason, miss.detail)
+        return None, miss.reason
+    try:
+        return load(root, key, artifacts), ""   # finished by its builder just before we locked
+    except Miss as again:
+        return None, _discard(root, key, again) if again.reason in BROKEN else again.reason
+    finally:
+        lk.release()
+
+
+def _discard(root: Path, key: str, miss: Miss) -> str:
+    removed = remove_entry(root, key)
+    log.warning("kerngen cache: entry %s is %s (%s); %s", key, miss.reason, miss.detail,
+                "removed" if removed else "left in place")
+    return miss.reason
+
+
 class DiskCache:
     """One cache directory: get / put entries by key, and a lock per key (jit.build holds the contract). It
     decides whom to trust and when to write, heal or stop writing; the files are kerngen/cache_entry.py's."""
@@ -141,7 +173,8 @@ class DiskCache:
         except Miss as m:
             miss = m
         if miss.reason in BROKEN:
-            return self._heal(key, miss, artifacts)
+            files, reason = heal(self._locks, key, miss, artifacts, self.writable)
+            return files if files is not None else self._miss(key, reason)
         if miss.reason in ("untrusted", "unreadable"):
             log.info("kerngen cache: entry %s is %s (%s)", key, miss.reason, miss.detail)
             self._warn(f"entry-{miss.reason}", entry_refusal(self.root, key, miss))
@@ -158,35 +191,6 @@ class DiskCache:
         except Miss as m:
             return f"{m.reason} ({m.detail})" if m.detail else m.reason
         return None
-
-    def _heal(self, key: str, miss: Miss, artifacts: tuple[str, ...]) -> dict[str, bytes] | None:
-        """A broken entry is removed under its lock. While another process holds the lock it is being built:
-        a quiet miss (the caller waits for that lock)."""
-        if key in self._locks.held:
-            return self._discard(key, miss)
-        lk = self._locks.try_take(key) if self.writable and self.is_marked() else False
-        if lk is None:
-            log.debug("kerngen cache: entry %s is being built by another process", key)
-            return self._miss(key, "building")
-        if lk is False:   # no lock to be had here (read-only, not yet marked): leave it, build in memory
-            log.warning("kerngen cache: entry %s is %s (%s); left in place (its lock cannot be taken here)", key,
-                        miss.reason, miss.detail)
-            return self._miss(key, miss.reason)
-        try:
-            try:
-                return load(self.root, key, artifacts)   # finished by its builder just before we locked
-            except Miss as again:
-                if again.reason not in BROKEN:
-                    return self._miss(key, again.reason)
-                return self._discard(key, again)
-        finally:
-            lk.release()
-
-    def _discard(self, key: str, miss: Miss) -> None:
-        removed = self.remove(key)
-        log.warning("kerngen cache: entry %s is %s (%s); %s", key, miss.reason, miss.detail,
-                    "removed" if removed else "left in place")
-        return self._miss(key, miss.reason)
 
     def _miss(self, key: str, reason: str) -> None:
         self.miss_reason[key] = reason
