@@ -20,6 +20,7 @@ from pathlib import Path
 import filelock
 
 from . import env
+# the layout's names stay kerngen.cache's too (cli reads cache.MARKER): hence the noqa
 from .cache_entry import (ARTIFACT_NAME, BROKEN, DIR_MODE, FILE_MODE, MARKER, MARKER_TEXT, META,  # noqa: F401
                           SHA256, Miss, entry_refusal, is_marked, load, mkdirs, prepare_root, private_source,
                           private_tmp, read_meta, remove_entry, write_entry, write_problem)
