@@ -6,6 +6,7 @@
     python3 -m tools.sweep.experts fp8 deepseek-v3,kimi-k2 1,8,64 sweep
     python3 -m tools.sweep.experts mxfp4-x16 gpt-oss-120b,kimi-k3 1,8,64 sweep
     python3 -m tools.sweep.experts mxfp4-x16 gpt-oss-120b,kimi-k3 1,2 deep     # deeper load batches only
+    python3 -m tools.sweep.experts fp8-x16 deepseek-v3,kimi-k2 1,2 fused       # 32 warps an SM, x quantized in gemm1
 
 Random quantized weights (kerngen.tune.random_expert_weights: every code but NaN; scale bytes 118..123 for MXFP4) of
 up to 4 layers cycled, a routing per call, CUDA graphs, each step after a 4 MB producer kernel (its time taken off);
@@ -13,7 +14,8 @@ the floor is the active experts' quantized weight and scale bytes at the streami
 rule's time, its variant without prefetch and that with lean (whole K steps with no bound checks), and with `sweep` the six fastest of 4 warps x unroll x blocks_per_sm x
 prefetch_x (for -x16 formats also two m16 tiles an item, two weight buffers taking turns, 8 warps an item, no early
 weight loads, and early_l2: the first weights toward L2 before the wait, beside the rule as "rule-early"; `deep`
-times instead only the f16x shapes of 3-6 steps a load batch: more weight bytes in flight a warp at few tokens), each
+times instead only the f16x shapes of 3-6 steps a load batch: more weight bytes in flight a warp at few tokens;
+`fused` only the 1-2-token shapes of fused_x = 2 at 6 and 8 CTAs of 4 warps, with and without lean and act_f16), each
 launched at most as many CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). A
 -x16 format times the rule with f16x (activations carried as f16) beside it, and sweeps the f16x shapes. Every
 candidate is built first by a pool of processes. Correctness is the GPU tests' job
@@ -66,8 +68,8 @@ def main():
     a8 = fmt == "fp8-a8"   # fp8 weights with fp8 activations (experts(..., fp8_activations=True))
     x16 = fmt.endswith("-x16")   # the f16x launch shapes
     fmt = "fp8" if a8 else fmt.removesuffix("-x16")
-    sweep = len(sys.argv) > 4 and sys.argv[4] in ("sweep", "deep")
-    deep = sweep and sys.argv[4] == "deep"
+    sweep = len(sys.argv) > 4 and sys.argv[4] in ("sweep", "deep", "fused")
+    deep, fused = sweep and sys.argv[4] == "deep", sweep and sys.argv[4] == "fused"
     bw = read_bandwidth_tbs()
     dev, arch = 0, target_arch(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -90,8 +92,9 @@ def main():
             acts = [torch.empty(r.tile_to_expert.shape[0] * tile, I, dtype=torch.bfloat16, device="cuda") for r in rt]
             prod = elementwise_producer()
             rule = ex.spec(H, I, tile, act, T, arch, fmt=fmt, a8=a8)
-            build = lambda p: ex.rule_spec(tiers.Rule("experts", "mma", {}, {**p, "tile": tile}),  # noqa: E731
-                                           H, I, act, arch, fmt, "nk", a8)
+            build = lambda p: ex.rule_spec(tiers.Rule("experts", "mma",  # noqa: E731
+                                                      {"tokens": (1, p["fused_x"])} if p.get("fused_x") else {},
+                                                      {**p, "tile": tile}), H, I, act, arch, fmt, "nk", a8)
             cands = [("rule", rule)]
             if a8:   # the weight-only rule beside it
                 cands.append(("bf16-act", ex.spec(H, I, tile, act, T, arch, fmt=fmt)))
@@ -109,7 +112,12 @@ def main():
                                   build(dict(warps=4, unroll=u, blocks_per_sm=b, pdl=True, prefetch=pf,
                                              prefetch_x=True, f16x=True, **({"mtiles": 2} if mt == 2 else {}),
                                              **({"min_blocks": b} if b <= 4 else {})))))
-            if sweep and not deep:
+            if fused:   # x quantized into shared memory by experts_gemm1, no prefetch copies: 32 warps an SM
+                for b, lean, a16 in itertools.product((6, 8), (False, True), (False, True)):
+                    cands.append((f"w4 u1 b{b} fx2" + " lean" * lean + " a16" * a16,
+                                  build(dict(warps=4, unroll=1, blocks_per_sm=b, min_blocks=b, pdl=True,
+                                             prefetch=False, f16x=True, fused_x=2, act_f16=a16, lean=lean))))
+            if sweep and not deep and not fused:
                 for w, u, b, px in itertools.product((4,), (1, 2), (4, 5, 6, 8), (False, True)):
                     cands.append((f"w{w} u{u} b{b}" + " x" * px + " h" * x16,
                                   build(dict(warps=w, unroll=u, blocks_per_sm=b, pdl=True, prefetch_x=px,
