@@ -138,7 +138,8 @@ PARAMS: dict[tuple[str, str], dict[str, Param]] = {
                                    "norm_loads": _n(1, 16),   # rows a norm thread loads at once (default 16)
                                    "norm_vectors": _n(1, 8),   # vectors a norm thread computes (default 1)
                                    "norm_async": FLAG,   # the norm CTAs' sums by st.async, no cluster barrier
-                                   "gemm_bf16": FLAG},   # the GEMM's h in bf16 (rounded before the adds)
+                                   "gemm_bf16": FLAG,   # the GEMM's h in bf16 (rounded before the adds)
+                                   "addmm": FLAG},   # with gemm_bf16: the norm kernel writes shared + residual, the GEMM adds it
     ("latent_tail", "unfused"): {},   # kerngen.finalize + torch (host code)
     ("tail_tp", "allreduce"): {"allreduce": Param(str, required=True, choices=("nccl", "symm_mem")),
                                "max_tokens": _n()},
@@ -159,6 +160,8 @@ def _between(op: str, variant: str, p: dict) -> str | None:
         return f"params 'ctas' * 'clusters' must be at most {SMS}, got {p['ctas']} * {p['clusters']}"
     if (op, variant) == ("latent_tail", "fused") and p["max_tokens"] > 16 and not p.get("split"):
         return f"param 'max_tokens' must be at most 16 without split = true (split builds: 32), got {p['max_tokens']}"
+    if (op, variant) == ("latent_tail", "norm_gemm") and p.get("addmm") and not p.get("gemm_bf16"):
+        return "param 'addmm' needs gemm_bf16 = true (the sum shared + residual is rounded before the GEMM adds it)"
     if op == "tail_tp" and p["allreduce"] == "symm_mem" and "max_tokens" not in p:
         return "allreduce = \"symm_mem\" needs param 'max_tokens' (the rows of its symmetric buffer)"
     return None

@@ -321,6 +321,9 @@ def latent_tail_candidates():
         yield "norm_gemm", dict(cluster=cluster, pdl=True, norm_vectors=vectors, norm_loads=loads, gemm_bf16=True)
     for cluster, b16 in itertools.product((2, 4, 8), (False, True)):   # the norm's sums by st.async
         yield "norm_gemm", dict(cluster=cluster, pdl=True, norm_async=True, **({"gemm_bf16": True} if b16 else {}))
+    for cluster, loads in itertools.product((1, 2), (2, 8, 16)):   # the adds folded into the GEMM (addmm)
+        yield "norm_gemm", dict(cluster=cluster, pdl=True, **({"norm_loads": loads} if loads != 16 else {}),
+                                gemm_bf16=True, addmm=True)
 
 
 def _time_latent_tail(model: tiers.Model, T: int, variant: str, params: dict) -> float:

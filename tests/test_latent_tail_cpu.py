@@ -741,6 +741,25 @@ def test_norm_gemm_params_change_only_their_kernel(loads):
         assert kernels()[lt.NORM] != base[lt.NORM] and kernels()[lt.ADD] == base[lt.ADD]
 
 
+@pytest.mark.parametrize("cluster", [1, 8])
+def test_norm_gemm_addmm_adds_the_sum_to_the_norm_kernel_alone(cluster):
+    """addmm: latent_tail_norm also writes out = bf16(shared + residual) (16-byte loads of both, one 16-byte store a
+    vector), the add kernel unchanged (left unlaunched); without gemm_bf16 the rule is refused."""
+    def kernels(**p):
+        s = norm_gemm(3584, 7168, 16, cluster=cluster, gemm_bf16=True, **p)
+        cubin, log = nvrtc_compile(render.render(s), "latent_tail_norm_gemm", s.arch, "norm_gemm", None)
+        assert not log, log
+        assert_no_spills({"kernel.cubin": cubin})
+        return {part.split()[0]: _opcodes(part)
+                for part in resources.sass({"kernel.cubin": cubin}).split("Function : ")[1:]}
+    base, fold = kernels(), kernels(addmm=True)
+    assert base[lt.ADD] == fold[lt.ADD]
+    stores = lambda ops: sum(o.startswith("STG.E.128") for o in ops)  # noqa: E731
+    assert stores(fold[lt.NORM]) > stores(base[lt.NORM])
+    with pytest.raises(kerngen.TierError, match="addmm.*gemm_bf16"):
+        tiers.check_params("a rule", "latent_tail", "norm_gemm", {"cluster": 1, "addmm": True})
+
+
 @pytest.mark.parametrize("cluster,vectors", [(1, 2), (1, 4), (2, 3), (8, 8)])
 def test_norm_vectors_give_fewer_norm_threads(cluster, vectors):
     """norm_vectors: a norm thread computes that many vectors of its CTA's slice, so the CTA has ceil(slice /

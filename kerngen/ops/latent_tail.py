@@ -265,14 +265,17 @@ class NormGemm:
     [tokens, L] into a scratch buffer of the stream; the library GEMM (torch.mm, cuBLAS) writes h = n . up^T in
     fp32 into another; latent_tail_add writes bf16((h + shared) + residual): the fused kernel's arithmetic, its dot
     products summed in the library's order (gemm_bf16: h written in bf16, rounded before the adds, as torch's
-    unfused tail). With neither shared nor residual the GEMM writes bf16 out itself."""
-    __slots__ = ("spec", "norm", "add", "_L", "_H", "_bf16", "_scratch")
+    unfused tail). With neither shared nor residual the GEMM writes bf16 out itself. addmm (with gemm_bf16): the
+    norm kernel writes out = bf16(shared + residual) and torch.addmm adds h into out (no add kernel; two roundings
+    as gemm_bf16's)."""
+    __slots__ = ("spec", "norm", "add", "_L", "_H", "_bf16", "_addmm", "_scratch")
 
     def __init__(self, s: plan_mod.KernelSpec, tokens: int, device: int, scratch: dict | None = None):
         grid, block = norm_shape(s, tokens)
         c, mod = dict(s.constants), resolve(s)
         self.spec, self._L, self._H = s, c["L"], c["H"]
         self._bf16 = bool(dict(s.params).get("gemm_bf16", False))
+        self._addmm = bool(dict(s.params).get("addmm", False))
         self._scratch = {} if scratch is None else scratch
         self.norm = Launcher(mod, NORM, device, grid, block, PARAMS_SPLIT, pdl=bool(dict(s.params).get("pdl", False)))
         self.add = Launcher(mod, ADD, device, (-(-(tokens * self._H // 8) // 256), 1, 1), (256, 1, 1), PARAMS_ADD)
@@ -291,8 +294,12 @@ class NormGemm:
     def run(self, g, e2p, w, nw, up, shared, residual, eps, out, fresh: bool = False) -> torch.Tensor:
         stream, T = current_stream(g.get_device()), e2p.shape[0]
         n = self._buffer("n", stream, T, self._L, torch.bfloat16, g.device, fresh)
-        self.norm(stream, g.data_ptr(), e2p.data_ptr(), w.data_ptr(), nw.data_ptr(), up.data_ptr(), 0, 0,
-                  out.data_ptr(), g.stride(0), g.shape[0], T, eps, n.data_ptr())
+        sp, rp = (0 if shared is None else shared.data_ptr()), (0 if residual is None else residual.data_ptr())
+        fold = self._addmm and (sp or rp) and not (out.data_ptr() | sp | rp) % 16   # 16-byte vectors
+        self.norm(stream, g.data_ptr(), e2p.data_ptr(), w.data_ptr(), nw.data_ptr(), up.data_ptr(),
+                  sp if fold else 0, rp if fold else 0, out.data_ptr(), g.stride(0), g.shape[0], T, eps, n.data_ptr())
+        if fold:   # out holds bf16(shared + residual): the GEMM adds h to it
+            return out.addmm_(n, up.T)
         if shared is None and residual is None:
             return torch.mm(n, up.T, out=out)
         if self._bf16:   # h rounded to bf16 by the library (the rule's gemm_bf16)

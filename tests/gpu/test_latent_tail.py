@@ -408,7 +408,13 @@ def norm_gemm_spec(L, H, K, wd="float32", cluster=8, **extra):   # extra: more n
                                                     (False, True, {"gemm_bf16": True, "cluster": 1}),
                                                     (True, True, {"gemm_bf16": True, "norm_loads": 2, "cluster": 1}),
                                                     (True, False, {"gemm_bf16": True, "norm_vectors": 2,
-                                                                   "norm_loads": 4, "cluster": 1})])
+                                                                   "norm_loads": 4, "cluster": 1}),
+                                                    (True, True, {"gemm_bf16": True, "addmm": True}),
+                                                    (True, True, {"gemm_bf16": True, "addmm": True, "cluster": 1,
+                                                                  "norm_loads": 8}),
+                                                    (True, False, {"gemm_bf16": True, "addmm": True, "cluster": 1}),
+                                                    (False, True, {"gemm_bf16": True, "addmm": True, "cluster": 2}),
+                                                    (False, False, {"gemm_bf16": True, "addmm": True})])
 @pytest.mark.parametrize("T", [1, 9, 17, 64, 300])
 def test_norm_gemm_kimi_k3(T, shared, residual, extra):
     args = make(T, *KIMI, shared=shared, residual=residual, seed=T)
@@ -456,6 +462,28 @@ def test_norm_gemm_unaligned_outputs_take_the_same_adds():
     out = torch.empty(5 * KIMI[2] + 4, dtype=BF, device="cuda")[4:].view(5, KIMI[2])   # 8 bytes off
     aligned = lt.run(k, gemm2, e2p, w, nw, up, sh, res, 1e-6, torch.empty(5, KIMI[2], dtype=BF, device="cuda"))
     assert torch.equal(lt.run(k, gemm2, e2p, w, nw, up, sh, res, 1e-6, out), aligned)
+
+
+@pytest.mark.parametrize("T", [3, 64, 200])
+def test_norm_gemm_addmm_in_place_and_unaligned(T):
+    """addmm: the norm kernel writes bf16(shared + residual) into out and torch's GEMM adds h to it (two roundings,
+    as gemm_bf16's): within 2^-7 relative of gemm_bf16's result (h rounded, then the adds in fp32), in place on
+    residual too; outputs not 16-byte aligned take gemm_bf16's path (the same bits as the build without addmm)."""
+    gemm2, e2p, w, nw, up, sh, res = make(T, *KIMI, seed=40 + T)
+    dev = torch.cuda.current_device()
+    fold = lt.kernel(norm_gemm_spec(*KIMI[1:], KIMI[0], cluster=1, gemm_bf16=True, addmm=True), T, dev)
+    plain = lt.kernel(norm_gemm_spec(*KIMI[1:], KIMI[0], cluster=1, gemm_bf16=True), T, dev)
+    want = lt.run(plain, gemm2, e2p, w, nw, up, sh, res, 1e-6, torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
+    got = lt.run(fold, gemm2, e2p, w, nw, up, sh, res, 1e-6, torch.full_like(want, float("nan")))
+    in_place = res.clone()
+    lt.run(fold, gemm2, e2p, w, nw, up, sh, in_place, 1e-6, in_place)
+    torch.cuda.synchronize()
+    assert torch.equal(in_place, got)
+    scale = want.float().abs() + want.float().pow(2).mean(-1, keepdim=True).sqrt()
+    assert ((got.float() - want.float()).abs() <= 2 ** -7 * scale).all()
+    close(got, reference(gemm2, e2p, w, nw, up, sh, res), 2e-2)
+    odd = torch.empty(T * KIMI[2] + 4, dtype=BF, device="cuda")[4:].view(T, KIMI[2])   # 8 bytes off
+    assert torch.equal(lt.run(fold, gemm2, e2p, w, nw, up, sh, res, 1e-6, odd), want)
 
 
 @pytest.fixture
