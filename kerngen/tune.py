@@ -314,9 +314,6 @@ def latent_tail_candidates():
     for unroll in (1, 2):   # three projection CTAs an SM (no shared memory for n with n_global)
         yield "fused", dict(max_tokens=8, warps=8, unroll=unroll, cluster=8, blocks_per_sm=3, pdl=True, split=True,
                             early_weights=True, n_global=True)
-    for unroll in (2, 4):   # the first item's first 52 steps into shared memory before the wait (smem_first)
-        yield "fused", dict(max_tokens=8, warps=8, unroll=unroll, cluster=8, blocks_per_sm=2, pdl=True, split=True,
-                            n_global=True, norm_async=True, smem_first=52)
     for cluster, loads, b16 in itertools.product((1, 2, 4, 8), (2, 4, 8, 16), (False, True)):
         yield "norm_gemm", dict(cluster=cluster, pdl=True, **({"norm_loads": loads} if loads != 16 else {}),
                                 **({"gemm_bf16": True} if b16 else {}))

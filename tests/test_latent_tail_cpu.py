@@ -836,33 +836,6 @@ def test_split_even_rows_build_without_spills_and_a_cta_a_row_at_most(early, tmp
         lt.persistent(mk(even_rows=True, split=False))
 
 
-@pytest.mark.parametrize("steps,dyn", [(52, 16 * (52 * 64 + 8) * 2), (56, 16 * (3584 + 8) * 2), (99, 16 * (3584 + 8) * 2)])
-def test_split_smem_first_copies_a_prefix_of_the_first_item(steps, dyn, tmp_path):
-    """smem_first: the projection's dynamic shared memory holds 16 rows of the first smem_first 64-wide steps
-    (at most L), padded by 16 bytes a row; one thread's bulk copies (UBLKCP) counted by an mbarrier, the item's
-    steps reading them by LDS; without spills at 2 CTAs an SM (52 steps: 2 CTAs fit with the static reduce buffer);
-    named errors without n_global or with early_weights."""
-    m = tiers.load().model("kimi-k3")
-    base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
-    mk = lambda **over: lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, "early_weights": False,  # noqa: E731
-                                                                   "smem_first": steps, **over}),
-                                     m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
-    s = mk()
-    assert lt.persistent(s)[lt.PROJ].dynamic_smem == dyn
-    built = jit.build(s, store=DiskCache(tmp_path))
-    assert_no_spills(built.files)
-    use = dict(resources.usage(built.files))[lt.PROJ]
-    assert use["REG"] * 256 * 2 <= 65536, use
-    if steps == 52:
-        assert 2 * (use.get("SHARED", 0) + dyn + 1024) <= 228 * 1024
-    part = next(p for p in resources.sass(built.files).split("Function : ")[1:] if p.startswith(lt.PROJ))
-    ops = _opcodes(part)
-    assert any(o.startswith("UBLKCP") for o in ops) and sum(o.startswith("LDS") for o in ops) >= 4
-    for bad in ({"n_global": False}, {"early_weights": True}):
-        with pytest.raises(kerngen.InputError, match="smem_first"):
-            lt.persistent(mk(**bad))
-
-
 @pytest.mark.parametrize("even", [False, True])
 def test_split_n_global_builds_without_spills_or_dynamic_shared_memory(even, tmp_path):
     """n_global (split builds): the projection reads n from p.n (no copy into shared memory, so no dynamic shared

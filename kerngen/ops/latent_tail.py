@@ -126,8 +126,7 @@ def split(s: plan_mod.KernelSpec) -> bool:
 
 
 # fused params that only split builds take
-SPLIT_ONLY = ("even_rows", "n_global", "proj_registers", "l2_lines", "weights_delay", "beside_norm", "norm_async",
-              "smem_first")
+SPLIT_ONLY = ("even_rows", "n_global", "proj_registers", "l2_lines", "weights_delay", "beside_norm", "norm_async")
 
 
 def even_rows(s: plan_mod.KernelSpec) -> bool:
@@ -179,11 +178,6 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     if split(s):
         norm = _norm_launch(s)
         dyn = 0 if n_global(s) else dyn   # (n_global: the projection keeps no copy of n)
-        if p.get("smem_first"):   # the first item's 16 rows, their first smem_first 64-wide steps (pitch + 8)
-            if not n_global(s) or p.get("early_weights") or p.get("even_rows"):
-                raise InputError(OP, "tier params", "smem_first with n_global = true, without early_weights and "
-                                 "even_rows", str(s.params))
-            dyn = 16 * (min(64 * p["smem_first"], L) + 8) * 2
         if red > 48 * 1024 or red + dyn > SMEM_PER_CTA:
             raise InputError(OP, "tier params", f"shared memory within the CTA's {SMEM_PER_CTA} bytes (static <= 48 KiB)",
                              f"{red} static + {dyn} dynamic bytes from {s.params} at L = {L}")

@@ -279,29 +279,6 @@ def test_split_even_rows_small_shares(H, early, shape):
     check(3, 8, 264, H, {"split": True, "early_weights": early, **shape}, seed=H)
 
 
-@pytest.mark.parametrize("steps", [1, 13, 52, 56, 100])
-@pytest.mark.parametrize("T", [1, 5, 8, 16])
-def test_split_smem_first_keeps_the_bits(T, steps):
-    """smem_first: the first `steps` 64-wide steps of each CTA's first item come by bulk copies into shared memory
-    before the wait and the item's steps read them there (all of a row at 56 and beyond at L 3584); the same
-    products in the same order: the fused kernel's bits, with and without even shares of items (items_per_cta)."""
-    args = make(T, *KIMI, seed=500 + T)
-    one = run_fused({}, *args, torch.empty(T, KIMI[2], dtype=BF, device="cuda"))
-    for extra in ({}, {"items_per_cta": 2}, {"norm_async": True, "unroll": 2}):
-        out = torch.full((T, KIMI[2]), float("nan"), dtype=BF, device="cuda")
-        two = run_fused({"split": True, "n_global": True, "smem_first": steps, **extra}, *args, out)
-        torch.cuda.synchronize()
-        assert torch.equal(one, two), extra
-
-
-@pytest.mark.parametrize("H", [8, 200, 1000, 4104])
-@pytest.mark.parametrize("L", [264, 1000])
-def test_split_smem_first_odd_widths(L, H):
-    """smem_first where the last item has fewer than 16 rows and L is no multiple of 64 (the copies' lengths)."""
-    check(3, 8, L, H, {"split": True, "n_global": True, "smem_first": 4}, seed=H + L)
-    check(2, 8, L, H, {"split": True, "n_global": True, "smem_first": 40}, seed=H + L + 1)
-
-
 @pytest.mark.parametrize("loads,vectors", [(1, 1), (3, 1), (8, 1), (8, 2), (4, 3)])
 @pytest.mark.parametrize("T", [1, 5, 16])
 def test_split_norm_loads_keep_the_bits(T, loads, vectors):
