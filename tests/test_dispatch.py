@@ -422,7 +422,7 @@ def test_the_custom_ops_keep_no_tensor_of_their_calls(stub_gpu, fmt):
     """torch.compile's CUDA graphs own what their calls allocate and refuse a graph whose allocations outlive it
     untracked: after kerngen::route and kerngen::moe_experts (their CUDA implementations, first calls included:
     the dispatch is built then) only their outputs are alive."""
-    from kerngen import torch_ops
+    from kerngen.ops import experts_torch, routing_torch
     g = torch.Generator().manual_seed(0)
     T, H, I, E, K = 3, 256, 64, 128, 8
     x = torch.randn(T, H, generator=g).bfloat16()
@@ -437,8 +437,8 @@ def test_the_custom_ops_keep_no_tensor_of_their_calls(stub_gpu, fmt):
     logits = torch.randn(T, E, generator=g)
     for call in range(2):
         before = _live_tensors()
-        ids, w = torch_ops.route._init_fn(logits, K, "softmax_topk", None, 1, 1, 1.0, True)
-        y = torch_ops.moe_experts._init_fn(x, ids, w, w13, w2, "silu", None, None, *scales)
+        ids, w = routing_torch.route._init_fn(logits, K, "softmax_topk", None, 1, 1, 1.0, True)
+        y = experts_torch.moe_experts._init_fn(x, ids, w, w13, w2, "silu", None, None, *scales)
         assert y.shape == (T, H)
         new = [t for k, t in _live_tensors().items() if k not in before]
         outputs = {t.untyped_storage().data_ptr() for t in (ids, w, y)}
