@@ -2,7 +2,8 @@
 
 A table has `schema = 1`, `[models.NAME]` entries and `[[tier]]` rules (see the comments in tiers.toml).
 A user file is layered over the shipped one: its models replace or add models by name, and its rules are
-tried before the shipped rules.
+tried before the shipped rules. A rule names an op of the op registry (kerngen.ops) and gives its variant the params
+the op declares.
 """
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from . import env
-from . import ops
+from . import env, ops
 from .errors import TierError
 from .ops import INT32_MAX, SMS  # noqa: F401  (SMS: the ops read it here too)
 
