@@ -14,25 +14,18 @@ from importlib import import_module as _import_module
 from .errors import CacheError, CacheMissError, CompileError, DeviceError, EnvError, InputError, KerngenError, TierError
 from .plan import VERSION as __version__
 from . import jit as _jit
+from . import ops as _ops
 
-__all__ = ["route", "experts", "permute", "Routing", "RoutingWorkspace", "PreRouting", "finalize", "finalize_prepare", "moe_tail", "latent_tail", "select_experts", "models", "preload", "strict", "clear",
-           "KerngenError", "InputError", "TierError", "CompileError", "CacheMissError", "DeviceError", "CacheError",
-           "EnvError", "__version__"]
+__all__ = [*_ops.public(), "select_experts", "models", "preload", "strict", "clear", "KerngenError", "InputError",
+           "TierError", "CompileError", "CacheMissError", "DeviceError", "CacheError", "EnvError", "__version__"]
 
-# The ops, imported on first access (PEP 562): public name -> (module under kerngen, its attribute).
-_LAZY = {
-    "select_experts": ("adapters", "select_experts"),
-    "experts": ("ops.experts", "experts"),
-    "finalize": ("ops.finalize", "finalize"),
-    "finalize_prepare": ("ops.finalize", "prepare"),
-    "latent_tail": ("ops.latent_tail", "latent_tail"),
-    "Routing": ("ops.permute", "Routing"),
-    "RoutingWorkspace": ("ops.permute", "RoutingWorkspace"),
-    "permute": ("ops.permute", "permute"),
-    "route": ("ops.routing", "route"),
-    "PreRouting": ("ops.prerouting", "PreRouting"),
-    "moe_tail": ("ops.tail", "moe_tail"),
-}
+
+def _lazy() -> dict[str, str]:
+    """The names imported on first access (PEP 562): public name -> "module.attribute" under kerngen; the ops' from
+    their declarations (kerngen.ops.public(), read at each call)."""
+    return {"select_experts": "adapters.select_experts", **{k: f"ops.{v}" for k, v in _ops.public().items()}}
+
+
 # Submodules `import kerngen` has always made attributes (kerngen.tiers, kerngen.ops, ...): the ones not
 # imported above are imported on first access too.
 _SUBMODULES = ("adapters", "cache", "dispatch", "env", "errors", "jit", "launch", "ops", "plan", "render", "tiers",
@@ -46,8 +39,8 @@ def _register_torch_ops() -> None:
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        module, attr = _LAZY[name]
+    if name in (lazy := _lazy()):
+        module, attr = lazy[name].rsplit(".", 1)
         value = getattr(_import_module(f".{module}", __name__), attr)
     elif name in _SUBMODULES:
         value = _import_module(f".{name}", __name__)
@@ -59,7 +52,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY, *_SUBMODULES})
+    return sorted({*globals(), *_lazy(), *_SUBMODULES})
 
 
 def models() -> dict:

@@ -167,10 +167,9 @@ def _shape_spec(cmd: str, args, tbl: tiers.Table, arch: str, op: str):
 
 
 def _check_shape(cmd: str, op: str, shape: dict) -> None:
-    """The shape flags the op names (its module's SHAPE_FLAGS, default top_k and hidden), checked as the op checks
-    its tensors: a shape the op would reject is not compiled."""
-    where, mod = f"{cmd} --op {op}", warmup.op_module(op)
-    needs = getattr(mod, "SHAPE_FLAGS", ("top_k", "hidden"))
+    """The shape flags the op names (its declaration's shape: kerngen.ops.Op.shape), checked as the op checks its
+    tensors: a shape the op would reject is not compiled."""
+    where, needs = f"{cmd} --op {op}", op_registry.declared(op).shape
     for name in (n for n in FLAGS if n in needs):
         if shape[name] is None:
             others = " / ".join(FLAGS[n] for n in FLAGS if n in needs and n != "top_k")
@@ -180,7 +179,7 @@ def _check_shape(cmd: str, op: str, shape: dict) -> None:
                              "none")
     topk, experts, hidden, tokens = shape["top_k"], shape["experts"], shape["hidden"], shape["tokens"]
     if "top_k" in needs:
-        max_k = getattr(mod, "MAX_K", tiers.MAX_TOPK)
+        max_k = getattr(warmup.op_module(op), "MAX_K", tiers.MAX_TOPK)
         if not 1 <= topk <= max_k:
             raise InputError(where, "--topk", f"an integer in [1, {max_k}]", str(topk))
     if "experts" in needs and not topk <= experts <= tiers.MAX_EXPERTS:

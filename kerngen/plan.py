@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from . import env
+from . import env, ops
 from .env import ARCH
 from .errors import InputError, TierError
-from .tiers import BACKENDS, NAME, PARAMS, SCHEMA, Rule, Table, check_rule
+from .tiers import BACKENDS, NAME, SCHEMA, Rule, Table, check_rule
 
 TAG = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -75,7 +75,7 @@ class KernelSpec:
             raise InputError("kernel spec", "JSON", "the object a strict-mode miss prints (op, variant, backend, "
                              "tag, constants, params, arch)", f"{text[:200]!r} ({type(e).__name__}: {e})") from None
         # a rule param an op builds into a constant (experts: tile, the TILE constant) counts as given
-        schema = PARAMS.get((spec.op, spec.variant), {})
+        schema = ops.params(spec.op, spec.variant) or {}
         folded = {k: d["constants"][k.upper()] for k, p in schema.items()
                   if p.required and k not in d["params"] and k.upper() in d["constants"]}
         try:

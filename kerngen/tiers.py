@@ -2,7 +2,8 @@
 
 A table has `schema = 1`, `[models.NAME]` entries and `[[tier]]` rules (see the comments in tiers.toml).
 A user file is layered over the shipped one: its models replace or add models by name, and its rules are
-tried before the shipped rules.
+tried before the shipped rules. A rule names an op of the op registry (kerngen.ops) and gives its variant the params
+the op declares.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from . import env
+from . import env, ops
 from .errors import TierError
+from .ops import INT32_MAX, SMS  # noqa: F401  (SMS: the ops read it here too)
 
 SCHEMA = 1
 METHODS = ("softmax_topk", "topk_softmax", "sigmoid_bias", "grouped_sigmoid_bias", "top1_sigmoid")
@@ -46,125 +48,6 @@ class Backend:
 
 BACKENDS = {"nvrtc": Backend(".cu.j2", True, "source.cu", "kernel.cubin", "compile", "launch"),
             "cute": Backend(".py", False, "source.py", "kernel.o", "cute_backend", "cute_backend")}
-UNTEMPLATED = {"tail_tp": ("allreduce",)}            # ops whose variants are host code, not templates
-HOST_VARIANTS = {"latent_tail": ("unfused",)}        # host-code variants of ops that also have templates
-INT32_MAX = 2**31 - 1                                 # every shape and param is a 32-bit int in the kernels
-# The SM count where no GPU is asked: the H200's 132. The single stand-in for plan.sm_count(device) on CPU paths
-# and stub launchers (device -1), and the grid bound the routing/permute tier params are checked against.
-SMS = 132
-
-
-@dataclass(frozen=True)
-class Param:
-    """One launch parameter of a variant: its type, its bounds, and whether a rule must give it."""
-    kind: type                       # int | bool | str
-    required: bool = False
-    lo: int = 1
-    hi: int = INT32_MAX
-    step: int = 1
-    choices: tuple[str, ...] = ()
-
-    def problem(self, v) -> str | None:
-        """What `v` should have been, or None if it fits."""
-        if self.kind is bool:
-            return None if isinstance(v, bool) else "true or false"
-        if self.kind is str:
-            return None if isinstance(v, str) and v in self.choices else "one of " + ", ".join(map(repr, self.choices))
-        if isinstance(v, int) and not isinstance(v, bool) and self.lo <= v <= self.hi and v % self.step == 0:
-            return None
-        return f"an integer in [{self.lo}, {self.hi}]" + (f", a multiple of {self.step}" if self.step > 1 else "")
-
-
-def _n(lo: int = 1, hi: int = INT32_MAX, *, required: bool = False, step: int = 1) -> Param:
-    return Param(int, required, lo, hi, step)
-
-
-FLAG, NEEDED_FLAG = Param(bool), Param(bool, required=True)
-NVRTC, CUTE = Param(str, choices=("nvrtc",)), Param(str, required=True, choices=("cute",))
-
-# Every variant's launch params, read from its template (Jinja values; a CuTe module's compile_kernel keywords)
-# and its op's launcher. A value the template reads without a default is required. `backend` picks the template
-# kind. tests/test_tiers.py checks this table against the templates.
-PARAMS: dict[tuple[str, str], dict[str, Param]] = {
-    ("routing", "fused"): {"backend": NVRTC, "warps": _n(1, 32, required=True),
-                           "warps_per_token": _n(1, 32, required=True), "ctas": _n(1, 8, required=True),
-                           "clusters": _n(1, SMS, required=True),
-                           "max_tokens": _n(1, 64, required=True)},   # a 64-bit token mask per expert
-    ("routing", "topk"): {"backend": NVRTC, "warps": _n(1, 32, required=True),
-                          "warps_per_token": _n(1, 32, required=True), "early_trigger": FLAG},
-    ("permute", "onepass"): {"backend": NVRTC, "threads": _n(32, 1024, step=32), "ctas": _n(1, SMS)},
-    ("permute", "histogram"): {"backend": NVRTC, "tokens_per_block": _n(16, required=True)},
-    ("finalize", "small_batch"): {"backend": NVRTC, "block_x": _n(1, 1024, required=True),
-                                  "loads_per_group": _n(1, 64, required=True), "early_read": NEEDED_FLAG,
-                                  "pdl": FLAG,
-                                  "stream": FLAG},   # false: rows read with the default cache policy (not evict-first)
-    ("finalize", "large_batch"): {"backend": NVRTC, "vectors_per_thread": _n(1, 1024, required=True),
-                                  "unroll": _n(1, 64, required=True), "early_read": NEEDED_FLAG, "pdl": FLAG},
-    ("finalize", "cute"): {"backend": CUTE, "ctas": _n(1, 1024), "threads": _n(32, 1024), "max_loads": _n(1, 64),
-                           "pdl": FLAG},
-    ("tail", "tail"): {"backend": CUTE, "threads": _n(32, 1024, required=True), "cluster": _n(1, 16),
-                       "max_loads": _n(1, 64), "branch_free": FLAG, "pdl": FLAG,
-                       "async_reduce": FLAG},   # clusters: the partial sums by st.async, no second cluster barrier
-    ("experts", "mma"): {"backend": NVRTC, "tile": _n(1, 16, required=True), "warps": _n(1, 16, required=True),
-                         "unroll": _n(1, 8, required=True), "blocks_per_sm": _n(1, 32), "pdl": FLAG,
-                         "transposed": FLAG,   # false: weights stored transposed run torch._grouped_mm here
-                         "min_blocks": _n(1, 32),   # __launch_bounds__' CTAs an SM: a register bound
-                         "prefetch": FLAG,   # quantized builds: the next steps' weight loads issued first (default)
-                         "prefetch_x": FLAG,   # quantized builds with prefetch: the next steps' activations too
-                         "f16x": FLAG,   # fp8 / MXFP4 weights: activations carried as f16 (power-of-two scales)
-                         "mtiles": _n(1, 2),   # with f16x: m16 tiles of weight rows an item takes (default 1)
-                         "pingpong": FLAG,   # with f16x and prefetch: two weight buffers take turns (no copies)
-                         "fused_x": _n(1, 16),   # with f16x: gemm1 quantizes x itself, calls of at most so many tokens
-                         "act_f16": FLAG,   # with f16x: gemm2 on the intermediate as f16 (default) or bf16 (false)
-                         "stage_act": FLAG,   # with fused_x: gemm2 copies its tile's f16 rows into shared memory
-                         "lean": FLAG,   # quantized, prefetch = false: whole K steps unchecked, fewer instructions a step
-                         "early_l2": FLAG},   # the first item's first weight bytes to L2 before the wait
-    ("latent_tail", "fused"): {"backend": NVRTC, "max_tokens": _n(1, 32, required=True),
-                               "warps": _n(1, 32, required=True), "unroll": _n(1, 8, required=True),
-                               "cluster": _n(1, 8), "blocks_per_sm": _n(1, 32), "pdl": FLAG,
-                               "early_weights": FLAG,   # the first weight steps loaded into registers before the wait
-                               "norm_loads": _n(1, 16),   # split: rows a norm thread loads at once (default 16)
-                               "norm_vectors": _n(1, 8),   # split: vectors a norm thread computes (default 1)
-                               "norm_async": FLAG,   # split: the norm CTAs' sums by st.async, no cluster barrier
-                               "even_rows": FLAG,   # split: each projection CTA an even share of up_proj's rows
-                               "n_global": FLAG,   # split: the projection reads n from global memory (no copy)
-                               "proj_registers": _n(32, 255),   # split: the projection's register bound
-                               "l2_lines": _n(0, 4096),   # split: lines of each first-item row sent toward L2
-                               "items_per_cta": _n(1, 64),   # the grid: at most ceil(items / items_per_cta) CTAs
-                               "weights_delay": _n(0, 100000),   # split: ns before the projection's first loads
-                               "beside_norm": FLAG,   # split: a projection CTA fewer an SM for each norm CTA
-                               "split": FLAG},   # the norm in a first kernel of its own, the projection waiting on it
-    ("latent_tail", "norm_gemm"): {"backend": NVRTC, "cluster": _n(1, 8), "pdl": FLAG,   # norm kernel, torch.mm, add
-                                   "norm_loads": _n(1, 16),   # rows a norm thread loads at once (default 16)
-                                   "norm_vectors": _n(1, 8),   # vectors a norm thread computes (default 1)
-                                   "norm_async": FLAG,   # the norm CTAs' sums by st.async, no cluster barrier
-                                   "gemm_bf16": FLAG,   # the GEMM's h in bf16 (rounded before the adds)
-                                   "addmm": FLAG},   # with gemm_bf16: the norm kernel writes shared + residual, the GEMM adds it
-    ("latent_tail", "unfused"): {},   # kerngen.finalize + torch (host code)
-    ("tail_tp", "allreduce"): {"allreduce": Param(str, required=True, choices=("nccl", "symm_mem")),
-                               "max_tokens": _n()},
-}
-
-
-def rule_ops() -> tuple[str, ...]:
-    """The ops a tier rule may name: those with variants in PARAMS (kerngen.ops.OPS, the ops with kernels, and
-    tail_tp), read at each call: an op registered at run time counts."""
-    return tuple(dict.fromkeys(op for op, _ in PARAMS))
-
-
-def _between(op: str, variant: str, p: dict) -> str | None:
-    """Constraints between params that the launchers check."""
-    if op == "routing" and p["warps"] % p["warps_per_token"]:
-        return f"param 'warps' ({p['warps']}) must be a multiple of 'warps_per_token' ({p['warps_per_token']})"
-    if (op, variant) == ("routing", "fused") and p["ctas"] * p["clusters"] > SMS:
-        return f"params 'ctas' * 'clusters' must be at most {SMS}, got {p['ctas']} * {p['clusters']}"
-    if (op, variant) == ("latent_tail", "fused") and p["max_tokens"] > 16 and not p.get("split"):
-        return f"param 'max_tokens' must be at most 16 without split = true (split builds: 32), got {p['max_tokens']}"
-    if (op, variant) == ("latent_tail", "norm_gemm") and p.get("addmm") and not p.get("gemm_bf16"):
-        return "param 'addmm' needs gemm_bf16 = true (the sum shared + residual is rounded before the GEMM adds it)"
-    if op == "tail_tp" and p["allreduce"] == "symm_mem" and "max_tokens" not in p:
-        return "allreduce = \"symm_mem\" needs param 'max_tokens' (the rows of its symmetric buffer)"
-    return None
 
 
 @dataclass(frozen=True)
@@ -354,20 +237,26 @@ def _parse_model(where: str, name: str, d: dict) -> Model:
                  experts_layout=d.get("experts_layout", "nk"), source=where)
 
 
+def _declared(op: str) -> ops.Op:
+    """The registry's declaration of `op`; one nobody registered (a kernel spec may name any op) declares nothing."""
+    return next((o for o in ops.registered() if o.name == op), ops.Op(op, {}))
+
+
 def template_path(op: str, variant: str, backend: str) -> Path:
     return env.templates_dir() / op / f"{variant}{BACKENDS[backend].template}"
 
 
 def variants(op: str) -> list[str]:
     """The variants of `op` that exist: its templates (files starting with '_' are shared parts), or host code."""
-    if op in UNTEMPLATED:
-        return list(UNTEMPLATED[op])
+    declared = _declared(op)
+    if not declared.kernels:
+        return list(declared.host)
     try:
         names = [p.name for p in (env.templates_dir() / op).iterdir() if not p.name.startswith("_")]
     except OSError:
         names = []
     return sorted({n[: -len(ext)] for n in names for ext in (b.template for b in BACKENDS.values())
-                   if n.endswith(ext)} | set(HOST_VARIANTS.get(op, ())))
+                   if n.endswith(ext)} | set(declared.host))
 
 
 def _known(op: str) -> str:
@@ -378,11 +267,12 @@ def check_variant(where: str, op: str, variant, backend) -> None:
     """`variant` names a kernel of `op` that exists for `backend`: a name, never a path."""
     if not isinstance(variant, str) or not NAME.fullmatch(variant):
         _fail(where, f"field 'variant' must be the name of a variant of {op} (known: {_known(op)}), got {variant!r}")
-    if op in UNTEMPLATED:
-        if variant not in UNTEMPLATED[op]:
+    declared = _declared(op)
+    if not declared.kernels:
+        if variant not in declared.host:
             _fail(where, f"unknown variant '{variant}' of {op} (known: {_known(op)})")
         return
-    if variant in HOST_VARIANTS.get(op, ()):
+    if variant in declared.host:
         return
     if backend not in BACKENDS:
         _fail(where, f"param 'backend' must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -398,10 +288,10 @@ def check_variant(where: str, op: str, variant, backend) -> None:
 
 def check_params(where: str, op: str, variant: str, params: dict) -> None:
     """`params` (backend included) are the launch params of `op` `variant`: known names, types and bounds."""
-    schema = PARAMS.get((op, variant))
+    schema = ops.params(op, variant)
     if schema is None:
-        _fail(where, f"variant '{variant}' of {op} has a template but no list of params: add it to PARAMS in "
-                     "kerngen/tiers.py")
+        _fail(where, f"variant '{variant}' of {op} has a template but no list of params: add it to the params of "
+                     f"Op(\"{op}\") in kerngen/ops/__init__.py")
     for k in params:
         if k not in schema:
             _fail(where, f"unknown param '{k}' of {op} variant '{variant}' (known: {', '.join(schema)})")
@@ -412,7 +302,8 @@ def check_params(where: str, op: str, variant: str, params: dict) -> None:
                 _fail(where, f"missing param '{k}' ({op} variant '{variant}' needs {needed})")
         elif (why := p.problem(params[k])) is not None:
             _fail(where, f"param '{k}' of {op} variant '{variant}' must be {why}, got {params[k]!r}")
-    if (why := _between(op, variant, params)) is not None:
+    between = ops.declared(op).between
+    if between and (why := between(variant, params)) is not None:
         _fail(where, why)
 
 
@@ -426,9 +317,9 @@ def _parse_rule(where: str, d: dict) -> Rule:
         if k not in ("op", "variant", "params", "arch", "formats", "permute", *RANGE_KEYS):
             _fail(where, f"unknown field '{k}' (known: op, variant, params, arch, formats, permute, "
                          f"{', '.join(RANGE_KEYS)})")
-    ops = rule_ops()
-    if d.get("op") not in ops:
-        _fail(where, f"field 'op' must be one of {', '.join(ops)}, got {d.get('op')!r}")
+    names = [o.name for o in ops.registered()]
+    if d.get("op") not in names:
+        _fail(where, f"field 'op' must be one of {', '.join(names)}, got {d.get('op')!r}")
     if not isinstance(d.get("variant"), str) or not d["variant"]:
         _fail(where, "missing required field 'variant' (a template name under templates/<op>/)")
     params = d.get("params", {})

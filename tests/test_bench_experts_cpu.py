@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from kerngen import tiers
+from kerngen import ops, tiers
 from kerngen.ops import experts as ex
 from tests.helpers import one_thread
 from tools.bench import experts as bench
@@ -38,14 +38,14 @@ def test_quantized_candidates(fmt, unrolls):
 
 @pytest.mark.parametrize("fmt", bench.FORMATS)
 def test_every_candidate_is_a_valid_experts_rule(fmt):
-    known = "min_blocks" in tiers.PARAMS[("experts", "mma")]
+    known = "min_blocks" in ops.params("experts", "mma")
     unchecked = [c for c in bench.CANDIDATES[fmt] if "min_blocks" in c and not known]
     for c in bench.CANDIDATES[fmt]:
         if c not in unchecked:
             tiers.check_params(f"{fmt} candidate {c}", "experts", "mma", {"tile": 8, **c})
     if unchecked:
-        pytest.skip(f"{len(unchecked)} {fmt} candidates with 'min_blocks' not checked: kerngen.tiers.PARAMS"
-                    "[('experts', 'mma')] has no 'min_blocks' yet (being added with the quantized kernels' rewrite)")
+        pytest.skip(f"{len(unchecked)} {fmt} candidates with 'min_blocks' not checked: kerngen.ops.params"
+                    "('experts', 'mma') has no 'min_blocks' yet (being added with the quantized kernels' rewrite)")
 
 
 @pytest.mark.parametrize("fmt", bench.FORMATS)

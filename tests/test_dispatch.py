@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kerngen
-from kerngen import dispatch, jit, tiers, warmup
+from kerngen import dispatch, jit, ops, tiers, warmup
 from kerngen.ops import OPS, _common, experts, finalize, latent_tail, op_module, permute, routing, tail
 from kerngen.plan import plan
 
@@ -17,14 +17,14 @@ OP_MODULES = (routing, permute, finalize, tail, experts, latent_tail)
 
 
 def test_the_registry_lists_every_op_with_kernels_and_each_has_the_seam():
-    with_kernels = {op for op in tiers.rule_ops() if op != "tail_tp"}   # tail_tp runs torch.distributed, no kernel
-    assert set(OPS) == with_kernels
-    assert warmup.registry.OPS is OPS
+    with_kernels = {o.name for o in ops.registered() if o.name != "tail_tp"}   # tail_tp runs torch.distributed
+    assert set(OPS) == with_kernels and not ops.declared("tail_tp").kernels
+    assert warmup.registry is ops   # warmup reads the registry itself, at each call
     for op in OPS:
         mod = op_module(op)
         for name in ("model_specs", "explain_spec", "kernel", "dispatch"):
             assert callable(getattr(mod, name, None)), f"kerngen.ops.{op} lacks {name}"
-        assert all(callable(getattr(torch.ops.kerngen, n)) for n in mod.TORCH_OPS), op   # its torch ops exist
+        assert all(callable(getattr(torch.ops.kerngen, n)) for n in ops.declared(op).torch), op   # its torch ops
         params = list(inspect.signature(mod.dispatch).parameters.values())   # dispatch(device, *, static shape)
         assert params[0].name == "device" and all(p.kind is p.KEYWORD_ONLY for p in params[1:]), op
         assert dispatch.calls(op) is dispatch.calls(op) and dispatch.calls(op).op == op   # its resolved calls
@@ -32,7 +32,7 @@ def test_the_registry_lists_every_op_with_kernels_and_each_has_the_seam():
     with pytest.raises(KeyError, match="unknown op"):
         op_module("tail_tp")
     registered = {o for o in dir(torch.ops.kerngen) if not o.startswith("_") and o != "name"}
-    assert registered == {n for op in OPS for n in op_module(op).TORCH_OPS}   # every torch op belongs to an op
+    assert registered == {n for o in ops.registered() for n in o.torch}   # every torch op belongs to an op
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -422,7 +422,7 @@ def test_the_custom_ops_keep_no_tensor_of_their_calls(stub_gpu, fmt):
     """torch.compile's CUDA graphs own what their calls allocate and refuse a graph whose allocations outlive it
     untracked: after kerngen::route and kerngen::moe_experts (their CUDA implementations, first calls included:
     the dispatch is built then) only their outputs are alive."""
-    from kerngen import torch_ops
+    from kerngen.ops import experts_torch, routing_torch
     g = torch.Generator().manual_seed(0)
     T, H, I, E, K = 3, 256, 64, 128, 8
     x = torch.randn(T, H, generator=g).bfloat16()
@@ -437,8 +437,8 @@ def test_the_custom_ops_keep_no_tensor_of_their_calls(stub_gpu, fmt):
     logits = torch.randn(T, E, generator=g)
     for call in range(2):
         before = _live_tensors()
-        ids, w = torch_ops.route._init_fn(logits, K, "softmax_topk", None, 1, 1, 1.0, True)
-        y = torch_ops.moe_experts._init_fn(x, ids, w, w13, w2, "silu", None, None, *scales)
+        ids, w = routing_torch.route._init_fn(logits, K, "softmax_topk", None, 1, 1, 1.0, True)
+        y = experts_torch.moe_experts._init_fn(x, ids, w, w13, w2, "silu", None, None, *scales)
         assert y.shape == (T, H)
         new = [t for k, t in _live_tensors().items() if k not in before]
         outputs = {t.untyped_storage().data_ptr() for t in (ids, w, y)}

@@ -1,8 +1,9 @@
-"""kerngen's imports run one way: tiers → plan → render → compile → trust → cache_entry → cache → jit →
-launch/dispatch → ops → warmup/tune/cli. Every import in the package, lazy ones inside functions too, is read from
-the source: none reaches a module of a later tier, and the graph has no cycle. (The modules the backend table names,
-tiers.BACKENDS' compiler and loader, are imported by name from jit and ops/_common: compile and cute_backend, launch;
-all below those.)"""
+"""kerngen's imports run one way: the op registry (kerngen.ops' declarations) → tiers → plan → render → compile →
+trust → cache_entry → cache → jit → launch/dispatch → ops → warmup/tune/cli. Every import in the package, lazy ones
+inside functions too, is read from the source: none reaches a module of a later tier, and the graph has no cycle.
+(The modules the backend table names, tiers.BACKENDS' compiler and loader, are imported by name from jit and
+ops/_common: compile and cute_backend, launch; all below those. The op modules the registry names are imported by
+name from kerngen.ops.op_module and torch_ops.)"""
 import ast
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import kerngen
 ROOT = Path(kerngen.__file__).parent
 TIERS = [
     ("errors", "env"),
+    ("ops",),                                    # the op registry: declarations only (the op modules: "ops.")
     ("tiers",),
     ("plan",),
     ("render",),

@@ -786,10 +786,10 @@ def test_norm_gemm_rules_are_checked(tmp_path):
 def test_the_torch_op_gives_each_call_its_own_scratch(monkeypatch):
     """torch.ops.kerngen.latent_tail's CUDA implementation asks for buffers of its own (CUDA graphs own a call's
     memory under torch.compile)."""
-    from kerngen import torch_ops
+    from kerngen.ops import latent_tail_torch
     seen = {}
     monkeypatch.setattr(lt, "latent_tail", lambda *a, **kw: seen.update(kw) or a[0])
-    torch_ops.latent_tail._init_fn(*make(2, 4, 64, 32)[:5])
+    latent_tail_torch.latent_tail._init_fn(*make(2, 4, 64, 32)[:5])
     assert seen["own_scratch"] is True
 
 

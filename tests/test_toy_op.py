@@ -1,9 +1,6 @@
 """Adding an op takes the places the README's "Adding an op" names, and no other: a toy op registered at run time
-(its module in kerngen.ops.OPS, its template, its variant's params in tiers.PARAMS, a tier rule in a user file) is
-parsed by the tier loader, built by warmup (NVRTC, no GPU) and explained by the CLI."""
-import sys
-import types
-
+(its declaration given to kerngen.ops.register, its module, which is this file, its template, a tier rule in a user
+file) is parsed by the tier loader, built by warmup (NVRTC, no GPU), explained by the CLI, and taken out again."""
 import pytest
 
 import kerngen
@@ -33,18 +30,29 @@ params = { factor = 3 }
 '''
 
 
-def _toy_module():
-    mod = types.ModuleType("kerngen.ops.toy")
+# the toy's declaration; its module (the seam warmup and explain read) is this one
+TOY = ops.Op("toy", {"scale": {"backend": ops.NVRTC, "factor": ops.Param(int, required=True, hi=16)}}, module=__name__)
 
-    def spec_of(table, arch, hidden, tokens):
-        return spec_for(table.rule("toy", {"hidden": hidden, "tokens": tokens, "arch": arch}), f"H{hidden}",
-                        {"H": hidden}, arch)
 
-    mod.model_specs = lambda model, table, arch: [spec_of(table, arch, model.hidden, model.tokens[0])]
-    mod.explain_spec = lambda table, arch, *, hidden, tokens, **_: spec_of(table, arch, hidden, tokens)
-    mod.kernel = lambda spec, tokens, device: None
-    mod.dispatch = lambda *a, **k: None
-    return mod
+def _spec(table, arch, hidden, tokens):
+    return spec_for(table.rule("toy", {"hidden": hidden, "tokens": tokens, "arch": arch}), f"H{hidden}",
+                    {"H": hidden}, arch)
+
+
+def model_specs(model, table, arch):
+    return [_spec(table, arch, model.hidden, model.tokens[0])]
+
+
+def explain_spec(table, arch, *, hidden, tokens, **_):
+    return _spec(table, arch, hidden, tokens)
+
+
+def kernel(spec, tokens, device):
+    return None
+
+
+def dispatch(device, **shape):
+    return None
 
 
 @pytest.fixture
@@ -56,19 +64,19 @@ def toy(tmp_path, monkeypatch):
     (templates / "toy" / "scale.cu.j2").write_text(TEMPLATE)
     monkeypatch.setattr(env, "templates_dir", lambda: templates)
     render._jinja.cache_clear()
-    monkeypatch.setitem(sys.modules, "kerngen.ops.toy", _toy_module())
-    monkeypatch.setattr(ops, "OPS", ops.OPS + ("toy",))
-    nvrtc = tiers.PARAMS[("finalize", "small_batch")]["backend"]
-    monkeypatch.setitem(tiers.PARAMS, ("toy", "scale"), {"backend": nvrtc, "factor": tiers._n(1, 16, required=True)})
     user = tmp_path / "toy.toml"
     user.write_text(USER)
     monkeypatch.setenv("KERNGEN_TIERS", str(user))
     monkeypatch.setenv("KERNGEN_CACHE_DIR", str(tmp_path / "cache"))
+    ops.register(TOY)
     tiers.reload()
-    yield tmp_path
-    render._jinja.cache_clear()
-    monkeypatch.undo()
-    tiers.reload()
+    try:
+        yield tmp_path
+    finally:
+        ops.unregister("toy")
+        render._jinja.cache_clear()
+        monkeypatch.undo()
+        tiers.reload()
 
 
 def test_a_toy_op_is_parsed_built_and_explained_through_the_registry(toy, capsys):
@@ -81,7 +89,24 @@ def test_a_toy_op_is_parsed_built_and_explained_through_the_registry(toy, capsys
     assert cli.main(["explain", "--op", "toy", "--model", "toy-model", "--tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "op        toy" in out and "variant   scale" in out and "cached    yes" in out, out
-    assert cli._ops("toy") == ("toy",)
+    assert cli._ops("toy") == ("toy",) and ops.OPS[-1] == "toy" and warmup.registry.OPS[-1] == "toy"
+    with pytest.raises(kerngen.TierError, match=r"param 'factor' of toy variant 'scale' must be an integer in \["):
+        tiers.check_params("t.toml", "toy", "scale", {"backend": "nvrtc", "factor": 17})   # [1, 16]
+
+
+def test_a_registered_op_is_taken_out_again(toy):
+    ops.unregister("toy")
+    try:
+        tiers.reload()
+        assert "toy" not in ops.OPS
+        with pytest.raises(kerngen.TierError, match="field 'op' must be one of"):
+            tiers.load()   # the user file's toy rule
+        with pytest.raises(KeyError, match="unknown op 'toy'"):
+            ops.op_module("toy")
+    finally:
+        ops.register(TOY)
+    with pytest.raises(ValueError, match="op 'toy' is registered already"):
+        ops.register(TOY)
 
 
 def test_a_rule_of_an_op_nobody_registered_is_a_tier_error(tmp_path):

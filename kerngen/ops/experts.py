@@ -35,8 +35,6 @@ from .experts_reference import (activate, dequantize, fp8_round_trip, quantize_f
                                 reference)
 
 OP = "experts"
-TORCH_OPS = ("moe_experts",)   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
-SHAPE_FLAGS = ("hidden", "intermediate")   # the shape `kerngen explain --op experts` needs (default: top_k, hidden)
 VARIANTS = ("mma",)
 MMA_MAX_TILE = 16   # rows of a tile the kernels take (two 8-row n-blocks of mma accumulators)
 # struct Params of templates/experts/mma.cu.j2 (both kernels)

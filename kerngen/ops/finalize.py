@@ -20,7 +20,6 @@ from .finalize_checks import MAX_K, _ACT, _W, check_args  # noqa: F401
 from .finalize_reference import reference  # noqa: F401
 
 OP = "finalize"
-TORCH_OPS = ("finalize",)   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
 CUTE_MAX_K = 32   # templates/finalize/cute.py keeps a token's indices and weights in registers
 # struct Params of templates/finalize/_finalize.cuh.j2 (`in_`: the C field `in`, a Python keyword)
 PARAMS = Params(("in_", "ptr"), ("idx", "ptr"), ("w", "ptr"), ("out", "ptr"), ("ld", "int"), ("rows", "int"),

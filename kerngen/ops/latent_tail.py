@@ -53,7 +53,6 @@ from .latent_tail_checks import MAX_K, _BF16, _W, check_args  # noqa: F401
 from .latent_tail_reference import latent_sum, normalize, project, reference  # noqa: F401
 
 OP = "latent_tail"
-TORCH_OPS = ("latent_tail",)   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
 VARIANTS = ("fused", "norm_gemm", "unfused")
 MAX_FUSED_TOKENS = 16          # the mma n-blocks of the fused kernel: two of 8 tokens
 SMEM_PER_CTA = SM90.smem_per_cta   # sm_90 / sm_100: the most shared memory one CTA may use

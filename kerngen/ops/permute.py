@@ -31,8 +31,6 @@ from .permute_checks import check_align_into, check_ids, check_workspace  # noqa
 from .permute_reference import align_reference, align_rows, max_rows, permute_reference  # noqa: F401
 
 OP = "permute"
-TORCH_OPS = ("moe_align_block_size",)   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
-SHAPE_FLAGS = ("experts", "top_k")   # the shape `kerngen explain --op permute` needs (default: top_k, hidden)
 # struct Params of templates/permute/histogram.cu.j2 and onepass.cu.j2 (hist and ticket unused by onepass)
 PARAMS = Params(("ids", "ptr"), ("counts", "ptr"), ("offsets", "ptr"), ("e2p", "ptr"), ("p2t", "ptr"), ("t2e", "ptr"),
                 ("num_rows", "ptr"), ("hist", "ptr"), ("ticket", "ptr"), ("tokens", "int"), ("tile", "int"),

@@ -42,8 +42,6 @@ from .routing_checks import check_args, model_args  # noqa: F401
 from .routing_reference import _SIGMOID_BIAS, reference  # noqa: F401
 
 OP = "routing"
-TORCH_OPS = ("route", "route_permute")   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
-SHAPE_FLAGS = ("experts", "top_k")   # the shape `kerngen explain --op routing` needs (default: top_k, hidden)
 _SHORT_METHOD = {"softmax_topk": "smk", "topk_softmax": "tks", "sigmoid_bias": "sgb",
                  "grouped_sigmoid_bias": "gsb", "top1_sigmoid": "t1s"}
 # struct Params of templates/routing/_routing.cuh.j2 (topk and fused kernels)

@@ -38,7 +38,6 @@ from .tail_reference import FP8, FP8_BLOCK, FP8_MAX, SCALE_FLOOR, quantize_fp8, 
 from .tail_tp import moe_tail_tp
 
 OP = "tail"
-TORCH_OPS = ("moe_tail",)   # its torch.ops.kerngen ops (kerngen/torch_ops.py)
 _NAMES = {**DTYPE_NAMES, FP8: "float8_e4m3fn"}
 _SHORT = {**SHORT, "float8_e4m3fn": "e4m3"}
 # Flag sets `kerngen warmup` builds for every model: (shared, residual, residual_out). The pre-norm residual

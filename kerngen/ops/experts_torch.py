@@ -1,0 +1,94 @@
+"""torch.ops.kerngen.moe_experts: a block's routed experts (permute, kerngen.experts, finalize) as a torch custom op
+(kerngen/torch_ops.py says how they behave)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..dispatch import check_env
+from ..errors import InputError
+from . import _common
+from . import experts as _ex
+from . import finalize as _fin
+from . import permute as _pm
+from ._torch import one_device
+
+
+@torch.library.custom_op("kerngen::moe_experts", mutates_args=(), device_types="cuda")
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, activation: str,
+                b13: Tensor | None = None, b2: Tensor | None = None, w13_scale: Tensor | None = None,
+                w2_scale: Tensor | None = None, interleaved: bool = False, alpha: float = 1.702,
+                limit: float = 7.0, fp8_activations: bool = False) -> Tensor:
+    """A block's routed experts and their weighted sum, [T, H] bf16: the permutation of topk_ids at the tile of
+    the experts kernels' rule for T tokens (1 where none serves), kerngen.experts, kerngen.finalize (fp32 sums,
+    k ascending). Arguments as kerngen.experts takes them (x bf16, w13 [E, 2I, H], w2 [E, H, I], bf16 / fp8 /
+    MXFP4 weights with their scales; bf16 ones may be the transposed views of [E, H, 2I] / [E, I, H]; gpt-oss's
+    gate: interleaved, alpha, limit; fp8 weights: fp8_activations, the w8a8 path). fp8 and MXFP4 token counts no
+    rule serves read which experts were hit on the host (not capturable)."""
+    E, T = w13.shape[0], x.shape[0]
+    ids = _ids(topk_ids, "topk_ids")
+    _check_weights(topk_weights, ids, x)
+    tile = _tile(x, w13, w2, activation, fp8_activations)
+    ws = _pm.RoutingWorkspace(max(T, 1), E, ids.shape[1], tile, device=x.device, separate=True)
+    r = _pm.permute(ids, num_experts=E, tile=tile, workspace=ws)
+    rows = r.permuted_to_token.shape[0]
+    g = x.new_empty((rows, x.shape[1]), dtype=torch.bfloat16)
+    scratch = x.new_empty((rows, w13.shape[1] // 2), dtype=torch.bfloat16)   # [rows, I] in every format
+    _ex.experts(x, r, w13, w2, activation=activation, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale,
+                interleaved=interleaved, alpha=alpha, limit=limit, out=g, scratch=scratch,
+                fp8_activations=fp8_activations)
+    return _fin.finalize(g, r.expanded_to_permuted, _weights(topk_weights))
+
+
+def _ids(topk_ids: Tensor, name: str) -> Tensor:
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise InputError("moe_experts", name, "int32 or int64 expert ids [T, K]", str(topk_ids.dtype))
+    return topk_ids.to(torch.int32).contiguous()
+
+
+def _check_weights(w, ids: Tensor, x: Tensor) -> None:
+    """topk_weights: a floating [T, K] tensor like topk_ids, on x's device (the CPU and CUDA paths alike)."""
+    if not isinstance(w, Tensor):
+        raise InputError("moe_experts", "topk_weights", "a torch.Tensor", type(w).__name__)
+    if not w.is_floating_point():
+        raise InputError("moe_experts", "topk_weights", "a floating-point tensor (fp32 or bf16)", str(w.dtype))
+    if tuple(w.shape) != tuple(ids.shape):
+        raise InputError("moe_experts", "topk_weights", f"of shape {tuple(ids.shape)} like topk_ids",
+                         f"shape {tuple(w.shape)}")
+    if w.device != x.device:
+        raise InputError("moe_experts", "topk_weights", f"on {x.device} (same device as x)", str(w.device))
+
+
+def _weights(w: Tensor) -> Tensor:
+    return (w if w.dtype in (torch.float32, torch.bfloat16) else w.float()).contiguous()
+
+
+def _tile(x: Tensor, w13: Tensor, w2: Tensor, activation: str, a8: bool = False) -> int:
+    """The tile of the experts kernels' rule for these tokens and weights (1 where none serves them)."""
+    if w13.dtype not in _ex.FORMATS or x.device.type not in _common.KERNEL_DEVICES:
+        return 1
+    a8 = a8 is True and _ex.FORMATS[w13.dtype] == "fp8"   # anything else is experts()' error to raise
+    I = w13.shape[1] // 2   # w13 [E, 2I, ...] in every format (w2's last dims are I/32, 16 for MXFP4)
+    fmt = _ex.FORMATS[w13.dtype]
+    return _ex.tile_for(x.shape[1], I, activation, x.shape[0], x.get_device(), fmt,
+                        _ex.weights_layout(w13, w2, fmt), a8) or 1
+
+
+@moe_experts.register_kernel("cpu")
+def _moe_experts_cpu(x, topk_ids, topk_weights, w13, w2, activation, b13=None, b2=None, w13_scale=None,
+                     w2_scale=None, interleaved=False, alpha=1.702, limit=7.0, fp8_activations=False):
+    check_env()
+    ids = _ids(topk_ids, "topk_ids")
+    _check_weights(topk_weights, ids, x)
+    r = _pm.Routing(ids, topk_weights, **_pm.permute_reference(ids, w13.shape[0], 1), tile=1)
+    g = _ex.experts(x, r, w13, w2, activation=activation, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale,
+                    interleaved=interleaved, alpha=alpha, limit=limit, fp8_activations=fp8_activations)
+    return _fin.reference(g, r.expanded_to_permuted, _weights(topk_weights))
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x, topk_ids, topk_weights, w13, w2, activation, b13=None, b2=None, w13_scale=None,
+                      w2_scale=None, interleaved=False, alpha=1.702, limit=7.0, fp8_activations=False):
+    one_device("experts", x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2,
+               w13_scale=w13_scale, w2_scale=w2_scale)
+    return x.new_empty((topk_ids.shape[0], x.shape[1]), dtype=torch.bfloat16)
