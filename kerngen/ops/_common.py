@@ -1,16 +1,14 @@
 """Input checks and kernel resolution shared by the ops."""
 from __future__ import annotations
 
-from importlib import import_module
-
 import torch
 
-from .. import jit, tiers
+from .. import tiers
 from ..dispatch import on_clear
 from ..errors import DeviceError, InputError
-from ..launch import resident
+from ..launch import resident, resolve  # noqa: F401  (resolve: re-exported for the ops, which the tests stub)
 from ..occupancy import Launch
-from ..plan import KernelSpec, sm_count, target_arch   # sm_count: re-exported for the ops
+from ..plan import sm_count, target_arch   # sm_count: re-exported for the ops
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "f32"}
@@ -104,20 +102,6 @@ def check_rows(op: str, g, H: int) -> None:
                          f"multiple of 8 and >= {H}", f"strides {g.stride()}")
     if g.shape[0] >= 2**31 or g.stride(0) >= 2**31:
         raise InputError(op, "gemm2_out", "fewer than 2**31 rows and row stride", f"shape {tuple(g.shape)}")
-
-
-def resolve(spec: KernelSpec):
-    """The loaded kernel of a spec, built or fetched from the cache once per process by its backend's loader
-    (tiers.BACKENDS): a launch.Module for CUDA C++, a TVM-FFI function for CuTe DSL."""
-    mod = _modules.get(spec)
-    if mod is None:
-        built = jit.build(spec)
-        mod = import_module(f"..{tiers.BACKENDS[spec.backend].loader}", __package__).load(built.files, built.key)
-        _modules[spec] = mod
-    return mod
-
-
-_modules: dict[KernelSpec, object] = {}
 
 
 def identity_rows(T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
