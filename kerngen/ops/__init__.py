@@ -6,8 +6,9 @@ OPS is the one registry of ops with kernels. Each op module offers the same seam
     explain_spec(table, arch, *, experts, top_k, hidden, tokens, model=None, ...) -> KernelSpec
     kernel(spec, tokens, device)                       the launch object of one spec
     dispatch(device, **static shape) -> Dispatch       the shape's kernels, resolved once (keywords after device)
-and keeps the calls it resolved in kerngen.dispatch.calls(op) (input signature -> launch object and arguments;
-kerngen.clear() forgets them with the dispatch objects),
+and keeps the calls it resolved in kerngen.dispatch.calls(op) (input signature -> launch object and arguments) and
+what its calls reuse (scratch buffers) in its dispatch objects (`Dispatch.kept`): no cache of its own, so
+kerngen.clear() forgets it all,
 and TORCH_OPS, the names of its torch.ops.kerngen ops (registered in kerngen/torch_ops.py), and optionally
 SHAPE_FLAGS, the shape fields its explain_spec needs (default ("top_k", "hidden"); the CLI checks
 them), MAX_K, its largest top_k; the ops with persistent grids (experts, latent_tail) one more, which explain,

@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from .. import tiers
-from ..dispatch import on_clear
 from ..errors import DeviceError, InputError
 from ..launch import resident, resolve  # noqa: F401  (resolve: re-exported for the ops, which the tests stub)
 from ..occupancy import Launch
@@ -104,18 +103,15 @@ def check_rows(op: str, g, H: int) -> None:
         raise InputError(op, "gemm2_out", "fewer than 2**31 rows and row stride", f"shape {tuple(g.shape)}")
 
 
-def identity_rows(T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def identity_rows(kept: dict, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """finalize's arguments for T rows already summed (the TP tails' all-reduced rows): expanded_to_permuted
-    arange(T) [T, 1] int32 and weights ones [T, 1] fp32, kept per (T, device)."""
-    hit = _identity.get((T, device))
+    arange(T) [T, 1] int32 and weights ones [T, 1] fp32, kept per T in `kept` (the dispatch object's that serves
+    the call, as Dispatch.kept)."""
+    hit = kept.get(("identity", T))
     if hit is None:
-        hit = _identity[(T, device)] = (torch.arange(T, dtype=torch.int32, device=device).view(T, 1),
-                                        torch.ones((T, 1), dtype=torch.float32, device=device))
+        hit = kept[("identity", T)] = (torch.arange(T, dtype=torch.int32, device=device).view(T, 1),
+                                       torch.ones((T, 1), dtype=torch.float32, device=device))
     return hit
-
-
-_identity: dict[tuple, tuple] = {}   # (T, device) -> identity_rows(T, device)
-on_clear(_identity.clear)
 
 
 def table() -> tiers.Table:

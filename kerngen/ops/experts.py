@@ -508,17 +508,13 @@ def _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weight
 
 
 def _at_tile(d: Dispatch, s: plan_mod.KernelSpec, tile: int) -> Kernels:
-    """The kernels of spec `s` built for routing tile `tile` instead of its rule's, kept beside the dispatch."""
-    alt = d.data if d.data is not None else {}
-    d.data = alt
-    key = (s, tile)
-    if key not in alt:
+    """The kernels of spec `s` built for routing tile `tile` instead of its rule's, kept by the dispatch object."""
+    key = ("tile", s, tile)
+    k = d.kept.get(key)
+    if k is None:
         c = dict(s.constants)
-        alt[key] = Kernels(plan_mod.spec_for(tiers.Rule(OP, s.variant, {}, {**dict(s.params), "backend": s.backend}),
-                                             *tag_constants(c["H"], c["I"], tile, c["ACT"], c["FORMAT"],
-                                                            "kn" if c.get("KN") else "nk", bool(c.get("A8"))),
-                                             s.arch),
-                                 d.device)
-    return alt[key]
-
-
+        rule = tiers.Rule(OP, s.variant, {}, {**dict(s.params), "backend": s.backend})
+        at = plan_mod.spec_for(rule, *tag_constants(c["H"], c["I"], tile, c["ACT"], c["FORMAT"],
+                                                    "kn" if c.get("KN") else "nk", bool(c.get("A8"))), s.arch)
+        k = d.kept[key] = Kernels(at, d.device)
+    return k
