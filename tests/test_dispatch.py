@@ -543,8 +543,10 @@ def test_no_op_keeps_a_cache_of_its_own():
     dict, list or set at module level (a cache), and clear() has no hooks to call."""
     import ast
     from pathlib import Path
-    empty = lambda v: (isinstance(v, (ast.Dict, ast.List, ast.Set)) and not any(ast.iter_child_nodes(v))) or (  # noqa: E731
-        isinstance(v, ast.Call) and getattr(v.func, "id", None) in ("dict", "list", "set") and not v.args)
+    def empty(v) -> bool:
+        return ((isinstance(v, (ast.Dict, ast.List, ast.Set)) and not any(ast.iter_child_nodes(v)))
+                or (isinstance(v, ast.Call) and getattr(v.func, "id", None) in ("dict", "list", "set") and not v.args))
+
     caches = []
     for path in sorted(Path(_common.__file__).parent.glob("*.py")):
         for node in ast.parse(path.read_text()).body:
