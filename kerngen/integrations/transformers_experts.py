@@ -341,7 +341,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         r = _permutation(self, st, top_k_index, tile)
     # kerngen.experts' kernels (gather, both projections and the gate in two launches) where they serve these
     # tokens; quantized weights (fp8, MXFP4) take kerngen.experts at every size (its kernels, else its per-expert
-    # reference) with bf16 activations
+    # reference) with bf16 activations, and on CPU tensors its checks and reference
     if st.quantized is not None or tile != TILE:
         if st.quantized is not None:
             x, kw = hidden_states.to(torch.bfloat16).contiguous(), st.quantized
@@ -349,7 +349,11 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
             x, (w13, w2) = hidden_states.contiguous(), expert_weights(self)
             b13, b2 = (self.gate_up_proj_bias, self.down_proj_bias) if self.has_bias else (None, None)
             kw = dict(w13=w13, w2=w2, b13=b13, b2=b2, **st.gate)
-        g = kerngen.experts(x, r, out=st.rows(r, x.shape[1], x) if x.is_cuda else None, **kw)
+        if x.is_cuda:
+            g = kerngen.experts(x, r, out=st.rows(r, x.shape[1], x), **kw)
+        else:   # a CPU entry point: kerngen.experts' checks, then its reference
+            _ex.check(x, r, cuda=False, **kw)
+            g = _ex.reference(x, r, **kw)
         return _finalize(g, r.expanded_to_permuted, top_k_weights).to(hidden_states.dtype)
     bias = (lambda name: getattr(self, name)) if self.has_bias else (lambda name: None)
     up, up_bias, act = (("gate_up_proj", "gate_up_proj_bias", self._apply_gate) if self.has_gate

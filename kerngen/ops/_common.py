@@ -14,6 +14,17 @@ SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "f32"}
 
 
 KERNEL_DEVICES = ("cuda",)   # device types whose tensors take the kernels' path (tests add "cpu" with stub launchers)
+# The CPU rule, one for every op that launches kernels: CUDA tensors only, a CPU tensor an InputError naming the
+# argument and where the same semantics run on the CPU (its torch op and reference: the kernels' checks, then the
+# reference); by op name as the errors give it
+CPU_ENTRY = {
+    "routing": "torch.ops.kerngen.route / route_permute, kerngen.select_experts or kerngen.ops.routing.reference",
+    "permute": "kerngen.ops.permute.reference",
+    "moe_align_block_size": "torch.ops.kerngen.moe_align_block_size or kerngen.adapters.moe_align_block_size",
+    "experts": "torch.ops.kerngen.moe_experts or kerngen.ops.experts.reference",
+    "finalize": "torch.ops.kerngen.finalize or kerngen.ops.finalize.reference",
+    "tail": "torch.ops.kerngen.moe_tail or kerngen.ops.tail.reference",
+    "latent_tail": "torch.ops.kerngen.latent_tail or kerngen.ops.latent_tail.reference"}
 
 
 def check_tensor(op: str, name: str, t, *, dtypes=None, ndim=None, device=None, contiguous=False):
@@ -26,8 +37,8 @@ def check_tensor(op: str, name: str, t, *, dtypes=None, ndim=None, device=None, 
     if device is not None and t.device != device:
         raise InputError(op, name, f"on {device} (same device as the other inputs)", str(t.device))
     elif device is None and t.device.type not in KERNEL_DEVICES:
-        raise InputError(op, name, "a CUDA tensor (kerngen's kernels run on the GPU; on the CPU the same semantics "
-                         f"are kerngen.ops.{op}.reference and torch.ops.kerngen.*)", f"a tensor on {t.device}")
+        raise InputError(op, name, "a CUDA tensor (kerngen's kernels run on the GPU; on the CPU: "
+                         f"{CPU_ENTRY.get(op, 'torch.ops.kerngen.* and the references')})", f"a tensor on {t.device}")
     if contiguous and not t.is_contiguous():
         raise InputError(op, name, "contiguous", f"strides {t.stride()}")
 
