@@ -75,8 +75,8 @@ def _miss_command(spec) -> str:
 
 
 def clear() -> None:
-    """Forget every resolved dispatch (kernels per shape, input signatures): the next call of each shape reads
-    the tier table and the cache again. tiers.reload() calls it too."""
+    """Forget every resolved dispatch (kernels per shape, the buffers their calls keep, input signatures): the next
+    call of each shape reads the tier table and the cache again. tiers.reload() calls it too."""
     from . import dispatch
     dispatch.clear()
 

@@ -146,7 +146,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     return sorted_ids, expert_ids, post_pad
 
 
-_maps: dict[int, tuple] = {}   # id -> (weakref, version, range): a freed map's address may come back
+# id -> (weakref, version, range): a freed map's address may come back. Per map tensor, not per shape: the
+# engine's map read once, whatever the tier table (so no dispatch object holds it)
+_maps: dict[int, tuple] = {}
 
 
 def _local_range(expert_map, num_experts: int, local_experts) -> tuple[int, int] | None:

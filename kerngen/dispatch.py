@@ -6,9 +6,13 @@ KernelSpec then. A call picks the bucket of its token count with a bisect and ta
 that count (built on first use: compile or cache load, then kept). After the first call of a token count
 nothing on the path reads the filesystem, reloads the table or scans rules.
 
-All dispatch objects live in one registry (`lookup`), keyed by the op's static key (never the token count), and
-each op's resolved calls in one `Calls` of this module (`calls(op)`): a call whose input signature was seen skips
-the checks and the lookup and launches what they found. `clear()` forgets them all, and `tiers.reload()` calls it.
+Where state lives: all dispatch objects in one registry (`lookup`), keyed by the op's static key (never the token
+count); each holds its launch objects and what the shape's calls reuse (`kept`: scratch buffers, the TP tails'
+symmetric buffers and identity rows, kernels built for another tile). Each op's resolved calls live in one `Calls`
+of this module (`calls(op)`): a call whose input signature was seen skips the checks and the lookup and launches
+what they found. `clear()` forgets them all, and `tiers.reload()` calls it; no op keeps a cache of its own. The one
+per-process store outside them is the loaded kernels (`launch.resolve`), keyed by KernelSpec: a spec is one binary
+whatever shape or table asked for it.
 """
 from __future__ import annotations
 
@@ -26,19 +30,21 @@ class Dispatch:
     """One op at one static shape on one device.
 
     `shape` holds the op's rule keys without tokens (num_experts, top_k, hidden); `spec_of(rule)` turns the rule
-    of a bucket into its KernelSpec (the op's tag and constants); `make(spec, tokens, device)` builds the launch
-    object of a bucket for one token count, or with per_token=False one object for every token count of the
-    bucket (a launch object whose grid does not follow the tokens: built once per spec). `data` is whatever the op
-    keeps beside.
+    of a bucket into its KernelSpec (the op's tag and constants; tail_tp, whose variants are host code, keeps the
+    rule itself); `make(spec, tokens, device)` builds the launch object of a bucket for one token count, or with
+    per_token=False one object for every token count of the bucket (a launch object whose grid does not follow the
+    tokens: built once per spec). `kept` holds what the op keeps beside its launch objects for this shape (scratch
+    buffers, per stream where streams must not share them; kernels for another tile; ...), forgotten with it.
     """
-    __slots__ = ("op", "device", "arch", "starts", "specs", "errors", "data", "_make", "_by_tokens", "_per_token",
+    __slots__ = ("op", "device", "arch", "starts", "specs", "errors", "kept", "_make", "_by_tokens", "_per_token",
                  "_by_spec")
 
-    def __init__(self, op: str, shape: dict[str, int], spec_of: Callable[[tiers.Rule], KernelSpec],
+    def __init__(self, op: str, shape: dict[str, int], spec_of: Callable[[tiers.Rule], Any],
                  make: Callable[[KernelSpec, int, int], Any], device: int, *, arch: str | None = None,
-                 table: tiers.Table | None = None, data: Any = None, per_token: bool = True):
+                 table: tiers.Table | None = None, per_token: bool = True):
         tbl = table or tiers.load()
-        self.op, self.device, self.data, self._make = op, device, data, make
+        self.op, self.device, self._make = op, device, make
+        self.kept: dict = {}
         self._per_token, self._by_spec = per_token, {}
         self.arch = arch or target_arch(device if device >= 0 else None)
         key = {**shape, "arch": self.arch, **visible_sm_count(self.arch, device)}
@@ -90,7 +96,7 @@ class Dispatch:
         return k
 
     def __repr__(self) -> str:
-        buckets = ", ".join(f"{lo}+: {s.variant if s else None}" for lo, s in zip(self.starts, self.specs))
+        buckets = ", ".join(f"{lo}+: {getattr(s, 'variant', s)}" for lo, s in zip(self.starts, self.specs))
         return f"Dispatch({self.op} on {self.arch}, device {self.device}; {buckets})"
 
 
@@ -150,23 +156,12 @@ def rule_spec(tag_constants: tuple[str, dict], arch: str) -> Callable[[tiers.Rul
     return lambda rule: spec_for(rule, tag, consts, arch)
 
 
-_on_clear: list[Callable[[], None]] = []
-
-
-def on_clear(fn: Callable[[], None]) -> Callable[[], None]:
-    """Register an op's own buffers (scratch workspaces, symmetric memory) to be forgotten by clear()."""
-    _on_clear.append(fn)
-    return fn
-
-
 def clear() -> None:
-    """Forget every dispatch object and every op's cached signatures (after the tier table or the cache
-    changed); the next call of each shape resolves again."""
+    """Forget every dispatch object (with what it keeps) and every op's cached signatures (after the tier table or
+    the cache changed); the next call of each shape resolves again."""
     _registry.clear()
     for c in _calls.values():
         c.clear()
-    for fn in _on_clear:
-        fn()
 
 
 def registry() -> dict[tuple, Dispatch]:

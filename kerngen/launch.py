@@ -7,6 +7,8 @@ packing (C's natural alignment) and the by-name launch, and tests/test_params_la
 C struct. The driver copies the parameters at launch (and at graph
 capture), so the buffer may be reused at once; it is per thread. Launch goes through ctypes to the
 driver's cuLaunchKernelEx with prebuilt C structs: most of a launch's host cost is then the driver's own.
+`resolve(spec)` is where a KernelSpec becomes a loaded kernel (built or fetched by jit, loaded by its backend's
+loader), once per process.
 """
 from __future__ import annotations
 
@@ -17,11 +19,15 @@ import re
 import struct
 import threading
 import warnings
+from importlib import import_module
 from types import MethodType
 
 import torch
 
+from . import jit
 from .errors import DeviceError
+from .plan import KernelSpec
+from .tiers import BACKENDS
 
 _driver = None
 
@@ -265,6 +271,23 @@ def load(files: dict[str, bytes], key: str) -> Module:
     module = Module(files["kernel.cubin"], key)
     module.load(torch.cuda.current_device())
     return module
+
+
+def resolve(spec: KernelSpec):
+    """The loaded kernel of a spec, built or fetched from the cache (jit.build) and loaded by its backend's loader
+    (tiers.BACKENDS) once per process: a Module for CUDA C++, a TVM-FFI function for CuTe DSL."""
+    mod = _resolved.get(spec)
+    if mod is None:
+        built = jit.build(spec)
+        mod = _resolved[spec] = import_module(f".{BACKENDS[spec.backend].loader}", __package__).load(built.files,
+                                                                                                     built.key)
+    return mod
+
+
+# Keyed by KernelSpec, not by shape: a spec is one binary whichever shape or tier table asked for it, so
+# dispatch.clear() leaves these loaded (the dispatch objects of a new table find them again; CuTe's JIT engine keeps
+# its code alive anyway).
+_resolved: dict[KernelSpec, object] = {}
 
 
 def graph_launch(handle: int, stream: int) -> None:

@@ -165,7 +165,7 @@ def preload(model: str, *, tiers_file=None, device: int | None = None) -> dict:
     import torch
 
     from . import tiers
-    from .ops import _common
+    from .launch import resolve
     from .plan import target_arch
     tbl = tiers.load(tiers_file)
     dev = torch.cuda.current_device() if device is None else device
@@ -174,7 +174,7 @@ def preload(model: str, *, tiers_file=None, device: int | None = None) -> dict:
     compiled = 0
     for spec in specs:
         with torch.cuda.device(dev):
-            _common.resolve(spec)   # built or fetched, and loaded by its backend's loader
+            resolve(spec)   # built or fetched, and loaded by its backend's loader
         compiled += jit.last_status.get(spec) == "compiled"
     secs = time.perf_counter() - t0
     logging.getLogger("kerngen").info("kerngen: preloaded %d kernels of %s in %.2fs (%d compiled)",

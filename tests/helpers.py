@@ -1,4 +1,4 @@
-"""What the tests share besides fixtures (those are in conftest.py): SASS checks, tiers texts."""
+"""What the tests share besides fixtures (those are in conftest.py): SASS checks, tiers texts, the experts CPU path."""
 import contextlib
 from pathlib import Path
 
@@ -66,3 +66,28 @@ def gloo_world(worker, tmp_dir, world: int) -> dict:
         results = m.dict()
         mp.start_processes(worker, args=(init, results), nprocs=world, start_method="spawn", join=True)
         return dict(results)
+
+
+def experts_on_cpu(x, routing, w13, w2, **kw):
+    """kerngen.experts' rows for CPU tensors as its CPU entry points compute them (kerngen.experts takes CUDA tensors
+    only): its checks, the device check aside, then its reference."""
+    from kerngen.ops import experts as ex
+    ex.check(x, routing, w13, w2, cuda=False, **kw)
+    return ex.reference(x, routing, w13, w2, **kw)
+
+
+def experts_error(**args):
+    """The InputError of kerngen.experts for these (CPU) arguments, checked to be the one its CPU entry points' check
+    raises (ex.check(..., cuda=False)): one check function, the same error on either path."""
+    import kerngen
+    from kerngen.ops import experts as ex
+    errors = []
+    for run in (lambda: kerngen.experts(**args), lambda: ex.check(**args, cuda=False)):
+        try:
+            run()
+        except kerngen.InputError as e:
+            errors.append(e)
+        else:
+            raise AssertionError(f"no InputError for {sorted(args)}")
+    assert (errors[0].op, errors[0].arg, str(errors[0])) == (errors[1].op, errors[1].arg, str(errors[1]))
+    return errors[0]

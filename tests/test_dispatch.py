@@ -10,7 +10,7 @@ import torch
 
 import kerngen
 from kerngen import dispatch, jit, ops, tiers, warmup
-from kerngen.ops import OPS, _common, experts, finalize, latent_tail, op_module, permute, routing, tail
+from kerngen.ops import OPS, _common, experts, finalize, latent_tail, op_module, permute, routing, tail, tail_tp
 from kerngen.plan import plan
 
 OP_MODULES = (routing, permute, finalize, tail, experts, latent_tail)
@@ -29,6 +29,8 @@ def test_the_registry_lists_every_op_with_kernels_and_each_has_the_seam():
         assert params[0].name == "device" and all(p.kind is p.KEYWORD_ONLY for p in params[1:]), op
         assert dispatch.calls(op) is dispatch.calls(op) and dispatch.calls(op).op == op   # its resolved calls
         assert not any(isinstance(v, dict) and k.startswith("_fast") for k, v in vars(mod).items())
+    params = list(inspect.signature(tail_tp.dispatch).parameters.values())   # tail_tp's too (no kernels, no seam)
+    assert params[0].name == "device" and all(p.kind is p.KEYWORD_ONLY for p in params[1:])
     with pytest.raises(KeyError, match="unknown op"):
         op_module("tail_tp")
     registered = {o for o in dir(torch.ops.kerngen) if not o.startswith("_") and o != "name"}
@@ -150,6 +152,8 @@ def _calls():
     lout = torch.empty(4, 2 * H, dtype=torch.bfloat16)
     e2p20 = torch.randint(0, 4 * K, (20, K), generator=g).int()        # past the fused rules: the unfused path
     w20 = torch.rand(20, K, generator=g)
+    n = permute.max_rows(4, K, E, 8)
+    sorted_ids, block_ids, post_pad = (torch.empty(m, dtype=torch.int32) for m in (n, -(-n // 8), 1))
     return {
         "route model= workspace=": lambda: kerngen.route(kimi, bias=bias, model="kimi-k3", tile=128, workspace=ws),
         "route model=": lambda: kerngen.route(kimi, bias=bias, model="kimi-k3", tile=128),
@@ -159,6 +163,7 @@ def _calls():
         "route without tile": lambda: kerngen.route(logits, top_k=K, method="softmax_topk"),
         "permute": lambda: kerngen.permute(ids, num_experts=E, tile=8),
         "permute workspace=": lambda: kerngen.permute(ids, num_experts=E, tile=8, workspace=ws8),
+        "permute_align_into": lambda: permute.permute_align_into(ids, E, 8, sorted_ids, block_ids, post_pad),
         "experts out=": lambda: kerngen.experts(x, r8, w13, w2, out=eout),
         "experts": lambda: kerngen.experts(x, r8, w13, w2),
         "finalize out=": lambda: kerngen.finalize(rows, e2p, w, out=out),
@@ -281,9 +286,9 @@ def test_route_results_without_workspace_are_fresh(stub_gpu):
 
 
 def test_calls_into_given_buffers_allocate_nothing(stub_gpu, monkeypatch):
-    """route / permute with workspace=, experts / finalize with out=: no allocation after the first call (the
-    experts' intermediate is the dispatch's, per stream)."""
-    calls = {k: v for k, v in _calls().items() if "workspace=" in k or "out=" in k}
+    """route / permute with workspace=, experts / finalize with out=, moe_align_block_size into its buffers: no
+    allocation after the first call (the experts' intermediate and the align scratch are the dispatch's)."""
+    calls = {k: v for k, v in _calls().items() if "workspace=" in k or "out=" in k or "into" in k}
     for fn in calls.values():
         fn()
 
@@ -462,11 +467,92 @@ def test_experts_take_the_callers_scratch_and_keep_none(stub_gpu):
     assert [tuple(a.shape) for a in k._act.values()] == [(rows, I)]
 
 
-def test_identity_rows_are_kept_per_shape_and_forgotten_by_clear():
-    """The TP tails' finalize arguments for summed rows: one cache for both, cleared with every op's."""
+def test_identity_rows_are_kept_by_the_dispatch_object_and_forgotten_by_clear():
+    """The TP tails' finalize arguments for summed rows: kept in the dispatch object of the call they feed."""
     cpu = torch.device("cpu")
-    idx, ones = _common.identity_rows(4, cpu)
+    d = tail_tp.dispatch(-1, hidden=256, world_size=2)
+    idx, ones = _common.identity_rows(d.kept, 4, cpu)
     assert idx.dtype == torch.int32 and idx.flatten().tolist() == [0, 1, 2, 3] and ones.shape == (4, 1)
-    assert bool(ones.eq(1).all()) and _common.identity_rows(4, cpu)[0] is idx
+    assert bool(ones.eq(1).all()) and _common.identity_rows(d.kept, 4, cpu)[0] is idx
+    assert tail_tp.dispatch(-1, hidden=256, world_size=2) is d and d.require(4).params["allreduce"] == "nccl"
     kerngen.clear()
-    assert _common.identity_rows(4, cpu)[0] is not idx
+    d2 = tail_tp.dispatch(-1, hidden=256, world_size=2)
+    assert d2 is not d and not d2.kept
+
+
+def test_the_align_scratch_is_the_dispatch_objects(stub_gpu):
+    """moe_align_block_size's scratch workspace lives in the align dispatch object of its shape, one per block size,
+    grown to the most tokens seen, and goes with it on clear()."""
+    E, K = 16, 2
+    d = permute.dispatch(-1, E=E, K=K, align=True)
+
+    def align(T, block):
+        ids = torch.randint(0, E, (T, K), dtype=torch.int32)
+        n = permute.max_rows(T, K, E, block)
+        bufs = [torch.empty(m, dtype=torch.int32) for m in (n, -(-n // block), 1)]
+        permute.permute_align_into(ids, E, block, *bufs)
+        return d.kept[("align scratch", block)]
+
+    ws = align(3, 4)
+    assert ws.max_tokens == 3 and ws.layout == "align" and align(2, 4) is ws and align(3, 8) is not ws
+    assert align(5, 4).max_tokens == 5
+    kerngen.clear()
+    assert permute.dispatch(-1, E=E, K=K, align=True).kept == {}
+
+
+def _held(roots) -> list:
+    """Tensors and RoutingWorkspaces reachable from `roots` through containers and kerngen's own objects (functions,
+    modules and classes are not followed)."""
+    import gc
+    seen, found, todo = set(), [], list(roots)
+    while todo:
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, (torch.Tensor, permute.RoutingWorkspace)):
+            found.append(o)
+            if isinstance(o, torch.Tensor):
+                continue
+        if isinstance(o, (dict, list, tuple, set)) or type(o).__module__.startswith("kerngen."):
+            todo.extend(gc.get_referents(o))
+    return found
+
+
+def test_clear_forgets_every_buffer_the_calls_keep(stub_gpu):
+    """What the calls keep (per-stream scratch, the align scratch, prototypes of fresh buffers) is held by the dispatch
+    objects and the Calls and by nothing else: after kerngen.clear() none of it is alive."""
+    import gc
+    import weakref
+    calls = _calls()
+    for fn in calls.values():
+        fn()
+    held = _held([*dispatch.registry().values(), *(dispatch.calls(op) for op in OPS)])
+    kinds = {type(o).__name__ for o in held}
+    assert {"Tensor", "RoutingWorkspace"} <= kinds, kinds
+    refs = [weakref.ref(o) for o in held]
+    del held
+    kerngen.clear()
+    gc.collect()
+    alive = [r() for r in refs if r() is not None]
+    assert not alive, [(type(o).__name__, tuple(getattr(o, "shape", ()))) for o in alive]
+
+
+def test_no_op_keeps_a_cache_of_its_own():
+    """The dispatch objects and the Calls are the only per-shape state: no module of kerngen.ops assigns an empty
+    dict, list or set at module level (a cache), and clear() has no hooks to call."""
+    import ast
+    from pathlib import Path
+    def empty(v) -> bool:
+        return ((isinstance(v, (ast.Dict, ast.List, ast.Set)) and not any(ast.iter_child_nodes(v)))
+                or (isinstance(v, ast.Call) and getattr(v.func, "id", None) in ("dict", "list", "set") and not v.args))
+
+    caches = []
+    for path in sorted(Path(_common.__file__).parent.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and empty(node.value):
+                caches.append(f"{path.name}:{node.lineno}")
+    assert not caches, caches
+    assert not hasattr(dispatch, "on_clear") and not hasattr(dispatch, "_on_clear")
+    for mod, name in ((permute, "_scratch"), (_common, "_identity"), (_common, "_modules"), (tail_tp, "_symm")):
+        assert not hasattr(mod, name), (mod.__name__, name)

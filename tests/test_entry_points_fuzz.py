@@ -19,6 +19,12 @@ def e2p():
     return torch.zeros(3, 2, dtype=torch.int32)
 
 
+def routing():
+    from kerngen.ops import permute as pm
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    return kerngen.Routing(ids, torch.zeros(3, 2), **pm.permute_reference(ids, 8, 4), tile=4)
+
+
 ENTRY_POINTS = {
     "route": (lambda **a: kerngen.route(**a),
               dict(logits=logits, top_k=lambda: 2, method=lambda: "sigmoid_bias", bias=lambda: None,
@@ -43,6 +49,13 @@ ENTRY_POINTS = {
     "torch.ops.kerngen.route": (lambda **a: torch.ops.kerngen.route(a.pop("logits"), a.pop("top_k"), a.pop("method"),
                                                                     **a),
                                 dict(logits=logits, top_k=lambda: 2, method=lambda: "softmax_topk")),
+    "experts": (lambda **a: kerngen.experts(a.pop("x"), a.pop("routing"), a.pop("w13"), a.pop("w2"), **a),
+                dict(x=lambda: torch.zeros(3, 16, dtype=torch.bfloat16), routing=routing,
+                     w13=lambda: torch.zeros(8, 16, 16, dtype=torch.bfloat16),
+                     w2=lambda: torch.zeros(8, 16, 8, dtype=torch.bfloat16), activation=lambda: "silu",
+                     interleaved=lambda: False, b13=lambda: None, tile=lambda: None, alpha=lambda: 1.702,
+                     w13_scale=lambda: None, out=lambda: None, scratch=lambda: None,
+                     fp8_activations=lambda: False)),
     "RoutingWorkspace": (lambda **a: kerngen.RoutingWorkspace(a.pop("T"), a.pop("E"), a.pop("K"), **a),
                          dict(T=lambda: 4, E=lambda: 64, K=lambda: 2, tile=lambda: None,
                               local_experts=lambda: None, device=lambda: "cpu")),

@@ -1,5 +1,6 @@
-"""kerngen.experts on CPU tensors: its reference against per-token loops written from transformers' expert
-classes, the argument checks, and every shipped model's experts kernels compiled for sm_90a."""
+"""kerngen.experts without a GPU: its reference (what its CPU entry points run after its checks) against per-token
+loops written from transformers' expert classes, the argument checks on both paths, the CPU rule (CUDA tensors only),
+and every shipped model's experts kernels compiled for sm_90a."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +10,8 @@ from kerngen import jit, tiers
 from kerngen.cache import DiskCache
 from kerngen.ops import experts as ex
 from kerngen.ops import permute as pm
-from tests.helpers import assert_no_spills
+from tests.helpers import assert_no_spills, experts_error, experts_on_cpu
+from tests.test_dispatch import stub_gpu  # noqa: F401  (the kernels' path on CPU tensors, stub launchers)
 
 ACTS = ("silu", "gelu", "gpt_oss", "situglu")
 
@@ -69,9 +71,8 @@ def test_reference_matches_a_per_token_loop(act, interleaved, bias, input_weight
     s = torch.rand(T, generator=g) if input_weight else None
     kw = dict(activation=act, interleaved=interleaved, b13=b13, b2=b2, input_weights=s, beta=1.5,
               linear_beta=2.0 if act == "situglu" else 0.0)
-    out = kerngen.experts(x, r, w13, w2, **kw)
+    out = experts_on_cpu(x, r, w13, w2, **kw)
     assert out.shape == (r.permuted_to_token.shape[0], H) and out.dtype == torch.bfloat16
-    assert torch.equal(out, ex.reference(x, r, w13, w2, **kw))
     e2p = r.expanded_to_permuted
     seen = 0
     for t in range(T):
@@ -129,19 +130,68 @@ def _args(**over):
     (dict(tile=0), "tile"),
     (dict(activation="gpt_oss", limit=-1.0), "limit"),
     (dict(activation="situglu", beta=0.0), "beta"),
-    (dict(out=torch.zeros(3, 16, dtype=torch.bfloat16)), "out"),
-    (dict(scratch=torch.zeros(64, 8)), "scratch"),                                # dtype
-    (dict(scratch=torch.zeros(64, 9, dtype=torch.bfloat16)), "scratch"),          # not [., I]
-    (dict(scratch=torch.zeros(1, 8, dtype=torch.bfloat16)), "scratch"),           # fewer rows than the routing's
-    (dict(scratch=torch.zeros(8, 64, dtype=torch.bfloat16).t()), "scratch"),      # not contiguous
     (dict(w13=torch.zeros(4, 16, 32, dtype=torch.bfloat16)[:, :, ::2]), "w13"),   # strided: neither layout
     (dict(w2=torch.zeros(4, 8, 16, dtype=torch.bfloat16).transpose(1, 2)), "w2"),   # transposed beside a contiguous w13
     (dict(w13=torch.zeros(4, 16, 16, dtype=torch.bfloat16).transpose(1, 2)), "w2"),  # transposed w13, contiguous w2
+    (dict(w13=torch.zeros(4, 16, 16, dtype=torch.bfloat16, device="meta")), "w13"),   # not on x's device
 ])
 def test_bad_inputs_name_the_argument(over, arg):
+    """kerngen.experts and its CPU entry points' check raise the same InputError, before the device check."""
+    assert experts_error(**_args(**over)).arg == arg
+
+
+@pytest.mark.parametrize("over", [
+    dict(out=torch.zeros(3, 16, dtype=torch.bfloat16)),
+    dict(scratch=torch.zeros(64, 8)),                                # dtype
+    dict(scratch=torch.zeros(64, 9, dtype=torch.bfloat16)),          # not [., I]
+    dict(scratch=torch.zeros(1, 8, dtype=torch.bfloat16)),           # fewer rows than the routing's
+    dict(scratch=torch.zeros(8, 64, dtype=torch.bfloat16).t()),      # not contiguous
+])
+def test_bad_buffers_name_the_argument(stub_gpu, over):
+    """out= and scratch=, which only the kernels' path takes (CPU tensors standing in for CUDA ones)."""
     with pytest.raises(kerngen.InputError) as e:
         kerngen.experts(**_args(**over))
-    assert e.value.arg == arg
+    assert e.value.arg == next(iter(over))
+
+
+def test_a_cpu_tensor_is_the_kernel_ops_input_error():
+    """The CPU rule of every op that launches kernels: a CPU tensor is an InputError naming it, saying a CUDA tensor
+    is expected and where the CPU runs the same semantics, worded as finalize's."""
+    with pytest.raises(kerngen.InputError) as e:
+        kerngen.experts(**_args())
+    assert e.value.arg == "x" and e.value.expected.startswith("a CUDA tensor")
+    assert "torch.ops.kerngen.moe_experts" in str(e.value) and "kerngen.ops.experts.reference" in str(e.value)
+    with pytest.raises(kerngen.InputError) as f:
+        kerngen.finalize(torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.int32),
+                         torch.zeros(2, 2))
+    rule = "a CUDA tensor (kerngen's kernels run on the GPU; on the CPU: "
+    assert f.value.arg == "gemm2_out" and f.value.got == e.value.got == "a tensor on cpu"
+    assert e.value.expected.startswith(rule) and f.value.expected.startswith(rule + "torch.ops.kerngen.finalize")
+    assert ex.check(**_args(), cuda=False) == (2, 16, 8, "bf16", "nk")   # the CPU entry points' check passes
+
+
+@pytest.mark.parametrize("over,arg", [
+    (dict(x=torch.zeros(2, 16)), "x"),
+    (dict(w13=torch.zeros(4, 16, 24, dtype=torch.bfloat16)), "w13"),
+    (dict(w13=torch.zeros(4, 16, 16)), "w13"),
+    (dict(w2=torch.zeros(4, 16, 16, dtype=torch.bfloat16)), "w2"),
+    (dict(w13_scale=torch.ones(4, 1, 1)), "w13_scale"),
+    (dict(b2=torch.zeros(4, 16)), "b2"),
+    (dict(activation="relu"), "activation"),
+    (dict(activation="gpt_oss", limit=-1.0), "limit"),
+])
+def test_the_torch_op_on_cpu_checks_as_kerngen_experts(over, arg):
+    """torch.ops.kerngen.moe_experts on CPU tensors (the CPU entry point) raises kerngen.experts' InputError."""
+    import kerngen.torch_ops  # noqa: F401   registers torch.ops.kerngen
+    a = _args(**over)
+    want = experts_error(**a)
+    assert want.arg == arg
+    ids, w = a["routing"].topk_ids, torch.rand(2, 2)
+    op_args = {k: a.get(k) for k in ("b13", "b2", "w13_scale", "w2_scale")}
+    op_args.update((k, a[k]) for k in ("limit",) if k in a)
+    with pytest.raises(kerngen.InputError) as e:
+        torch.ops.kerngen.moe_experts(a["x"], ids, w, a["w13"], a["w2"], a.get("activation", "silu"), **op_args)
+    assert (e.value.op, e.value.arg, e.value.expected) == (want.op, want.arg, want.expected)
 
 
 def _transposed(w: torch.Tensor) -> torch.Tensor:
@@ -159,8 +209,8 @@ def test_transposed_weights_give_the_same_rows(act, interleaved, bias, input_wei
     kw = dict(activation=act, interleaved=interleaved, b13=b13, b2=b2,
               input_weights=torch.rand(T) if input_weight else None)
     r = routing_of(ids, E, 8)
-    want = kerngen.experts(x, r, w13, w2, **kw)
-    got = kerngen.experts(x, r, _transposed(w13), _transposed(w2), **kw)
+    want = experts_on_cpu(x, r, w13, w2, **kw)
+    got = experts_on_cpu(x, r, _transposed(w13), _transposed(w2), **kw)
     assert torch.equal(got, want)
     assert ex.weights_layout(_transposed(w13), _transposed(w2), "bf16") == "kn"
     assert ex.weights_layout(w13, w2, "bf16") == "nk"
@@ -186,9 +236,8 @@ def test_transposed_builds_are_their_own_kernels():
 
 def test_a_routing_without_permutation_is_refused():
     ids = torch.tensor([[0, 1]], dtype=torch.int32)
-    with pytest.raises(kerngen.InputError, match="routing"):
-        kerngen.experts(**_args(x=torch.zeros(1, 16, dtype=torch.bfloat16),
-                                routing=kerngen.Routing(ids, torch.zeros(1, 2))))
+    no_tile = kerngen.Routing(ids, torch.zeros(1, 2))
+    assert experts_error(**_args(x=torch.zeros(1, 16, dtype=torch.bfloat16), routing=no_tile)).arg == "routing"
 
 
 def experts_specs():
@@ -225,11 +274,12 @@ def test_every_experts_rule_compiles_without_spills(spec, tmp_path):
     assert_no_spills(built.files)
 
 
-def test_no_tokens_gives_the_empty_rows():
+def test_no_tokens_gives_the_empty_rows(stub_gpu):
     ids = torch.zeros((0, 2), dtype=torch.int32)
     w13, w2, _, _ = weights(4, 16, 8, False)
-    out = kerngen.experts(torch.zeros(0, 16, dtype=torch.bfloat16), routing_of(ids, 4, 2), w13, w2)
-    assert out.shape == (4, 16)
+    args = (torch.zeros(0, 16, dtype=torch.bfloat16), routing_of(ids, 4, 2), w13, w2)
+    assert experts_on_cpu(*args).shape == (4, 16)
+    assert kerngen.experts(*args).shape == (4, 16) and not stub_gpu   # the kernels' path: nothing launched
 
 
 def test_python_packing_matches_the_params_struct():

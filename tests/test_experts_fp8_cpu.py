@@ -5,8 +5,8 @@ activation and their dispatch: tests/test_experts_quantized_cpu.py."""
 import pytest
 import torch
 
-import kerngen
 from kerngen.ops import experts as ex
+from tests.helpers import experts_error, experts_on_cpu
 from tests.test_experts_cpu import routing_of
 
 FP8 = torch.float8_e4m3fn
@@ -57,7 +57,7 @@ def test_reference_is_the_dequantized_fp64_computation(seed, tile):
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
     r = routing_of(ids, E, tile)
-    got = kerngen.experts(x, r, w13, w2, w13_scale=s13, w2_scale=s2)
+    got = experts_on_cpu(x, r, w13, w2, w13_scale=s13, w2_scale=s2)
     want = fp64_expert_rows(x, r, w13, s13, w2, s2, tile)
     valid = r.permuted_to_token >= 0
     # one bf16 rounding of the output (the fp32 sums differ from fp64 by far less): half an ulp, 2**-9 relative
@@ -100,9 +100,7 @@ def _args(**over):
           w2=torch.zeros(4, 192, 128, dtype=FP8)), "w13"),                      # H not a multiple of 128
 ])
 def test_bad_inputs_name_the_argument(over, arg):
-    with pytest.raises(kerngen.InputError) as e:
-        kerngen.experts(**_args(**over))
-    assert e.value.arg == arg
+    assert experts_error(**_args(**over)).arg == arg
 
 
 def test_quantize_fp8_per_row_and_128_columns():
@@ -147,11 +145,11 @@ def test_fp8_activations_reference_is_the_blockwise_fp8_computation(seed):
         h = gemm(x[t], w13[e], s13[e])
         a = (torch.nn.functional.silu(h[:I]) * h[I:]).to(torch.bfloat16)
         want[row] = gemm(a, w2[e], s2[e])
-    got = kerngen.experts(x, r, w13, w2, w13_scale=s13, w2_scale=s2, fp8_activations=True)
+    got = experts_on_cpu(x, r, w13, w2, w13_scale=s13, w2_scale=s2, fp8_activations=True)
     # the fp32 sums and one bf16 rounding of the output; an intermediate one bf16 ulp apart may shift one e4m3 step
     err = ((got.double() - want).norm() / want.norm()).item()
     assert err <= 2 ** -7, err
-    assert not torch.equal(got, kerngen.experts(x, r, w13, w2, w13_scale=s13, w2_scale=s2))
+    assert not torch.equal(got, experts_on_cpu(x, r, w13, w2, w13_scale=s13, w2_scale=s2))
 
 
 @pytest.mark.parametrize("over", [dict(fp8_activations=1), dict(fp8_activations="yes"),
@@ -159,14 +157,12 @@ def test_fp8_activations_reference_is_the_blockwise_fp8_computation(seed):
                                        w2=torch.zeros(4, 256, 128, dtype=torch.bfloat16), w13_scale=None,
                                        w2_scale=None, fp8_activations=True)])
 def test_fp8_activations_take_fp8_weights_and_a_bool(over):
-    with pytest.raises(kerngen.InputError) as e:
-        kerngen.experts(**_args(**over))
-    assert e.value.arg == "fp8_activations"
+    assert experts_error(**_args(**over)).arg == "fp8_activations"
 
 
 def test_the_torch_op_takes_fp8_activations():
-    """torch.ops.kerngen.moe_experts(..., fp8_activations=True) on CPU tensors: kerngen.experts with the same flag,
-    then the top-k weighted sum."""
+    """torch.ops.kerngen.moe_experts(..., fp8_activations=True) on CPU tensors: kerngen.experts' checks and reference
+    with the same flag, then the top-k weighted sum."""
     import kerngen.torch_ops  # noqa: F401   registers torch.ops.kerngen
     T, K, E, H, I = 3, 2, 4, 256, 128
     w13, s13, w2, s2 = fp8_weights(E, H, I, 4)
@@ -176,7 +172,7 @@ def test_the_torch_op_takes_fp8_activations():
     tw = torch.rand(T, K, generator=g)
     got = torch.ops.kerngen.moe_experts(x, ids, tw, w13, w2, "silu", None, None, s13, s2, fp8_activations=True)
     r = routing_of(ids, E, 1)
-    rows = kerngen.experts(x, r, w13, w2, w13_scale=s13, w2_scale=s2, fp8_activations=True)
+    rows = experts_on_cpu(x, r, w13, w2, w13_scale=s13, w2_scale=s2, fp8_activations=True)
     want = (rows.float()[r.expanded_to_permuted.long()] * tw[..., None]).sum(1)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
     off = torch.ops.kerngen.moe_experts(x, ids, tw, w13, w2, "silu", None, None, s13, s2)

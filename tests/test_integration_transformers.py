@@ -12,7 +12,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 import kerngen.integrations.transformers as kt  # noqa: E402
 from kerngen.integrations import transformers_experts as kx  # noqa: E402
 from kerngen.errors import KerngenError  # noqa: E402
-from tests.helpers import one_thread  # noqa: E402
+from tests.helpers import experts_on_cpu, one_thread  # noqa: E402
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
@@ -298,7 +298,7 @@ def test_fused_experts_are_closer_to_exact_than_eager(case):
             exact = e64(x.double(), ids.long(), w.double())
             eager = e(x, ids.long(), w.to(torch.bfloat16))
         r = kerngen.Routing(ids, w, **pm.permute_reference(ids, E, 8))
-        rows = kerngen.experts(x, r, e.gate_up_proj.data, e.down_proj.data, activation="silu")
+        rows = experts_on_cpu(x, r, e.gate_up_proj.data, e.down_proj.data, activation="silu")
         ours = fin.reference(rows, r.expanded_to_permuted, w)
         errs.append((rel_err(ours, exact), rel_err(eager, exact), rel_err(ours, eager)))
     for ours, eager, between in errs:
@@ -341,7 +341,7 @@ def test_gpt_oss_and_llama4_experts_on_kerngen_arguments():
                 exact = torch.stack([e64(x.double(), ids[:, k:k + 1].long(), torch.ones(T, 1, dtype=torch.float64))
                                      for k in range(2)], 1)
             r = kerngen.Routing(ids, torch.ones(T, 2), **pm.permute_reference(ids, E, 8))
-            rows = kerngen.experts(x, r, w13, w2, b13=e.gate_up_proj_bias.data, b2=e.down_proj_bias.data, **gate)
+            rows = experts_on_cpu(x, r, w13, w2, b13=e.gate_up_proj_bias.data, b2=e.down_proj_bias.data, **gate)
         else:
             assert gate == dict(activation="silu", interleaved=False)
             n = 3   # Llama4TextExperts.forward takes n rows of each expert in turn
@@ -350,6 +350,6 @@ def test_gpt_oss_and_llama4_experts_on_kerngen_arguments():
             with torch.no_grad():
                 exact = e64(x.double())[:, None]
             r = kerngen.Routing(ids, torch.ones(E * n, 1), **pm.permute_reference(ids, E, 8))
-            rows = kerngen.experts(x, r, w13, w2, **gate)
+            rows = experts_on_cpu(x, r, w13, w2, **gate)
         ours = rows[r.expanded_to_permuted.long()]
         assert rel_err(ours.double(), exact) <= TOL_FUSED, case

@@ -64,6 +64,12 @@ def _worker(rank: int, init: str, results):
         res_out = torch.empty(T, H, dtype=torch.bfloat16)
         out = tail_tp.moe_tail_tp(gemm2, e2p, w, nw, group=dist.group.WORLD, local_tail=_reference_tail,
                                   shared=shared, residual=res, residual_out=res_out)
+        d = tail_tp.dispatch(-1, hidden=H, world_size=WORLD)   # the rules read once; the identity rows kept there
+        ident = d.kept[("identity", T)][0]
+        tail_tp.moe_tail_tp(gemm2, e2p, w, nw, group=dist.group.WORLD, local_tail=_reference_tail, shared=shared)
+        kept = [list(d.kept), d.kept[("identity", T)][0] is ident]
+        kerngen.clear()
+        kept.append(tail_tp.dispatch(-1, hidden=H, world_size=WORLD).kept == {})
         errors = []
         for kwargs, name in ((dict(group="not a group"), "group"),
                              (dict(group=dist.group.WORLD, shared=shared[:, :8]), "shared")):
@@ -71,7 +77,7 @@ def _worker(rank: int, init: str, results):
                 tail_tp.moe_tail_tp(gemm2, e2p, w, nw, local_tail=_reference_tail, **kwargs)
             except kerngen.InputError as e:
                 errors.append(f"'{name}'" in str(e))
-        results[rank] = (out, res_out, errors)
+        results[rank] = (out, res_out, errors, kept)
     finally:
         dist.destroy_process_group()
 
@@ -85,7 +91,7 @@ def test_every_rank_gets_the_single_gpu_result_on_the_summed_inputs(tp_results):
     expected, expected_res = single_gpu_expected()
     scale = expected.float().pow(2).mean(-1, keepdim=True).sqrt()
     for rank in range(WORLD):
-        out, res_out, _ = tp_results[rank]
+        out, res_out, *_ = tp_results[rank]
         # partials round to bf16 before the collective (as engines all-reduce): tolerance 2e-2 of the row RMS
         assert ((out.float() - expected.float()).abs() / (scale + out.float().abs())).max() < 2e-2, rank
         assert ((res_out.float() - expected_res.float()).abs().max() / expected_res.float().abs().max()) < 2e-2
@@ -105,6 +111,11 @@ def test_normalizing_partials_would_be_detected(tp_results):
 def test_bad_arguments_name_the_argument(tp_results):
     for rank in range(WORLD):
         assert tp_results[rank][2] == [True, True]
+
+
+def test_the_dispatch_object_keeps_the_identity_rows_until_clear(tp_results):
+    for rank in range(WORLD):
+        assert tp_results[rank][3] == [[("identity", T)], True, True]
 
 
 def test_without_torch_distributed_the_group_is_rejected():

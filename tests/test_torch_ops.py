@@ -200,16 +200,40 @@ def test_moe_experts_on_cpu_checks_topk_weights(bad):
         torch.ops.kerngen.moe_experts(x, ids, bad_w, w13, w2, "silu")
 
 
-def test_each_op_named_in_the_cpu_refusal_has_its_reference():
-    """The CUDA-only entry points refuse CPU tensors pointing at kerngen.ops.<op>.reference: it exists for every op
-    that says so (permute's included)."""
+def test_one_cpu_rule_for_every_op_that_launches_kernels():
+    """Every kernel op refuses a CPU tensor with the same InputError: the argument named, a CUDA tensor expected, and
+    its CPU entry points named (_common.CPU_ENTRY), each of which exists."""
     import importlib
-    for op in ("finalize", "tail", "latent_tail", "routing", "permute", "experts"):
-        assert callable(importlib.import_module(f"kerngen.ops.{op}").reference), op
+    import re
+    from kerngen.ops import OPS, _common
     from kerngen.ops import permute as pm
+    assert set(OPS) <= set(_common.CPU_ENTRY)
+    for op, text in _common.CPU_ENTRY.items():
+        for name in re.findall(r"(?:torch\.ops\.kerngen|kerngen)\.[\w.]+", text):
+            if name.startswith("torch.ops.kerngen."):
+                assert callable(getattr(torch.ops.kerngen, name.split(".")[-1])), (op, name)
+                continue
+            module, attr = name.rsplit(".", 1)
+            assert callable(getattr(importlib.import_module(module), attr)), (op, name)
     assert pm.reference is pm.permute_reference
-    with pytest.raises(kerngen.InputError, match=r"kerngen\.ops\.permute\.reference"):
-        kerngen.permute(torch.zeros(2, 2, dtype=torch.int32), num_experts=4, tile=16)
+    x, ids, w, w13, w2 = _experts_args()
+    r = kerngen.Routing(ids, w, **pm.permute_reference(ids, w13.shape[0], 1), tile=1)
+    g, e2p, tw = finalize_args()
+    nw, up = torch.ones(64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
+    calls = {"routing": ("logits", lambda: kerngen.route(torch.randn(3, 8), top_k=2, method="softmax_topk")),
+             "permute": ("topk_ids", lambda: kerngen.permute(ids, num_experts=4, tile=16)),
+             "moe_align_block_size": ("topk_ids", lambda: pm.permute_align_into(
+                 ids, 4, 4, *(torch.empty(n, dtype=torch.int32) for n in (32, 8, 1)))),
+             "experts": ("x", lambda: kerngen.experts(x, r, w13, w2)),
+             "finalize": ("gemm2_out", lambda: kerngen.finalize(g, e2p, tw)),
+             "tail": ("gemm2_out", lambda: kerngen.moe_tail(g, e2p, tw, nw)),
+             "latent_tail": ("gemm2_out", lambda: kerngen.latent_tail(g, e2p, tw, nw, up))}
+    for op, (arg, call) in calls.items():
+        with pytest.raises(kerngen.InputError) as e:
+            call()
+        where = _common.CPU_ENTRY[op]
+        assert (e.value.op, e.value.arg, e.value.got) == (op, arg, "a tensor on cpu"), op
+        assert e.value.expected == f"a CUDA tensor (kerngen's kernels run on the GPU; on the CPU: {where})"
 
 
 @pytest.mark.parametrize("op", ["finalize", "moe_tail", "latent_tail"])

@@ -1,7 +1,7 @@
 """The experts side of kerngen.integrations.transformers: the "kerngen" experts implementation (registered in
 transformers' ExpertsInterface and FP8ExpertsInterface when imported; gpt-oss's MXFP4 experts, which dispatch through
 neither, reach it through their block's patched forward), and the state each MoE block keeps between forwards
-(BlockState: its experts' dispatch, the router's workspaces, the permutation handed to the experts)."""
+(BlockState: its experts' static shape, the router's workspaces, the permutation handed to the experts)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -33,9 +33,9 @@ _KERNEL_WEIGHTS = (torch.float32, torch.bfloat16)
 
 class BlockState:
     """What one MoE block keeps between forwards, so a forward only launches: the activation of its experts'
-    kernels (None: the grouped-GEMM path), kerngen.experts' arguments for quantized experts, their dispatch, the
+    kernels (None: the grouped-GEMM path), kerngen.experts' arguments for quantized experts, their static shape, the
     router's workspaces (grown to the most tokens seen) and the permutation the router hands to the experts."""
-    __slots__ = ("activation", "gate", "layout", "quantized", "_dispatch", "_workspaces", "_rows", "routing")
+    __slots__ = ("activation", "gate", "layout", "quantized", "_shape", "_workspaces", "_rows", "routing")
 
     def __init__(self, experts: nn.Module | None):
         # FP8Experts, Mxfp4GptOssExperts: kerngen.experts at every token count (its kernels, else its reference)
@@ -49,7 +49,7 @@ class BlockState:
             if self.layout is None:   # transposed weights kerngen.experts cannot read in place: the grouped GEMM
                 self.gate = None
         self.activation = None if self.gate is None else self.gate["activation"]
-        self._dispatch = None
+        self._shape = None
         self._workspaces: dict[tuple, kerngen.RoutingWorkspace] = {}
         self._rows: torch.Tensor | None = None
         self.routing: kerngen.Routing | None = None   # set by the router, taken by the experts
@@ -58,16 +58,17 @@ class BlockState:
         """The permutation's tile: kerngen.experts' (its rule's) where its kernels serve these tokens, else TILE."""
         if self.activation is None or not x.is_cuda or x.dtype != torch.bfloat16:
             return TILE
-        d = self._dispatch
-        if d is None:
+        shape = self._shape
+        if shape is None:
             # [E, 2I, H] (a transposed view where the module keeps [E, H, 2I]), MXFP4 blocks [E, 2I, H/32, 16]
             w = expert_weights(experts)[0] if self.quantized is None else self.quantized["w13"]
             H = w.shape[2] * _ex.MX_GROUP if w.dtype == torch.uint8 else w.shape[2]
             if w.dtype not in _ex.FORMATS or H % 8:
                 return TILE
-            d = self._dispatch = _ex.dispatch(x.get_device(), H=H, I=w.shape[1] // 2, activation=self.activation,
-                                              fmt=_ex.FORMATS[w.dtype], layout=self.layout)
-        s = d.spec(x.shape[0])
+            shape = self._shape = dict(H=H, I=w.shape[1] // 2, activation=self.activation, fmt=_ex.FORMATS[w.dtype],
+                                       layout=self.layout)
+        # the dispatch object looked up, not kept: kerngen.clear() forgets it with what it holds
+        s = _ex.dispatch(x.get_device(), **shape).spec(x.shape[0])
         return TILE if s is None else _ex.tile_of(s)
 
     def workspace(self, T: int, E: int, K: int, tile: int, weights_dtype: torch.dtype, device: torch.device):
@@ -340,7 +341,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         r = _permutation(self, st, top_k_index, tile)
     # kerngen.experts' kernels (gather, both projections and the gate in two launches) where they serve these
     # tokens; quantized weights (fp8, MXFP4) take kerngen.experts at every size (its kernels, else its per-expert
-    # reference) with bf16 activations
+    # reference) with bf16 activations, and on CPU tensors its checks and reference
     if st.quantized is not None or tile != TILE:
         if st.quantized is not None:
             x, kw = hidden_states.to(torch.bfloat16).contiguous(), st.quantized
@@ -348,7 +349,11 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
             x, (w13, w2) = hidden_states.contiguous(), expert_weights(self)
             b13, b2 = (self.gate_up_proj_bias, self.down_proj_bias) if self.has_bias else (None, None)
             kw = dict(w13=w13, w2=w2, b13=b13, b2=b2, **st.gate)
-        g = kerngen.experts(x, r, out=st.rows(r, x.shape[1], x) if x.is_cuda else None, **kw)
+        if x.is_cuda:
+            g = kerngen.experts(x, r, out=st.rows(r, x.shape[1], x), **kw)
+        else:   # a CPU entry point: kerngen.experts' checks, then its reference
+            _ex.check(x, r, cuda=False, **kw)
+            g = _ex.reference(x, r, **kw)
         return _finalize(g, r.expanded_to_permuted, top_k_weights).to(hidden_states.dtype)
     bias = (lambda name: getattr(self, name)) if self.has_bias else (lambda name: None)
     up, up_bias, act = (("gate_up_proj", "gate_up_proj_bias", self._apply_gate) if self.has_gate

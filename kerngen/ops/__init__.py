@@ -12,9 +12,10 @@ tuner and the tests iterate over:
     explain_spec(table, arch, *, experts, top_k, hidden, tokens, model=None, ...) -> KernelSpec
     kernel(spec, tokens, device)                       the launch object of one spec
     dispatch(device, **static shape) -> Dispatch       the shape's kernels, resolved once (keywords after device)
-and keeps the calls it resolved in kerngen.dispatch.calls(op) (input signature -> launch object and arguments;
-kerngen.clear() forgets them with the dispatch objects), and optionally MAX_K, its largest top_k; the ops with
-persistent grids (experts, latent_tail) one more, which explain, warmup and the tests read:
+and keeps the calls it resolved in kerngen.dispatch.calls(op) (input signature -> launch object and arguments) and
+what its calls reuse (scratch buffers) in its dispatch objects (`Dispatch.kept`): no cache of its own, so
+kerngen.clear() forgets it all; and optionally MAX_K, its largest top_k; the ops with persistent grids (experts,
+latent_tail) one more, which explain, warmup and the tests read:
     persistent(spec) -> {function: occupancy.Launch}   each kernel's CTA and the CTAs an SM its rule asks for
 Its torch.ops.kerngen ops (`Op.torch`) are defined in kerngen.ops.<op>_torch.
 """

@@ -1,22 +1,30 @@
 """Input checks and kernel resolution shared by the ops."""
 from __future__ import annotations
 
-from importlib import import_module
-
 import torch
 
-from .. import jit, tiers
-from ..dispatch import on_clear
+from .. import tiers
 from ..errors import DeviceError, InputError
-from ..launch import resident
+from ..launch import resident, resolve  # noqa: F401  (resolve: re-exported for the ops, which the tests stub)
 from ..occupancy import Launch
-from ..plan import KernelSpec, sm_count, target_arch   # sm_count: re-exported for the ops
+from ..plan import sm_count, target_arch   # sm_count: re-exported for the ops
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "f32"}
 
 
 KERNEL_DEVICES = ("cuda",)   # device types whose tensors take the kernels' path (tests add "cpu" with stub launchers)
+# The CPU rule, one for every op that launches kernels: CUDA tensors only, a CPU tensor an InputError naming the
+# argument and where the same semantics run on the CPU (its torch op and reference: the kernels' checks, then the
+# reference); by op name as the errors give it
+CPU_ENTRY = {
+    "routing": "torch.ops.kerngen.route / route_permute, kerngen.select_experts or kerngen.ops.routing.reference",
+    "permute": "kerngen.ops.permute.reference",
+    "moe_align_block_size": "torch.ops.kerngen.moe_align_block_size or kerngen.adapters.moe_align_block_size",
+    "experts": "torch.ops.kerngen.moe_experts or kerngen.ops.experts.reference",
+    "finalize": "torch.ops.kerngen.finalize or kerngen.ops.finalize.reference",
+    "tail": "torch.ops.kerngen.moe_tail or kerngen.ops.tail.reference",
+    "latent_tail": "torch.ops.kerngen.latent_tail or kerngen.ops.latent_tail.reference"}
 
 
 def check_tensor(op: str, name: str, t, *, dtypes=None, ndim=None, device=None, contiguous=False):
@@ -29,8 +37,8 @@ def check_tensor(op: str, name: str, t, *, dtypes=None, ndim=None, device=None, 
     if device is not None and t.device != device:
         raise InputError(op, name, f"on {device} (same device as the other inputs)", str(t.device))
     elif device is None and t.device.type not in KERNEL_DEVICES:
-        raise InputError(op, name, "a CUDA tensor (kerngen's kernels run on the GPU; on the CPU the same semantics "
-                         f"are kerngen.ops.{op}.reference and torch.ops.kerngen.*)", f"a tensor on {t.device}")
+        raise InputError(op, name, "a CUDA tensor (kerngen's kernels run on the GPU; on the CPU: "
+                         f"{CPU_ENTRY.get(op, 'torch.ops.kerngen.* and the references')})", f"a tensor on {t.device}")
     if contiguous and not t.is_contiguous():
         raise InputError(op, name, "contiguous", f"strides {t.stride()}")
 
@@ -106,32 +114,15 @@ def check_rows(op: str, g, H: int) -> None:
         raise InputError(op, "gemm2_out", "fewer than 2**31 rows and row stride", f"shape {tuple(g.shape)}")
 
 
-def resolve(spec: KernelSpec):
-    """The loaded kernel of a spec, built or fetched from the cache once per process by its backend's loader
-    (tiers.BACKENDS): a launch.Module for CUDA C++, a TVM-FFI function for CuTe DSL."""
-    mod = _modules.get(spec)
-    if mod is None:
-        built = jit.build(spec)
-        mod = import_module(f"..{tiers.BACKENDS[spec.backend].loader}", __package__).load(built.files, built.key)
-        _modules[spec] = mod
-    return mod
-
-
-_modules: dict[KernelSpec, object] = {}
-
-
-def identity_rows(T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def identity_rows(kept: dict, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """finalize's arguments for T rows already summed (the TP tails' all-reduced rows): expanded_to_permuted
-    arange(T) [T, 1] int32 and weights ones [T, 1] fp32, kept per (T, device)."""
-    hit = _identity.get((T, device))
+    arange(T) [T, 1] int32 and weights ones [T, 1] fp32, kept per T in `kept` (the dispatch object's that serves
+    the call, as Dispatch.kept)."""
+    hit = kept.get(("identity", T))
     if hit is None:
-        hit = _identity[(T, device)] = (torch.arange(T, dtype=torch.int32, device=device).view(T, 1),
-                                        torch.ones((T, 1), dtype=torch.float32, device=device))
+        hit = kept[("identity", T)] = (torch.arange(T, dtype=torch.int32, device=device).view(T, 1),
+                                       torch.ones((T, 1), dtype=torch.float32, device=device))
     return hit
-
-
-_identity: dict[tuple, tuple] = {}   # (T, device) -> identity_rows(T, device)
-on_clear(_identity.clear)
 
 
 def table() -> tiers.Table:

@@ -8,8 +8,9 @@ For every permuted row r of token t = permuted_to_token[r] and local expert e = 
 
 Padding rows (token -1) of `out` are left unwritten by the kernel (zero in the reference); finalize never reads
 them. Shapes an "experts" tier rule serves with a tile of at most MMA_MAX_TILE rows run templates/experts/mma.cu.j2
-(tensor cores, a persistent grid); any other shape on CUDA runs torch._grouped_mm, and CPU tensors run the
-reference. This module plans and launches; the reference is experts_reference.py's, the input checks
+(tensor cores, a persistent grid); any other shape runs torch._grouped_mm (bf16 weights) or the per-expert reference
+(fp8, MXFP4). CUDA tensors only, as every op that launches kernels: on the CPU, torch.ops.kerngen.moe_experts or
+`reference`. This module plans and launches; the reference is experts_reference.py's, the input checks
 experts_checks.py's (both re-exported here).
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from . import _common
 from . import permute as permute_op
 from ._common import arch, check_tensor, resolve, sm_count, table
 from .experts_checks import (ACTIVATIONS, E2M1, FORMATS, FP8, LAYOUTS, MX_GROUP, QBLOCK, _BF16,  # noqa: F401
-                             _check_act_params, _check_scales, check_args, infer_tile, weights_layout)
+                             _check_act_params, _check_scales, check, check_args, infer_tile, weights_layout)
 from .experts_reference import (activate, dequantize, fp8_round_trip, quantize_f16, quantize_fp8,  # noqa: F401
                                 reference)
 
@@ -425,7 +426,8 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     rows); by default one buffer kept per stream. Pass one per call where memory the call leaves behind must
     not persist: inside a CUDA-graph pool that something else manages (torch.compile's CUDA graphs); the
     quantized activations of the builds that take them (f16x, fp8_activations) are then allocated per call too.
-    CUDA tensors take the kernels; CPU tensors run `reference`.
+    CUDA tensors only, as every kernel op (a CPU tensor is an InputError naming it): on the CPU,
+    torch.ops.kerngen.moe_experts (the same checks, then the references) or `reference`.
     """
     try:   # kerngen-built routings carry their checked layout; the signature pins what check_args establishes
         sig = (x.dtype, x.shape, x.is_contiguous(), x.get_device(), routing.checked, tile, w13.dtype, w13.shape,
@@ -471,7 +473,7 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     kw = dict(activation=activation, interleaved=interleaved, b13=b13, b2=b2, input_weights=input_weights,
               tile=tile, alpha=alpha, limit=limit, beta=beta, linear_beta=linear_beta, w13_scale=w13_scale,
               w2_scale=w2_scale, fp8_activations=fp8_activations)
-    if x.device.type not in _common.KERNEL_DEVICES or fmt != "bf16":
+    if fmt != "bf16":   # quantized weights no rule serves: the per-expert reference, on the GPU
         out.copy_(reference(x, routing, w13, w2, **kw))
         return out
     xs = x if input_weights is None else (x.float() * input_weights.float().reshape(T, 1)).to(x.dtype)
@@ -487,17 +489,15 @@ _calls = calls(OP)   # input signature -> (kernels or None, tile, H, I, a0, a1, 
 
 def _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, alpha, limit, beta,
              linear_beta, w13_scale=None, w2_scale=None, fp8_activations=False) -> tuple:
-    """Full checks, then the kernels serving this call (None: the grouped GEMM or the reference)."""
-    tile, H, I, fmt, layout = check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights,
-                                         tile, w13_scale, w2_scale)
-    if not isinstance(fp8_activations, bool) or (fp8_activations and fmt != "fp8"):
-        raise InputError(OP, "fp8_activations", "False, or True with fp8 weights",
-                         f"{fp8_activations!r} with {fmt} weights")
-    _check_act_params(activation, alpha, limit, beta, linear_beta)
+    """Full checks, then the kernels serving this call (None: the grouped GEMM or the per-expert reference)."""
+    tile, H, I, fmt, layout = check(x, routing, w13, w2, activation=activation, interleaved=interleaved, b13=b13,
+                                    b2=b2, input_weights=input_weights, tile=tile, alpha=alpha, limit=limit, beta=beta,
+                                    linear_beta=linear_beta, w13_scale=w13_scale, w2_scale=w2_scale,
+                                    fp8_activations=fp8_activations)
     a0, a1 = (alpha, limit) if activation == "gpt_oss" else (beta, linear_beta)
     dev = x.get_device()
     k = None
-    if x.device.type in _common.KERNEL_DEVICES and tile <= MMA_MAX_TILE and routing.tile_to_expert.shape[0]:
+    if tile <= MMA_MAX_TILE and routing.tile_to_expert.shape[0]:
         d = dispatch(dev, H=H, I=I, activation=activation, fmt=fmt, layout=layout, a8=fp8_activations)
         k = d.kernel(x.shape[0])
         if k is not None and k.tile != tile:   # a routing built with another tile: the same rule at that tile
@@ -506,17 +506,13 @@ def _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weight
 
 
 def _at_tile(d: Dispatch, s: plan_mod.KernelSpec, tile: int) -> Kernels:
-    """The kernels of spec `s` built for routing tile `tile` instead of its rule's, kept beside the dispatch."""
-    alt = d.data if d.data is not None else {}
-    d.data = alt
-    key = (s, tile)
-    if key not in alt:
+    """The kernels of spec `s` built for routing tile `tile` instead of its rule's, kept by the dispatch object."""
+    key = ("tile", s, tile)
+    k = d.kept.get(key)
+    if k is None:
         c = dict(s.constants)
-        alt[key] = Kernels(plan_mod.spec_for(tiers.Rule(OP, s.variant, {}, {**dict(s.params), "backend": s.backend}),
-                                             *tag_constants(c["H"], c["I"], tile, c["ACT"], c["FORMAT"],
-                                                            "kn" if c.get("KN") else "nk", bool(c.get("A8"))),
-                                             s.arch),
-                                 d.device)
-    return alt[key]
-
-
+        rule = tiers.Rule(OP, s.variant, {}, {**dict(s.params), "backend": s.backend})
+        at = plan_mod.spec_for(rule, *tag_constants(c["H"], c["I"], tile, c["ACT"], c["FORMAT"],
+                                                    "kn" if c.get("KN") else "nk", bool(c.get("A8"))), s.arch)
+        k = d.kept[key] = Kernels(at, d.device)
+    return k

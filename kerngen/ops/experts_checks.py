@@ -1,5 +1,6 @@
 """experts' input checks: every argument of kerngen.experts, with an InputError naming it, and the weight formats
-and layouts it accepts (kerngen.ops.experts re-exports them)."""
+and layouts it accepts (kerngen.ops.experts re-exports them). `check` is the one check of kerngen.experts and of its
+CPU entry points (torch.ops.kerngen.moe_experts, the transformers integration), which leave out the device check."""
 from __future__ import annotations
 
 import math
@@ -62,9 +63,27 @@ def weights_layout(w13: torch.Tensor, w2: torch.Tensor, fmt: str) -> str:
     return got["w13"]
 
 
+def check(x, routing, w13, w2, *, activation="silu", interleaved=False, b13=None, b2=None, input_weights=None,
+          tile=None, alpha=1.702, limit=7.0, beta=1.0, linear_beta=0.0, w13_scale=None, w2_scale=None,
+          fp8_activations=False, cuda: bool = True) -> tuple[int, int, int, str, str]:
+    """Every check of kerngen.experts' arguments (its buffers out= and scratch= aside), with an InputError naming the
+    argument; returns (tile, H, I, format, layout). The device check comes last: a CUDA x, the others on its device;
+    cuda=False leaves out the first half (the CPU entry points, which then run `reference`)."""
+    tile, H, I, fmt, layout = check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile,
+                                         w13_scale, w2_scale)
+    if not isinstance(fp8_activations, bool) or (fp8_activations and fmt != "fp8"):
+        raise InputError(OP, "fp8_activations", "False, or True with fp8 weights",
+                         f"{fp8_activations!r} with {fmt} weights")
+    _check_act_params(activation, alpha, limit, beta, linear_beta)
+    if cuda:
+        check_tensor(OP, "x", x)
+    return tile, H, I, fmt, layout
+
+
 def check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, w13_scale=None,
                w2_scale=None) -> tuple[int, int, int, str, str]:
-    """Every argument, with a message naming it; returns (tile, H, I, format, layout)."""
+    """The tensors' checks of `check` (every tensor on x's device, whichever it is), with a message naming the
+    argument; returns (tile, H, I, format, layout)."""
     dev = getattr(x, "device", None)
     check_tensor(OP, "x", x, dtypes=_BF16, ndim=2, device=dev, contiguous=True)
     if activation not in ACTIVATIONS:

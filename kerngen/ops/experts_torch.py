@@ -81,8 +81,10 @@ def _moe_experts_cpu(x, topk_ids, topk_weights, w13, w2, activation, b13=None, b
     ids = _ids(topk_ids, "topk_ids")
     _check_weights(topk_weights, ids, x)
     r = _pm.Routing(ids, topk_weights, **_pm.permute_reference(ids, w13.shape[0], 1), tile=1)
-    g = _ex.experts(x, r, w13, w2, activation=activation, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale,
-                    interleaved=interleaved, alpha=alpha, limit=limit, fp8_activations=fp8_activations)
+    kw = dict(activation=activation, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale, interleaved=interleaved,
+              alpha=alpha, limit=limit, fp8_activations=fp8_activations)
+    _ex.check(x, r, w13, w2, cuda=False, **kw)   # kerngen.experts' checks, its device check aside
+    g = _ex.reference(x, r, w13, w2, **kw)
     return _fin.reference(g, r.expanded_to_permuted, _weights(topk_weights))
 
 

@@ -373,10 +373,10 @@ def run(k, g, e2p, w, nw, up, shared, residual, eps: float, out, fresh: bool = F
 def dispatch(device: int, *, L: int, H: int, top_k: int, weights_dtype: str) -> Dispatch:
     """The latent_tail launch objects of this shape on `device`, per token bucket of the tier table."""
     def build() -> Dispatch:
-        a, scratch = arch(device), {}   # split builds' n buffers, per stream: the shape's, held by its dispatch
-        return Dispatch(OP, {"hidden": L, "top_k": top_k},
-                        lambda rule: rule_spec(rule, L, H, top_k, weights_dtype, a),
-                        lambda s, tokens, dev: kernel(s, tokens, dev, scratch), device, arch=a)
+        a = arch(device)   # the split and norm_gemm builds' scratch buffers, per stream: the shape's, in d.kept
+        d = Dispatch(OP, {"hidden": L, "top_k": top_k}, lambda rule: rule_spec(rule, L, H, top_k, weights_dtype, a),
+                     lambda s, tokens, dev: kernel(s, tokens, dev, d.kept), device, arch=a)
+        return d
 
     return lookup((OP, L, H, top_k, weights_dtype, device), build)
 
@@ -454,7 +454,9 @@ def _tp(g, e2p, w, nw, up, shared, residual, eps, out, group, own_scratch: bool 
         check_buffer(OP, "out", out, torch.bfloat16, (T, H), g.device)
     y = finalize(g, e2p, w, hidden=L).float()
     dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
-    ident, ones = _common.identity_rows(T, g.device)
+    # the summed rows' identity arguments, kept by the dispatch object of the call they feed (K = 1, fp32 weights)
+    d = dispatch(g.get_device(), L=L, H=H, top_k=1, weights_dtype="float32")
+    ident, ones = _common.identity_rows(d.kept, T, g.device)
     return latent_tail(y.to(torch.bfloat16), ident, ones, nw, up, shared=shared, residual=residual, eps=eps, out=out,
                        own_scratch=own_scratch)
 

@@ -20,7 +20,7 @@ import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError, TierError
-from ..dispatch import Dispatch, calls, lookup, on_clear, rule_spec
+from ..dispatch import Dispatch, calls, lookup, rule_spec
 from ..launch import Launcher, Params, current_stream
 from ..tiers import SMS, Model, Table
 from ._common import arch, check_tensor, resolve, table
@@ -118,11 +118,6 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Permute:
     return Permute(s, tokens, device)
 
 
-def _clear_scratch() -> None:
-    """Forget the scratch workspaces (dispatch.clear())."""
-    _scratch.clear()
-
-
 def dispatch(device: int, *, E: int, K: int, align: bool) -> Dispatch:
     """The permute launches of this shape on `device`, per token bucket of the tier table."""
     def build() -> Dispatch:
@@ -203,9 +198,6 @@ class _AlignTarget:
         self.p2t, self.t2e, self.num_rows, self.max_rows = sorted_ids, expert_ids, num_post_pad, sorted_ids.shape[0]
 
 
-_scratch: dict[tuple, RoutingWorkspace] = {}
-
-
 def permute_align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int, sorted_token_ids: torch.Tensor,
                        expert_ids: torch.Tensor, num_tokens_post_pad: torch.Tensor,
                        local_experts: tuple[int, int] | None = None) -> None:
@@ -217,17 +209,16 @@ def permute_align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int
     T, K, ls, nl = check_align_into("moe_align_block_size", topk_ids, num_experts, block_size, sorted_token_ids,
                                     expert_ids, num_tokens_post_pad, local_experts)
     dev = topk_ids.get_device()
-    skey = (num_experts, K, block_size, dev)
-    ws = _scratch.get(skey)
+    d = dispatch(dev, E=num_experts, K=K, align=True)
+    launches = d.served(T)
+    # the scratch workspace of this block size, kept by the shape's dispatch object and grown to the most tokens seen;
+    # one for all streams (one per stream would be allocated inside a capture, on its side stream, and outlive it)
+    ws = d.kept.get(("align scratch", block_size))
     if ws is None or ws.max_tokens < T:
-        ws = _scratch[skey] = RoutingWorkspace(max(T, 1), num_experts, K, block_size, device=topk_ids.device,
-                                               layout="align")
+        ws = d.kept[("align scratch", block_size)] = RoutingWorkspace(max(T, 1), num_experts, K, block_size,
+                                                                      device=topk_ids.device, layout="align")
     target = _AlignTarget(ws, sorted_token_ids, expert_ids, num_tokens_post_pad)
-    launches = dispatch(dev, E=num_experts, K=K, align=True).served(T)
     launches(current_stream(dev), topk_ids.data_ptr(), target, T, block_size, ls, nl)
-
-
-on_clear(_clear_scratch)
 
 
 reference = permute_reference   # each op's CPU semantics are kerngen.ops.<op>.reference

@@ -11,19 +11,23 @@ fp8 output) stay fused. Every rank ends with the same `out`. The partials are ro
 before the collective (bf16 all-reduce, as engines do), so the result matches the single-GPU tail on the
 summed inputs within bf16 rounding of the partials: tolerance 2e-2 relative to the row's RMS.
 
-The collective is chosen by the `tail_tp` tier rule matching (tokens, hidden): params.allreduce is
+The collective is chosen by the `tail_tp` tier rule matching (tokens, hidden, world_size): params.allreduce is
   "nccl"      torch.distributed.all_reduce on `group` (NCCL on GPUs), in place;
-  "symm_mem"  torch symmetric memory one-shot all-reduce (a symmetric buffer per (group, H, dtype), sized by
+  "symm_mem"  torch symmetric memory one-shot all-reduce (a symmetric buffer per group and dtype, sized by
               params.max_tokens and exchanged once; NVLink multicast is never used by this op).
 Both are CUDA-graph capturable once warm (first call outside capture: it compiles kernels and, for
 symm_mem, allocates and exchanges the buffer). Every rank must call with the same T and H.
+The rules are read once per (hidden, world_size, device) into a dispatch object (`dispatch`), which also keeps the
+symmetric buffers and the identity rows of the summed tail; kerngen.clear() forgets them, so a symmetric buffer is
+exchanged again on its next use: a collective, so clear on every rank of the group (as tiers.reload() on each does).
 """
 from __future__ import annotations
 
 import torch
 
+from ..dispatch import Dispatch, lookup
 from ..errors import InputError
-from ..tiers import Table
+from ..tiers import Rule, Table
 from . import _common
 from ._common import check_tensor, table
 from .finalize import finalize
@@ -35,14 +39,22 @@ METHODS = ("nccl", "symm_mem")
 
 def allreduce_params(tokens: int, hidden: int, world: int, tbl: Table | None = None) -> dict:
     """The `tail_tp` rule's params for this call: {"allreduce": "nccl" | "symm_mem", ...}."""
-    rule = (tbl or table()).rule(TP_OP, {"tokens": tokens, "hidden": hidden, "world_size": world})
-    p = dict(rule.params)
-    if p.get("allreduce") not in METHODS:
+    rule = _checked((tbl or table()).rule(TP_OP, {"tokens": tokens, "hidden": hidden, "world_size": world}))
+    _check_tokens(rule, tokens)
+    return dict(rule.params)
+
+
+def _checked(rule: Rule) -> Rule:
+    """A `tail_tp` rule whose allreduce is one of METHODS (a bucket's spec in the dispatch object)."""
+    if rule.params.get("allreduce") not in METHODS:
         raise InputError(TP_OP, "tier params", f"allreduce one of {', '.join(METHODS)}", str(rule.params))
-    if p["allreduce"] == "symm_mem" and tokens > int(p.get("max_tokens", 0)):
+    return rule
+
+
+def _check_tokens(rule: Rule, tokens: int) -> None:
+    if rule.params["allreduce"] == "symm_mem" and tokens > int(rule.params.get("max_tokens", 0)):
         raise InputError(TP_OP, "tier params", f"max_tokens >= {tokens} for allreduce = \"symm_mem\"",
                          str(rule.params))
-    return p
 
 
 def model_specs(model, tbl: Table, arch_: str) -> list:
@@ -50,24 +62,26 @@ def model_specs(model, tbl: Table, arch_: str) -> list:
     return []
 
 
-def clear() -> None:
-    """Forget the symmetric buffers (exchanged again on next use)."""
-    _symm.clear()
+def dispatch(device: int, *, hidden: int, world_size: int) -> Dispatch:
+    """The tensor-parallel tail of this width and world size on `device`: the `tail_tp` rules per token bucket (each
+    bucket's spec is its Rule), and `kept`, the symmetric buffers per (group, dtype) and the identity rows per T."""
+    def build() -> Dispatch:
+        return Dispatch(TP_OP, {"hidden": hidden, "world_size": world_size}, _checked, lambda rule, T, dev: rule,
+                        device)
+
+    return lookup((TP_OP, hidden, world_size, device), build)
 
 
-_symm: dict[tuple, torch.Tensor] = {}        # (group name, H, dtype, device) -> symmetric [max_tokens, H] buffer
-
-
-def _partial_buffer(group, p: dict, T: int, H: int, dtype, device) -> torch.Tensor:
+def _partial_buffer(d: Dispatch, group, p: dict, T: int, H: int, dtype, device) -> torch.Tensor:
     if p["allreduce"] == "nccl":
         return torch.empty((T, H), dtype=dtype, device=device)
     import torch.distributed._symmetric_memory as symm_mem
-    key = (group.group_name, H, dtype, device, int(p["max_tokens"]))
-    buf = _symm.get(key)
+    key = ("symm", group.group_name, dtype, int(p["max_tokens"]))
+    buf = d.kept.get(key)
     if buf is None:
         buf = symm_mem.empty(int(p["max_tokens"]), H, dtype=dtype, device=device)
         symm_mem.rendezvous(buf, group.group_name)
-        _symm[key] = buf
+        d.kept[key] = buf
     return buf[:T]
 
 
@@ -98,12 +112,15 @@ def moe_tail_tp(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, *, g
         check_tensor(OP, "shared", shared, dtypes=(gemm2_out.dtype,), ndim=2, device=gemm2_out.device)
         if tuple(shared.shape) != (T, H):
             raise InputError(OP, "shared", f"of shape {(T, H)}", f"{tuple(shared.shape)}")
-    p = allreduce_params(max(T, 1), H, dist.get_world_size(group))
-    partial = _partial_buffer(group, p, T, H, gemm2_out.dtype, gemm2_out.device)
+    d = dispatch(gemm2_out.get_device(), hidden=H, world_size=dist.get_world_size(group))
+    rule = d.require(max(T, 1))
+    _check_tokens(rule, max(T, 1))
+    p = rule.params
+    partial = _partial_buffer(d, group, p, T, H, gemm2_out.dtype, gemm2_out.device)
     finalize(gemm2_out, expanded_to_permuted, topk_weights, hidden=H, out=partial)
     if shared is not None:
         partial.add_(shared)
     z = _all_reduce(partial, group, p)
-    ident, ones = _common.identity_rows(T, gemm2_out.device)
+    ident, ones = _common.identity_rows(d.kept, T, gemm2_out.device)
     return local_tail(z, ident, ones, norm_weight, eps=eps, residual=residual, residual_out=residual_out, out=out,
                       out_dtype=out_dtype, out_scales=out_scales)

@@ -5,6 +5,7 @@ import torch
 
 import kerngen
 from kerngen import dispatch, tiers
+from kerngen.ops import permute
 from tests.test_dispatch import hot_path_guard
 from tests.test_integration_transformers import inputs, kt, moe_blocks, run_block, tiny
 
@@ -29,12 +30,15 @@ def _calls():
     w = torch.rand(T, K, device="cuda")
     out = torch.empty(T, H, dtype=torch.bfloat16, device="cuda")
     nw = torch.ones(H, dtype=torch.bfloat16, device="cuda")
+    n = permute.max_rows(T, K, E, 8)
+    sorted_ids, block_ids, post_pad = (torch.empty(m, dtype=torch.int32, device="cuda") for m in (n, -(-n // 8), 1))
     return {
         "route model= workspace=": lambda: kerngen.route(kimi, bias=bias, model="kimi-k3", tile=128, workspace=ws),
         "route model=": lambda: kerngen.route(kimi, bias=bias, model="kimi-k3", tile=128),
         "route explicit": lambda: kerngen.route(logits, top_k=K, method="softmax_topk", tile=8),
         "route without tile": lambda: kerngen.route(logits, top_k=K, method="softmax_topk"),
         "permute": lambda: kerngen.permute(ids, num_experts=E, tile=8),
+        "permute_align_into": lambda: permute.permute_align_into(ids, E, 8, sorted_ids, block_ids, post_pad),
         "experts out=": lambda: kerngen.experts(x, r8, w13, w2, out=rows),
         "finalize out=": lambda: kerngen.finalize(rows, r8.expanded_to_permuted, w, out=out),
         "moe_tail": lambda: kerngen.moe_tail(rows, r8.expanded_to_permuted, w, nw, shared=x, residual=x),

@@ -98,13 +98,26 @@ def test_tp_tail_in_a_cuda_graph(group, T):
     assert close(out, kerngen.moe_tail(sg, se, sw, nw, shared=ss, residual=res))
 
 
-def test_tp_tail_with_symmetric_memory(group, monkeypatch):
-    monkeypatch.setattr(tail_tp, "allreduce_params", lambda T, H, world, tbl=None: {"allreduce": "symm_mem",
-                                                                                   "max_tokens": 64})
+SYMM_TIERS = ('schema = 1\n\n[[tier]]\nop = "tail_tp"\nvariant = "allreduce"\ntokens = [1, 64]\n'
+              'params = { allreduce = "symm_mem", max_tokens = 64 }\n')
+
+
+def test_tp_tail_with_symmetric_memory(group, tmp_path, monkeypatch):
+    """A tail_tp rule asking for symmetric memory: the buffer is exchanged once, kept by the dispatch object of the
+    shape (every later call takes it again) and forgotten by clear() (which every rank's tiers.reload() calls)."""
+    from tests.helpers import user_tiers
     T, K, H = 8, 16, 3584
     rank = torch.distributed.get_rank()
     gemm2, e2p, w, shared = partials(T, K, H, rank, seed=70)
     nw, res = common(T, H, seed=70)
-    out = kerngen.moe_tail(gemm2, e2p, w, nw, shared=shared, residual=res, group=group)
-    sg, se, sw, ss = summed(T, K, H, seed=70)
-    assert close(out, kerngen.moe_tail(sg, se, sw, nw, shared=ss, residual=res))
+    with user_tiers(tmp_path, monkeypatch, SYMM_TIERS):
+        d = tail_tp.dispatch(torch.cuda.current_device(), hidden=H, world_size=WORLD)
+        assert d.require(T).params["allreduce"] == "symm_mem"
+        out = kerngen.moe_tail(gemm2, e2p, w, nw, shared=shared, residual=res, group=group)
+        symm = [v for k, v in d.kept.items() if k[0] == "symm"]
+        assert len(symm) == 1 and symm[0].shape == (64, H)
+        again = kerngen.moe_tail(gemm2, e2p, w, nw, shared=shared, residual=res, group=group)
+        assert [v for k, v in d.kept.items() if k[0] == "symm"][0] is symm[0] and close(again, out)
+        sg, se, sw, ss = summed(T, K, H, seed=70)
+        assert close(out, kerngen.moe_tail(sg, se, sw, nw, shared=ss, residual=res))
+    assert not tail_tp.dispatch(torch.cuda.current_device(), hidden=H, world_size=WORLD).kept
