@@ -15,7 +15,8 @@ rule's time, its variant without prefetch and that with lean (whole K steps with
 prefetch_x (for -x16 formats also two m16 tiles an item, two weight buffers taking turns, 8 warps an item, no early
 weight loads, and early_l2: the first weights toward L2 before the wait, beside the rule as "rule-early"; `deep`
 times instead only the f16x shapes of 3-6 steps a load batch: more weight bytes in flight a warp at few tokens;
-`fused` only the 1-2-token shapes of fused_x = 2 at 6 and 8 CTAs of 4 warps, with and without lean and act_f16), each
+`fused` only the 1-2-token shapes of fused_x = 2 at 6-8 CTAs of 4 warps, one or two steps a load batch, with and
+without lean and act_f16), each
 launched at most as many CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). A
 -x16 format times the rule with f16x (activations carried as f16) beside it, and sweeps the f16x shapes. Every
 candidate is built first by a pool of processes. Correctness is the GPU tests' job
@@ -112,10 +113,11 @@ def main():
                                   build(dict(warps=4, unroll=u, blocks_per_sm=b, pdl=True, prefetch=pf,
                                              prefetch_x=True, f16x=True, **({"mtiles": 2} if mt == 2 else {}),
                                              **({"min_blocks": b} if b <= 4 else {})))))
-            if fused:   # x quantized into shared memory by experts_gemm1, no prefetch copies: 32 warps an SM
-                for b, lean, a16 in itertools.product((6, 8), (False, True), (False, True)):
-                    cands.append((f"w4 u1 b{b} fx2" + " lean" * lean + " a16" * a16,
-                                  build(dict(warps=4, unroll=1, blocks_per_sm=b, min_blocks=b, pdl=True,
+            if fused:   # x quantized into shared memory by experts_gemm1, no prefetch copies: 24-32 warps an SM,
+                #         one or two steps a load batch (two: 72-80 registers)
+                for b, u, lean, a16 in itertools.product((6, 7, 8), (1, 2), (False, True), (False, True)):
+                    cands.append((f"w4 u{u} b{b} fx2" + " lean" * lean + " a16" * a16,
+                                  build(dict(warps=4, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
                                              prefetch=False, f16x=True, fused_x=2, act_f16=a16, lean=lean))))
             if sweep and not deep and not fused:
                 for w, u, b, px in itertools.product((4,), (1, 2), (4, 5, 6, 8), (False, True)):
