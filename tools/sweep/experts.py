@@ -16,7 +16,7 @@ prefetch_x (for -x16 formats also two m16 tiles an item, two weight buffers taki
 weight loads, and early_l2: the first weights toward L2 before the wait, beside the rule as "rule-early"; `deep`
 times instead only the f16x shapes of 3-6 steps a load batch: more weight bytes in flight a warp at few tokens;
 `fused` only the 1-2-token shapes of fused_x = 2 at 6-8 CTAs of 4 warps, one or two steps a load batch, with and
-without lean and act_f16), each
+without lean and act_f16, and with lean at 5 and 6 warps an item), each
 launched at most as many CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). A
 -x16 format times the rule with f16x (activations carried as f16) beside it, and sweeps the f16x shapes. Every
 candidate is built first by a pool of processes. Correctness is the GPU tests' job
@@ -119,6 +119,11 @@ def main():
                     cands.append((f"w4 u{u} b{b} fx2" + " lean" * lean + " a16" * a16,
                                   build(dict(warps=4, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
                                              prefetch=False, f16x=True, fused_x=2, act_f16=a16, lean=lean))))
+                # an item's K split 5 or 6 ways (at 64 registers an SM holds 32 warps: 6 CTAs of 5, 5 of 6)
+                for (w, b), a16 in itertools.product(((5, 6), (6, 5)), (False, True)):
+                    cands.append((f"w{w} u1 b{b} fx2 lean" + " a16" * a16,
+                                  build(dict(warps=w, unroll=1, blocks_per_sm=b, min_blocks=b, pdl=True,
+                                             prefetch=False, f16x=True, fused_x=2, act_f16=a16, lean=True))))
             if sweep and not deep and not fused:
                 for w, u, b, px in itertools.product((4,), (1, 2), (4, 5, 6, 8), (False, True)):
                     cands.append((f"w{w} u{u} b{b}" + " x" * px + " h" * x16,
