@@ -67,8 +67,8 @@ def check(x, routing, w13, w2, *, activation="silu", interleaved=False, b13=None
           tile=None, alpha=1.702, limit=7.0, beta=1.0, linear_beta=0.0, w13_scale=None, w2_scale=None,
           fp8_activations=False, cuda: bool = True) -> tuple[int, int, int, str, str]:
     """Every check of kerngen.experts' arguments (its buffers out= and scratch= aside), with an InputError naming the
-    argument; returns (tile, H, I, format, layout). The device check comes last: a CUDA x, the others on its device;
-    cuda=False leaves out the first half (the CPU entry points, which then run `reference`)."""
+    argument; returns (tile, H, I, format, layout). Every tensor must be on x's device; the check that x is a CUDA
+    tensor comes last, and cuda=False leaves it out (the CPU entry points, which then run `reference`)."""
     tile, H, I, fmt, layout = check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile,
                                          w13_scale, w2_scale)
     if not isinstance(fp8_activations, bool) or (fp8_activations and fmt != "fp8"):
