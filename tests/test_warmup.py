@@ -1,9 +1,11 @@
 """kerngen.warmup: the kernels a model needs, and the process pool that compiles them."""
+import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -61,15 +63,53 @@ cli.main(["warmup", "--op", "finalize", "--topk", "8", "--hidden", "1024", "--ar
                 os.kill(w, signal.SIGKILL)
 
 
+def _one_worker(max_workers, **kw):
+    """warmup's pool with a single worker: its kernels are built one after another, in the order given."""
+    return ProcessPoolExecutor(1, **kw)
+
+
 def test_a_process_that_uses_the_gpu_builds_in_spawned_workers(tmp_path, monkeypatch):
     """After CUDA is initialised warmup may not fork (the children would inherit the driver's state): its
-    workers are spawned, and there both backends build (an NVRTC kernel and a CuTe DSL one)."""
+    workers are spawned, and there both backends build (an NVRTC kernel and a CuTe DSL one). One worker builds
+    both, the NVRTC kernel first, so its CuTe build (the worker's first torch import) always comes after an NVRTC
+    build in the same interpreter: with two workers that order depended on which worker took which kernel, and the
+    GPU serving test failed in some runs only. Each kernel is the worker's, not built again in this process."""
     monkeypatch.setattr(warmup, "_cuda_initialized", lambda: True)
+    monkeypatch.setattr(warmup, "ProcessPoolExecutor", _one_worker)
     tbl = tiers.load()
     specs = warmup.model_specs(tbl.model("mixtral-8x7b"), tbl, "sm_90a")
     picked = [next(s for s in specs if s.backend == "nvrtc"), next(s for s in specs if s.backend == "cute")]
     results = warmup.run(picked, str(tmp_path), jobs=2, progress=False)
-    assert [(r.status, r.error) for r in results] == [("compiled", "")] * 2
+    assert [(r.status, r.error, r.note) for r in results] == [("compiled", "", "")] * 2
+
+
+def _spaces() -> tuple[int, int, int]:
+    """This interpreter's shared one-byte b" ", as three ways of making a one-byte bytes hand it out (32 each while
+    nothing wrote into it)."""
+    return " ".encode()[0], bytes([32])[0], bytes(bytearray(b" "))[0]
+
+
+def _torch_imported() -> bool:
+    return "torch" in sys.modules
+
+
+def test_a_spawned_worker_keeps_its_interpreter_intact_across_builds(tmp_path):
+    """A spawned warmup worker builds an NVRTC kernel (empty log), then a CuTe one, in that order; between them its
+    shared b" " is still a space. NVRTC once wrote its empty log (one NUL) into b" " * 1, the interpreter's shared
+    one-byte b" ", so the worker's later torch import (the CuTe build's) failed in torch's own schema strings, and
+    only in runs where one worker happened to build both kinds."""
+    tbl = tiers.load()
+    specs = warmup.model_specs(tbl.model("mixtral-8x7b"), tbl, "sm_90a")
+    nv, cute = next(s for s in specs if s.backend == "nvrtc"), next(s for s in specs if s.backend == "cute")
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=warmup._die_with_parent,
+                             initargs=(os.getpid(),)) as pool:
+        assert not pool.submit(_torch_imported).result()   # a fresh interpreter: torch comes with the CuTe build
+        first = pool.submit(warmup._build_one, nv, str(tmp_path)).result()
+        spaces = pool.submit(_spaces).result()
+        second = pool.submit(warmup._build_one, cute, str(tmp_path)).result()
+        assert pool.submit(_torch_imported).result()
+    assert [(b[1], b[3]) for b in (first, second)] == [("compiled", "")] * 2, (first, second)
+    assert spaces == (32, 32, 32)
 
 
 def _fails_in_workers(spec, root, _parent=os.getpid()):
