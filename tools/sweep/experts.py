@@ -104,7 +104,8 @@ def main():
             cands.append(("rule-nopf", build({**dict(rule.params), "prefetch": False})))
             if not a8:   # without early weight loads, the whole K steps with no bound checks
                 cands.append(("nopf-lean", build({**dict(rule.params), "prefetch": False, "lean": True})))
-            if a8 or x16 or dict(rule.params).get("f16x"):   # the rule with its first weights to L2 before the wait
+            if (a8 or x16 or dict(rule.params).get("f16x")) and not dict(rule.params).get("fused_x"):
+                # the rule with its first weights to L2 before the wait (a fused_x rule follows the routing itself)
                 cands.append(("rule-early", build({**dict(rule.params), "early_l2": True,
                                                    **({} if a8 else {"f16x": True})})))
             if deep:   # 3-6 steps a load batch (with and without the next batch's loads issued first)
