@@ -94,7 +94,6 @@ def test_fused_launches_and_their_fields(monkeypatch, fmt, act_f16):
     (dict(f16x=True, fused_x=16), (1, 16), "200 KiB"),                   # 16 x 7168 f16 values
     (dict(f16x=True, act_f16=False, mtiles=2), (1, 2), "mtiles"),
     (dict(f16x=True, stage_act=True), (1, 2), "stage_act"),              # no slots without fused_x
-    (dict(f16x=True, fused_x=2, early_l2=True), (1, 2), "early_l2"),     # gemm1 right behind the routing
     (dict(f16x=True, fused_x=2, act_f16=False, stage_act=True), (1, 2), "stage_act"),
 ])
 def test_rules_that_cannot_fuse_are_refused(params, tokens, match):
@@ -135,3 +134,28 @@ def test_thirty_two_warps_an_sm_fit_64_registers_without_spills(model, act_f16, 
     rows = {u.function: u for u in occupancy.of_artifact(built.files, "sm_90a", ex.persistent(s))}
     for name in ("experts_gemm1", "experts_gemm2"):
         assert rows[name].regs <= 64 and rows[name].resident >= rows[name].per_sm == 32 // warps, rows[name]
+
+
+def function(text: str, name: str) -> str:
+    """The SASS of kernel `name` in resources.sass() text."""
+    return next(p for p in text.split("Function : ")[1:] if p.split(None, 1)[0] == name)
+
+
+def test_early_l2_with_fused_x_prefetches_in_experts_gemm2_only(tmp_path):
+    """early_l2 beside fused_x: experts_gemm1 (right behind the routing) reads nothing before its wait, so its SASS is
+    the build's without early_l2; experts_gemm2 prefetches its first item's weights toward L2 before its wait, without
+    spills and within its register bound. (The same bits: tests/gpu/test_experts_quantized.py.)"""
+    store = DiskCache(tmp_path)
+    for m, rule in one_token_rules():
+        if not rule.params.get("fused_x"):
+            continue
+        plain = ex.rule_spec(rule, m.hidden, m.intermediate, m.activation, "sm_90a", m.experts_format)
+        early = ex.rule_spec(tiers.Rule("experts", "mma", rule.ranges, {**rule.params, "early_l2": True}),
+                             m.hidden, m.intermediate, m.activation, "sm_90a", m.experts_format)
+        a, b = resources.sass(jit.build(plain, store=store).files), resources.sass(jit.build(early, store=store).files)
+        assert function(a, "experts_gemm1") == function(b, "experts_gemm1"), m.name
+        g2, g2_plain = function(b, "experts_gemm2"), function(a, "experts_gemm2")
+        assert g2.count("CCTL") > g2_plain.count("CCTL"), m.name   # the L2 prefetches
+        assert_no_spills(jit.build(early, store=store).files)
+        use, p = dict(resources.usage(jit.build(early, store=store).files)), dict(early.params)
+        assert use["experts_gemm2"]["REG"] <= 65536 // (32 * p["warps"] * p.get("min_blocks", 1)), m.name

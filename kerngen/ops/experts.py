@@ -91,9 +91,6 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
         raise TierError(f"{where} sets fused_x = {fused!r}: the most tokens its experts_gemm1 quantizes itself, at "
                         f"least the rule's last token count, and fused_x rows of {max(H, I)} f16 values in "
                         f"{FUSED_SMEM // 1024} KiB of shared memory")
-    if fused and params.get("early_l2"):
-        raise TierError(f"{where} sets fused_x with early_l2: experts_gemm1 then follows the routing itself, whose "
-                        "tile experts it may not read before its wait")
     if params.get("stage_act") and not (fused and params.get("act_f16", True)):
         raise TierError(f"{where} sets stage_act without fused_x (its slots: a tile's rows at most) or with "
                         "act_f16 = false")

@@ -652,6 +652,23 @@ def test_lean_gives_the_bits_of_the_build_without_it(fmt, params, H, I):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("H,I", [(1024, 256), (2880, 2880)])
+def test_early_l2_with_fused_x_gives_the_bits_without_it(fmt, H, I):
+    """early_l2 beside fused_x (experts_gemm2's first weights toward L2 before its wait; experts_gemm1 reads nothing
+    before its own): prefetches only, so the same bits as the 1-2-token rule's shape without it."""
+    base = dict(RULE_1_2, prefetch=False, lean=True)
+    k = shape_kernels(fmt, H, I, 8, **base, early_l2=True)
+    plain = shape_kernels(fmt, H, I, 8, **base)
+    for T in (1, 2):
+        x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=T + H + 11)
+        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+        got, want = run_f16x(k, x, r, w, s), run_f16x(plain, x, r, w, s)
+        rows = r.permuted_to_token >= 0
+        assert torch.equal(got[rows], want[rows])
+        check_rows(got, ex.reference(x, r, *w, **s), r)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_lean_inside_a_cuda_graph(fmt):
     """Replayed from a graph on new logits (two tokens, x quantized by experts_gemm1 itself)."""
     replayed_two_tokens(fmt, shape_kernels(fmt, 1024, 256, 8, **RULE_1_2, prefetch=False, lean=True), seed=97)

@@ -104,8 +104,7 @@ def main():
             cands.append(("rule-nopf", build({**dict(rule.params), "prefetch": False})))
             if not a8:   # without early weight loads, the whole K steps with no bound checks
                 cands.append(("nopf-lean", build({**dict(rule.params), "prefetch": False, "lean": True})))
-            if (a8 or x16 or dict(rule.params).get("f16x")) and not dict(rule.params).get("fused_x"):
-                # the rule with its first weights to L2 before the wait (a fused_x rule follows the routing itself)
+            if a8 or x16 or dict(rule.params).get("f16x"):   # the rule with its first weights to L2 before the wait
                 cands.append(("rule-early", build({**dict(rule.params), "early_l2": True,
                                                    **({} if a8 else {"f16x": True})})))
             if deep:   # 3-6 steps a load batch (with and without the next batch's loads issued first)
@@ -120,6 +119,11 @@ def main():
                     cands.append((f"w4 u{u} b{b} fx2" + " lean" * lean + " a16" * a16,
                                   build(dict(warps=4, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
                                              prefetch=False, f16x=True, fused_x=2, act_f16=a16, lean=lean))))
+                for b, u in itertools.product((6, 7, 8), (1, 2)):   # experts_gemm2's first weights toward L2 early
+                    cands.append((f"w4 u{u} b{b} fx2 lean early",
+                                  build(dict(warps=4, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
+                                             prefetch=False, f16x=True, fused_x=2, act_f16=False, lean=True,
+                                             early_l2=True))))
                 # an item's K split 5 or 6 ways (at 64 registers an SM holds 32 warps: 6 CTAs of 5, 5 of 6)
                 for (w, b), a16 in itertools.product(((5, 6), (6, 5)), (False, True)):
                     cands.append((f"w{w} u1 b{b} fx2 lean" + " a16" * a16,
