@@ -656,6 +656,8 @@ def test_lean_gives_the_bits_of_the_build_without_it(fmt, params, H, I):
 def test_early_l2_with_fused_x_gives_the_bits_without_it(fmt, H, I):
     """early_l2 beside fused_x (experts_gemm2's first weights toward L2 before its wait; experts_gemm1 reads nothing
     before its own): prefetches only, so the same bits as the 1-2-token rule's shape without it."""
+    if fmt == "fp8" and H % 128:
+        pytest.skip("fp8 block scales need multiples of 128")
     base = dict(RULE_1_2, prefetch=False, lean=True)
     k = shape_kernels(fmt, H, I, 8, **base, early_l2=True)
     plain = shape_kernels(fmt, H, I, 8, **base)
