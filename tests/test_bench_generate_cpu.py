@@ -90,3 +90,41 @@ def test_bad_arguments_are_refused():
             bench.parse(["--device", "cuda"])
     with pytest.raises(SystemExit):
         bench.parse(["--device", "cpu", "--compile"])
+
+
+def test_rounds_alternate_and_hooks_time_the_blocks(capsys, monkeypatch):
+    """--rounds 3 --host-hooks: each impl timed three times, every other round in the opposite order; a row's
+    tokens/s is the median of its rounds, its ratio the median of the rounds' ratios, the hooks' medians in the
+    note, and no hook left on the model."""
+    order, models = [], []
+    real_time, real_build = bench.time_impl, bench.build_model
+    monkeypatch.setattr(bench, "time_impl",
+                        lambda model, impl, *a, **k: order.append(impl) or real_time(model, impl, *a, **k))
+    monkeypatch.setattr(bench, "build_model", lambda *a, **k: models.append(real_build(*a, **k)) or models[-1])
+    args = ["--device", "cpu", "--tiny", "--layers", "1", "--new-tokens", "2", "--batch", "1", "--models",
+            "qwen3-30b-a3b", "--rounds", "3", "--host-hooks", "--dtype", "float32"]
+    rows = []
+    real_run = bench.run
+    monkeypatch.setattr(bench, "run", lambda a: rows.extend(real_run(a)) or rows)
+    assert bench.main(args) == 0
+    assert order == ["grouped_mm", "kerngen", "kerngen", "grouped_mm", "grouped_mm", "kerngen"]
+    assert [r["impl"] for r in rows] == ["grouped_mm", "kerngen"]
+    ref, ker = rows
+    assert ref["ratio"] == 1.0 and ref["note"].startswith("rounds 1.00 / 1.00 / 1.00")
+    assert ker["block_us"] > 0 and ker["attn_us"] > 0 and "MoE block" in ker["note"]
+    assert ker["equal"] == 1 and ker["first_diff"] is None
+    out = capsys.readouterr().out
+    assert "median of 3 rounds" in out and "| qwen3-30b-a3b | 1 (1) | 1 | kerngen |" in out
+    for m in models[0].modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+
+
+def test_merge_rounds_takes_medians_and_a_failed_round_fails_the_row():
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    ok = lambda t: dict(tok_s=t, seconds=1 / t, ids=ids, patched=0, note="")  # noqa: E731
+    rows = bench.merge_rounds(dict(model="m", batch=1), {"a": [ok(10), ok(12), ok(11)], "b": [ok(20), ok(18), ok(33)]})
+    assert rows[0]["tok_s"] == 11 and rows[1]["tok_s"] == 20
+    assert rows[1]["ratio"] == 2.0 and rows[1]["note"] == "rounds 2.00 / 1.50 / 3.00"
+    failed = bench.merge_rounds(dict(model="m", batch=1), {"a": [ok(10), dict(note="failed: X")], "b": [ok(5), ok(5)]})
+    assert "tok_s" not in failed[0] and failed[0]["note"] == "failed: X"
+    assert "ratio" not in failed[1] and failed[1]["note"] == "a failed"

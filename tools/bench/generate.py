@@ -6,6 +6,7 @@ same weights, same prompt, one process.
     python3 -m tools.bench.generate [--models qwen3-30b-a3b,deepseek-v3,gpt-oss-120b] [--batch 1,8]
                                     [--new-tokens 64] [--prompt 16] [--layers N] [--impl grouped_mm,kerngen]
                                     [--device cuda] [--compile] [--vocab 32000] [--repeats 1]
+                                    [--rounds 1] [--host-hooks]
     python3 -m tools.bench.generate --device cpu --tiny --layers 1 --new-tokens 4     # CPU smoke run
 
 Models: built from a transformers config (Qwen3MoeConfig, DeepseekV3Config, GptOssConfig) at the public
@@ -23,6 +24,13 @@ Eager: the default dynamic cache, no torch.compile. --compile: transformers' com
 (cache_implementation="static", which makes generate() torch.compile the forward on CUDA; a fresh compile per
 impl), best effort: a failure is reported in the row.
 
+--rounds N: the impls timed N times each, round after round, every other round in the opposite order (the host of
+a GPU machine drifts and differs from run to run): a row's tokens/s is the median of its rounds and its ratio the
+median of the rounds' ratios (each against the first impl's time in the same round), the rounds' ratios in the note.
+--host-hooks: the host time of each call of the MoE blocks (the module holding the experts) and of the attention
+modules during the timed calls (forward hooks, no synchronisation: the Python and launch cost of the call), their
+medians in the note.
+
 Greedy ids: every impl's new tokens compared with the first impl's: equal sequences out of B, and the first
 position (0-based, among the new tokens) where any sequence differs. Random-weight logits are close to each
 other, so a one-ulp difference in a layer's output (kerngen accumulates the top-k sum in fp32; transformers in
@@ -33,6 +41,7 @@ now and then (bf16 has 8 significant bits), and from there the two runs may pick
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 import traceback
@@ -160,23 +169,49 @@ def reset_compiled(model) -> None:
     torch._dynamo.reset()
 
 
-def time_impl(model, impl, ids, new_tokens, compiled, repeats, device) -> dict:
-    """One row: tokens/s of `impl` (best of `repeats` after a warm-up) and its generated ids."""
+def host_hooks(model) -> tuple[dict[str, list[float]], list]:
+    """Forward hooks timing each call's host seconds of the MoE blocks (each module holding an experts module) and
+    the attention modules: ({"block": [...], "attn": [...]}, the hook handles)."""
+    times: dict[str, list[float]] = {"block": [], "attn": []}
+    groups = {"block": [m for m in model.modules()
+                        if any(type(c).__name__.endswith("Experts") for c in m.children())],
+              "attn": [m for m in model.modules() if type(m).__name__.endswith("Attention")]}
+    handles = []
+    for key, mods in groups.items():
+        for m in mods:
+            start = [0.0]
+            handles.append(m.register_forward_pre_hook(
+                lambda mod, args, s=start: s.__setitem__(0, time.perf_counter())))
+            handles.append(m.register_forward_hook(
+                lambda mod, args, out, s=start, k=key: times[k].append(time.perf_counter() - s[0])))
+    return times, handles
+
+
+def time_impl(model, impl, ids, new_tokens, compiled, repeats, device, hooks: bool = False) -> dict:
+    """One row: tokens/s of `impl` (best of `repeats` after a warm-up) and its generated ids; with `hooks` the
+    median host µs of a MoE block's and an attention module's call during the timed calls."""
     patched = use(model, impl)
     if compiled:
         reset_compiled(model)
     out = generate(model, ids, new_tokens, compiled)   # warm-up (compiles, builds kernels, fills caches)
     sync(device)
+    times, handles = host_hooks(model) if hooks else ({}, [])
     best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = generate(model, ids, new_tokens, compiled)
-        sync(device)
-        best = min(best, time.perf_counter() - t)
+    try:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            out = generate(model, ids, new_tokens, compiled)
+            sync(device)
+            best = min(best, time.perf_counter() - t)
+    finally:
+        for h in handles:
+            h.remove()
     new = out[:, ids.shape[1]:].cpu()
     if new.shape[1] != new_tokens:
         raise RuntimeError(f"generated {new.shape[1]} tokens, asked for {new_tokens}")
-    return dict(seconds=best, tok_s=ids.shape[0] * new_tokens / best, ids=new, patched=len(patched))
+    row = dict(seconds=best, tok_s=ids.shape[0] * new_tokens / best, ids=new, patched=len(patched))
+    row.update({f"{k}_us": statistics.median(v) * 1e6 for k, v in times.items() if v})
+    return row
 
 
 def compare(ref: torch.Tensor, ids: torch.Tensor) -> tuple[int, int | None]:
@@ -205,28 +240,61 @@ def run(a) -> list[dict]:
         n_moe = moe_layers(model)
         for B in a.batch:
             ids = prompt_ids(B, a.prompt, a.vocab, a.seed).to(a.device)
-            ref = None
-            for impl in a.impl:
-                row = dict(model=name, layers=layers, moe_layers=n_moe, batch=B, impl=impl, note="")
-                try:
-                    row.update(time_impl(model, impl, ids, a.new_tokens, a.compile, a.repeats, a.device))
-                except Exception as e:   # reported in the row, never dropped
-                    row["note"] = f"{'compile ' if a.compile else ''}failed: {_err(e)}"
-                    if a.traceback:
-                        traceback.print_exc()
-                if "ids" in row:
-                    if ref is None:
-                        ref = row
-                    row["equal"], row["first_diff"] = compare(ref["ids"], row["ids"])
-                    row["ratio"] = row["tok_s"] / ref["tok_s"]
-                rows.append(row)
-                print(f"  {name} B={B} {impl}: " + (f"{row['tok_s']:.1f} tok/s" if "tok_s" in row else row["note"]),
-                      file=sys.stderr, flush=True)
+            rounds: dict[str, list[dict]] = {impl: [] for impl in a.impl}
+            for rnd in range(a.rounds):
+                for impl in (a.impl if rnd % 2 == 0 else a.impl[::-1]):
+                    got = dict(note="")
+                    try:
+                        got.update(time_impl(model, impl, ids, a.new_tokens, a.compile, a.repeats, a.device,
+                                             a.host_hooks))
+                    except Exception as e:   # reported in the row, never dropped
+                        got["note"] = f"{'compile ' if a.compile else ''}failed: {_err(e)}"
+                        if a.traceback:
+                            traceback.print_exc()
+                    rounds[impl].append(got)
+                    print(f"  {name} B={B} {impl}" + (f" round {rnd}" if a.rounds > 1 else "") + ": "
+                          + (f"{got['tok_s']:.1f} tok/s" if "tok_s" in got else got["note"]), file=sys.stderr,
+                          flush=True)
+            rows.extend(merge_rounds(dict(model=name, layers=layers, moe_layers=n_moe, batch=B), rounds))
         use(model, a.impl[0] if a.impl[0] != "kerngen" else "grouped_mm")
         del model
         if torch.device(a.device).type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def merge_rounds(base: dict, rounds: dict[str, list[dict]]) -> list[dict]:
+    """One row an impl from its rounds (impl -> one result a round, the first impl first): tokens/s the median of
+    its rounds, ids those of its last round compared with the first impl's, ratio the median of the rounds' ratios
+    to the first impl's tokens/s in the same round; a round that failed fails the row."""
+    ref_impl = next(iter(rounds))
+    out = []
+    for impl, res in rounds.items():
+        row = dict(base, impl=impl, note="")
+        failed = [r["note"] for r in res if "tok_s" not in r]
+        if failed:
+            row["note"] = failed[0]
+            out.append(row)
+            continue
+        row.update({k: v for k, v in res[-1].items() if k not in ("tok_s", "seconds", "note")})
+        row["tok_s"] = statistics.median(r["tok_s"] for r in res)
+        for k in ("block_us", "attn_us"):
+            if all(k in r for r in res):
+                row[k] = statistics.median(r[k] for r in res)
+        ref = rounds[ref_impl]
+        if all("tok_s" in r for r in ref):
+            ratios = [r["tok_s"] / q["tok_s"] for r, q in zip(res, ref)]
+            row["ratio"] = statistics.median(ratios)
+            row["equal"], row["first_diff"] = compare(ref[-1]["ids"], row["ids"])
+            if len(res) > 1:
+                row["note"] = "rounds " + " / ".join(f"{x:.2f}" for x in ratios)
+        else:
+            row["note"] = f"{ref_impl} failed"
+        if "block_us" in row:
+            row["note"] = (row["note"] + "; " if row["note"] else "") + \
+                f"host µs a call: MoE block {row['block_us']:.1f}, attention {row.get('attn_us', float('nan')):.1f}"
+        out.append(row)
+    return out
 
 
 def _err(e: Exception) -> str:
@@ -238,10 +306,10 @@ def table(rows: list[dict], ref_impl: str) -> str:
             "| first diff | note |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        has = "tok_s" in r
+        has = "ratio" in r
         lines.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
             r["model"], f"{r['layers']} ({r.get('moe_layers', '-')})", r.get("batch") or "-", r["impl"],
-            f"{r['tok_s']:.1f}" if has else "-", f"{r['ratio']:.2f}" if has else "-",
+            f"{r['tok_s']:.1f}" if "tok_s" in r else "-", f"{r['ratio']:.2f}" if has else "-",
             f"{r['equal']}/{r['batch']}" if has else "-",
             ("-" if r.get("first_diff") is None else r["first_diff"]) if has else "-", r.get("note", "")))
     return "\n".join(lines)
@@ -261,6 +329,10 @@ def parse(argv=None):
     ap.add_argument("--tiny", action="store_true", help="small made-up dimensions (CPU smoke run)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 32000; --tiny 512)")
     ap.add_argument("--repeats", type=int, default=1, help="timed generate() calls after the warm-up (best)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the impls this many times, alternating their order (medians; see the doc)")
+    ap.add_argument("--host-hooks", action="store_true",
+                    help="the median host µs of a MoE block's and an attention module's call (see the doc)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--traceback", action="store_true", help="print the whole traceback of a failed row")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -280,8 +352,9 @@ def parse(argv=None):
         a.vocab = 512 if a.tiny else 32000
     if a.init_std is None:
         a.init_std = 0.1 if a.tiny else 0.02
-    if min(a.batch) < 1 or a.new_tokens < 1 or a.prompt < 1 or (a.layers is not None and a.layers < 1):
-        ap.error("--batch, --new-tokens, --prompt and --layers are positive")
+    if (min(a.batch) < 1 or a.new_tokens < 1 or a.prompt < 1 or (a.layers is not None and a.layers < 1)
+            or a.rounds < 1 or a.repeats < 1):
+        ap.error("--batch, --new-tokens, --prompt, --layers, --rounds and --repeats are positive")
     if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU here (torch.cuda.is_available() is False); use --device cpu --tiny")
     if a.compile and torch.device(a.device).type != "cuda":
@@ -301,7 +374,8 @@ def main(argv=None) -> int:
     print(f"{dev}, torch {torch.__version__}, transformers {transformers.__version__}, {a.dtype}, "
           f"{'tiny dims' if a.tiny else 'real dims'}, vocab {a.vocab}, prompt {a.prompt}, "
           f"{a.new_tokens} new tokens, greedy, {'compiled (static cache)' if a.compile else 'eager'}, "
-          f"best of {a.repeats} after 1 warm-up\n", flush=True)
+          f"best of {a.repeats} after 1 warm-up" + (f", median of {a.rounds} rounds" if a.rounds > 1 else "")
+          + "\n", flush=True)
     rows = run(a)
     print(table(rows, a.impl[0]), flush=True)
     return 1 if any("tok_s" not in r for r in rows) else 0
