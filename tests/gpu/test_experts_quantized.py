@@ -639,11 +639,17 @@ def test_lean_gives_the_bits_of_the_build_without_it(fmt, params, H, I):
     and from global memory, f16 and bf16 activations, one and two steps a batch, rows that end mid-step (2880)."""
     if fmt == "fp8" and H % 128:
         pytest.skip("fp8 block scales need multiples of 128")
-    base = dict(prefetch=False, **params)
-    k = shape_kernels(fmt, H, I, 8, **base, lean=True)
+    assert_same_bits(fmt, H, I, dict(prefetch=False, **params), dict(lean=True),
+                     (1, 2) if params.get("fused_x") else (1, 5, 40), seed=H + 7)
+
+
+def assert_same_bits(fmt, H, I, base: dict, extra: dict, tokens, seed: int):
+    """The launch shape `base` with `extra` gives the bits of `base` alone at each token count (4 of 16 experts,
+    tile 8), within the dequantized reference's bound."""
+    k = shape_kernels(fmt, H, I, 8, **base, **extra)
     plain = shape_kernels(fmt, H, I, 8, **base)
-    for T in (1, 2) if params.get("fused_x") else (1, 5, 40):
-        x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=T + H + 7)
+    for T in tokens:
+        x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=T + seed)
         r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
         got, want = run_f16x(k, x, r, w, s), run_f16x(plain, x, r, w, s)
         rows = r.permuted_to_token >= 0
@@ -658,16 +664,7 @@ def test_early_l2_with_fused_x_gives_the_bits_without_it(fmt, H, I):
     before its own): prefetches only, so the same bits as the 1-2-token rule's shape without it."""
     if fmt == "fp8" and H % 128:
         pytest.skip("fp8 block scales need multiples of 128")
-    base = dict(RULE_1_2, prefetch=False, lean=True)
-    k = shape_kernels(fmt, H, I, 8, **base, early_l2=True)
-    plain = shape_kernels(fmt, H, I, 8, **base)
-    for T in (1, 2):
-        x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=T + H + 11)
-        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
-        got, want = run_f16x(k, x, r, w, s), run_f16x(plain, x, r, w, s)
-        rows = r.permuted_to_token >= 0
-        assert torch.equal(got[rows], want[rows])
-        check_rows(got, ex.reference(x, r, *w, **s), r)
+    assert_same_bits(fmt, H, I, dict(RULE_1_2, prefetch=False, lean=True), dict(early_l2=True), (1, 2), seed=H + 11)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
