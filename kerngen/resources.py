@@ -71,13 +71,19 @@ def opcodes(files: dict[str, bytes]) -> list[str]:
     return ops
 
 
+def function_sass(text: str, function: str) -> str:
+    """The SASS of kernel `function` in sass()'s `text`."""
+    part = next((p for p in text.split("Function : ")[1:] if p.split(None, 1)[0] == function), None)
+    if part is None:
+        raise KerngenError(f"no function {function} in the SASS")
+    return part
+
+
 def mma_loop(text: str, function: str) -> tuple[int, bool] | None:
     """The innermost loop of `function` in SASS `text` (sass()'s) that holds tensor-core instructions (HMMA, HGMMA,
     QMMA): its instruction count and whether it touches local memory (LDL / STL: spills in the K steps); None where
     no loop holds one."""
-    part = next((p for p in text.split("Function : ")[1:] if p.split(None, 1)[0] == function), None)
-    if part is None:
-        raise KerngenError(f"no function {function} in the SASS")
+    part = function_sass(text, function)
     ins = [(int(m.group(1), 16), m.group(2)) for m in
            (re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line) for line in part.splitlines()) if m]
     at = {a: i for i, (a, _) in enumerate(ins)}

@@ -136,11 +136,6 @@ def test_thirty_two_warps_an_sm_fit_64_registers_without_spills(model, act_f16, 
         assert rows[name].regs <= 64 and rows[name].resident >= rows[name].per_sm == 32 // warps, rows[name]
 
 
-def function(text: str, name: str) -> str:
-    """The SASS of kernel `name` in resources.sass() text."""
-    return next(p for p in text.split("Function : ")[1:] if p.split(None, 1)[0] == name)
-
-
 def test_early_l2_with_fused_x_prefetches_in_experts_gemm2_only(tmp_path):
     """early_l2 beside fused_x: experts_gemm1 (right behind the routing) reads nothing before its wait, so its SASS is
     the build's without early_l2; experts_gemm2 prefetches its first item's weights toward L2 before its wait, without
@@ -153,8 +148,9 @@ def test_early_l2_with_fused_x_prefetches_in_experts_gemm2_only(tmp_path):
         early = ex.rule_spec(tiers.Rule("experts", "mma", rule.ranges, {**rule.params, "early_l2": True}),
                              m.hidden, m.intermediate, m.activation, "sm_90a", m.experts_format)
         a, b = resources.sass(jit.build(plain, store=store).files), resources.sass(jit.build(early, store=store).files)
-        assert function(a, "experts_gemm1") == function(b, "experts_gemm1"), m.name
-        g2, g2_plain = function(b, "experts_gemm2"), function(a, "experts_gemm2")
+        fn = resources.function_sass
+        assert fn(a, "experts_gemm1") == fn(b, "experts_gemm1"), m.name
+        g2, g2_plain = fn(b, "experts_gemm2"), fn(a, "experts_gemm2")
         assert g2.count("CCTL") > g2_plain.count("CCTL"), m.name   # the L2 prefetches
         assert_no_spills(jit.build(early, store=store).files)
         use, p = dict(resources.usage(jit.build(early, store=store).files)), dict(early.params)
