@@ -155,7 +155,7 @@ def experts_candidates(fmt: str = "bf16"):
     buffers taking turns (pingpong), 8 warps an item, the shapes the shipped rules take with no early weight loads or
     with early_l2, and for 1-2 (or up to 8) tokens x quantized by the first GEMM itself (fused_x, act_f16, stage_act;
     also at 32 warps an SM, 64 registers without prefetch); the K loop's whole steps with no bound checks (lean);
-    w8a8 with early_l2."""
+    MXFP4 at 1-2 tokens with each 32-value group's own mma columns (gcol); w8a8 with early_l2."""
     if fmt == "bf16":
         for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
             yield "mma", dict(tile=tile, warps=warps, unroll=unroll, blocks_per_sm=bps, pdl=True)
@@ -198,6 +198,11 @@ def experts_candidates(fmt: str = "bf16"):
                     dict(unroll=2, blocks_per_sm=4, min_blocks=4, prefetch_x=True),
                     dict(unroll=1, blocks_per_sm=4, mtiles=2)):
             yield "mma", dict(tile=8, warps=4, pdl=True, prefetch=False, f16x=True, lean=True, **few)
+        if fmt == "mxfp4":   # 1-2 tokens: each group's own mma columns (gcol), its scale in fp32; both GEMMs on f16
+            for bps, early in itertools.product((6, 8), (False, True)):   # activations in shared memory
+                yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=bps, min_blocks=bps, pdl=True,
+                                  prefetch=False, f16x=True, lean=True, fused_x=2, act_f16=False, gcol=True,
+                                  **({"early_l2": True} if early else {}))
         # any token count at tiles of 8 rows: 32 warps an SM at 64 registers, activations prefetched (fp8: no spills)
         yield "mma", dict(tile=8, warps=8, unroll=1, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
                           prefetch_x=True, f16x=True)

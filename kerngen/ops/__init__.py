@@ -192,6 +192,7 @@ register(Op("experts", {
             "act_f16": FLAG,   # with f16x: gemm2 on the intermediate as f16 (default) or bf16 (false)
             "stage_act": FLAG,   # with fused_x: gemm2 copies its tile's f16 rows into shared memory
             "lean": FLAG,   # quantized, prefetch = false: whole K steps unchecked, fewer instructions a step
+            "gcol": FLAG,   # MXFP4, 1-2 tokens: each 32-value group's own mma columns, its scale in fp32
             "early_l2": FLAG}},   # the first item's first weight bytes to L2 before the wait
     public={"experts": "experts.experts"}, torch=("moe_experts",), shape=("hidden", "intermediate")))
 

@@ -671,3 +671,82 @@ def test_early_l2_with_fused_x_gives_the_bits_without_it(fmt, H, I):
 def test_lean_inside_a_cuda_graph(fmt):
     """Replayed from a graph on new logits (two tokens, x quantized by experts_gemm1 itself)."""
     replayed_two_tokens(fmt, shape_kernels(fmt, 1024, 256, 8, **RULE_1_2, prefetch=False, lean=True), seed=97)
+
+
+GCOL = dict(RULE_1_2, prefetch=False, lean=True, gcol=True)   # the 1-2-token rule's shape with gcol
+
+
+@pytest.mark.parametrize("H,I,act", [(1024, 256, "silu"), (2880, 2880, "gpt_oss"), (3584, 2048, "situglu")])
+@pytest.mark.parametrize("T", [1, 2])
+def test_gcol_matches_the_dequantized_reference(H, I, act, T):
+    """gcol (each 32-value group its own mma columns and its scale in fp32; experts_gemm2 quantizes its tile's rows
+    itself) against the reference with the weight-only kernels' tolerance: gpt-oss's 2880 ends its rows mid-step (and
+    takes its interleaved clamped SwiGLU with biases), over local experts 4..11 of 16 with input weights, and with
+    both tokens on the same experts (tiles of two rows)."""
+    k = shape_kernels("mxfp4", H, I, 8, act, **GCOL)
+    assert "experts_quant_act" not in ex.persistent(k.spec)
+    assert ex.persistent(k.spec)["experts_gemm2"].dynamic_smem > 0
+    g = torch.Generator(device="cuda").manual_seed(H + T)
+    ref_kw = dict(activation=act, interleaved=act == "gpt_oss", linear_beta=2.0 if act == "situglu" else 0.0)
+    k_kw = dict(interleaved=act == "gpt_oss", a0={"gpt_oss": 1.702, "situglu": 1.0}.get(act, 0.0),
+                a1={"gpt_oss": 7.0, "situglu": 2.0}.get(act, 0.0))   # (alpha, limit; beta, linear_beta)
+    bias = {}
+    if act == "gpt_oss":
+        bias = dict(b13=(torch.randn(16, 2 * I, device="cuda", generator=g) * 0.1).to(torch.bfloat16),
+                    b2=(torch.randn(16, H, device="cuda", generator=g) * 0.1).to(torch.bfloat16))
+    x, logits, w, s = make("mxfp4", T, 4, 16, H, I, seed=H + T)
+    for same in (False, True):
+        if same:
+            logits = logits[:1].expand(T, -1).contiguous()
+        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+        check_rows(run_f16x(k, x, r, w, s, **k_kw, **bias), ex.reference(x, r, *w, **s, **ref_kw, **bias), r)
+    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8, local_experts=(4, 8))
+    wl, sl = tuple(t[4:12].contiguous() for t in w), {n: v[4:12].contiguous() for n, v in s.items()}
+    bl = {n: v[4:12].contiguous() for n, v in bias.items()}
+    inw = torch.rand(T, device="cuda", generator=g) + 0.5
+    check_rows(run_f16x(k, x, r, wl, sl, input_weights=inw, **k_kw, **bl),
+               ex.reference(x, r, *wl, **sl, input_weights=inw, **ref_kw, **bl), r)
+
+
+def test_gcol_runs_tiles_of_more_rows_a_pair_at_a_time():
+    """A permutation naming one expert several times for a token: tiles of up to four rows at two tokens, each pair
+    of rows its own pass (and experts_gemm2 its own quantized rows); the reference's values."""
+    T, E, H, I = 2, 16, 2880, 2880
+    x, _, w, s = make("mxfp4", T, 4, E, H, I, seed=96)
+    ids = torch.tensor([[3, 3, 3, 1], [3, 5, 3, 2]], dtype=torch.int32, device="cuda")
+    r = kerngen.permute(ids, num_experts=E, tile=8)
+    got = run_f16x(shape_kernels("mxfp4", H, I, 8, **GCOL), x, r, w, s)
+    check_rows(got, ex.reference(x, r, *w, **s), r)
+
+
+@pytest.mark.parametrize("top", [24, 127, 160, 230])
+def test_gcol_scale_bytes_and_subnormal_codes(top):
+    """Scale bytes in [top - 24, top] (each group's fp32 factor 2^(s - 127) exact for all of them), x scaled by
+    2^(127 - top); and the codes 0 and +-0.5 alone (0.5 an e4m3 subnormal once placed)."""
+    E, K, H, I = 8, 2, 1024, 256
+    w13, s13, _, _ = mx_weights(E, H, I, seed=top, scale_range=(top - 24, top + 1))
+    _, _, w2, s2 = mx_weights(E, H, I, seed=top + 1, scale_range=(top - 24, top + 1))
+    w, s = (w13.cuda(), w2.cuda()), dict(w13_scale=s13.cuda(), w2_scale=s2.cuda())
+    x = (torch.randn(2, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(top)) * 0.3
+         * 2.0 ** (127 - top)).to(torch.bfloat16)
+    r = _route(x, E, K, top)
+    k = shape_kernels("mxfp4", H, I, 8, **GCOL)
+    check_rows(run_f16x(k, x, r, w, s), ex.reference(x, r, *w, **s), r)
+    allowed = [lo | hi << 4 for lo in (0, 1, 8, 9) for hi in (0, 1, 8, 9)]
+    x = torch.randn(2, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).to(torch.bfloat16)
+    w = (_codes((E, 2 * I, H // 32, 16), allowed, 1).cuda(), _codes((E, H, I // 32, 16), allowed, 2).cuda())
+    s = dict(w13_scale=torch.full((E, 2 * I, H // 32), 124, dtype=torch.uint8, device="cuda"),
+             w2_scale=torch.full((E, H, I // 32), 124, dtype=torch.uint8, device="cuda"))
+    ref = ex.reference(x, r, *w, **s)
+    assert ref[r.permuted_to_token >= 0].float().abs().max() > 0
+    check_rows(run_f16x(k, x, r, w, s), ref, r)
+
+
+def test_gcol_inside_a_cuda_graph():
+    """Two launches replayed from a graph on new logits; three tokens are a kerngen error (fused_x = 2)."""
+    k = shape_kernels("mxfp4", 1024, 256, 8, **GCOL)
+    replayed_two_tokens("mxfp4", k, seed=98)
+    x3, logits3, w, s = make("mxfp4", 3, 4, 16, 1024, 256, seed=99)
+    r3 = kerngen.route(logits3, top_k=4, method="softmax_topk", tile=8)
+    with pytest.raises(kerngen.InputError, match="at most 2 tokens"):
+        k(x3, r3, *w, torch.empty(r3.permuted_to_token.shape[0], 1024, dtype=torch.bfloat16, device="cuda"), **s)
