@@ -2,7 +2,7 @@
 groups, twice, so each group's dot product comes out of the tensor cores alone and takes its e8m0 scale as one fp32
 multiply (no f16 group factor a weight pair, no largest scale byte a row by shuffles), and experts_gemm2 quantizes its
 tile's rows of the intermediate into shared memory itself. Every shipped MXFP4 model's 1-token rule builds with it in
-at least a quarter fewer instructions a K step, without local memory and within its register bound, with no
+at least a fifth fewer instructions a K step, without local memory and within its register bound, with no
 quantizing launch; the launch shapes that cannot take it are refused. The GPU tests
 (tests/gpu/test_experts_quantized.py) check it against the dequantized reference."""
 import pytest
@@ -20,10 +20,10 @@ def mxfp4_pairs():
         if m.experts_format == "mxfp4":
             p = {k: v for k, v in rule.params.items() if k != "gcol"}
             yield m, *(ex.rule_spec(tiers.Rule("experts", "mma", rule.ranges, q), m.hidden, m.intermediate,
-                                    m.activation, "sm_90a", "mxfp4") for q in (p, {**p, "gcol": True}))
+                                    m.activation, "sm_90a", "mxfp4") for q in (p, {**p, "gcol": 2}))
 
 
-def test_gcol_takes_a_quarter_fewer_instructions_a_step_without_spills(tmp_path):
+def test_gcol_takes_a_fifth_fewer_instructions_a_step_without_spills(tmp_path):
     store, seen = DiskCache(tmp_path), 0
     for m, plain, gcol in mxfp4_pairs():
         seen += 1
@@ -36,7 +36,7 @@ def test_gcol_takes_a_quarter_fewer_instructions_a_step_without_spills(tmp_path)
             assert use[fn].get("STACK", 0) == 0, (m.name, fn)
             base, loop = resources.mma_loop(text0, fn), resources.mma_loop(text, fn)
             assert loop is not None and not loop[1], f"{m.name} {fn}: local memory in the K-step loop"
-            assert loop[0] <= 0.75 * base[0], (m.name, fn, loop[0], base[0])
+            assert loop[0] <= 0.8 * base[0], (m.name, fn, loop[0], base[0])
             body = resources.function_sass(text, fn)
             assert "HMUL2" not in body and "SHFL.BFLY" not in body.split("HMMA", 1)[1].rsplit("HMMA", 1)[0], \
                 f"{m.name} {fn}: a group factor or a row's largest scale in the K steps"
@@ -47,12 +47,12 @@ def test_gcol_takes_a_quarter_fewer_instructions_a_step_without_spills(tmp_path)
     assert seen >= 2   # gpt-oss-120b, kimi-k3
 
 
-@pytest.mark.parametrize("change", [dict(fused_x=0), dict(fused_x=8), dict(act_f16=True), dict(unroll=2),
+@pytest.mark.parametrize("change", [dict(fused_x=0), dict(fused_x=8), dict(act_f16=True),
                                     dict(lean=False), dict(mtiles=2), dict(tile=1)],
                          ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_launch_shapes_that_cannot_take_it_are_refused(change):
     m, plain, _ = next(mxfp4_pairs())
-    p = {**dict(plain.params), "tile": 8, "gcol": True, **change}
+    p = {**dict(plain.params), "tile": 8, "gcol": 2, **change}
     p = {k: v for k, v in p.items() if k not in change or v or k == "act_f16"}   # (fused_x=0, lean=False: left out)
     with pytest.raises(TierError, match="gcol"):
         ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 2)}, p), m.hidden, m.intermediate, m.activation,
@@ -62,7 +62,7 @@ def test_launch_shapes_that_cannot_take_it_are_refused(change):
 def test_fp8_weights_refuse_it():
     m = next(m for m, _ in one_token_rules() if m.experts_format == "fp8")
     rule = tiers.load().rule("experts", {"hidden": m.hidden, "tokens": 1, "arch": "sm_90a", "format": "fp8"})
-    p = {**rule.params, "fused_x": 2, "act_f16": False, "unroll": 1, "lean": True, "prefetch": False, "gcol": True}
+    p = {**rule.params, "fused_x": 2, "act_f16": False, "unroll": 1, "lean": True, "prefetch": False, "gcol": 1}
     with pytest.raises(TierError, match="gcol"):
         ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 2)}, p), m.hidden, m.intermediate, m.activation,
                      "sm_90a", "fp8")

@@ -96,9 +96,9 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
                         "act_f16 = false")
     if params.get("gcol") and not (fmt == "mxfp4" and 0 < fused <= 2 and params.get("lean") and tile >= 2
                                    and not params.get("act_f16", True) and params.get("mtiles", 1) == 1
-                                   and params.get("unroll") == 1 and not params.get("stage_act")):
-        raise TierError(f"{where} sets gcol, which MXFP4 weights take with fused_x = 1 or 2, lean, unroll = 1, "
-                        "act_f16 = false, one m16 tile of weight rows an item (mtiles = 1) and tiles of 2 rows or more")
+                                   and not params.get("stage_act")):
+        raise TierError(f"{where} sets gcol, which MXFP4 weights take with fused_x = 1 or 2, lean, act_f16 = false, "
+                        "one m16 tile of weight rows an item (mtiles = 1) and tiles of 2 rows or more")
     if not params.get("act_f16", True) and params.get("mtiles", 1) != 1:
         raise TierError(f"{where} sets act_f16 = false with mtiles: GEMM2 on the bf16 intermediate takes one m16 "
                         "tile of weight rows an item")
@@ -288,11 +288,11 @@ def fused_smem(rows: int, cols: int) -> int:
 
 
 def dynamic_smem(s: plan_mod.KernelSpec) -> dict[str, int]:
-    """Each GEMM's dynamic shared memory: fused_x rows of x (experts_gemm1), with stage_act or gcol rows of the
+    """Each GEMM's dynamic shared memory: fused_x rows of x (experts_gemm1), with stage_act or gcol = 2 rows of the
     intermediate (experts_gemm2); none otherwise."""
     p, c = dict(s.params), dict(s.constants)
     fx = p.get("fused_x", 0) if p.get("f16x") else 0
-    gemm2 = fx and ((p.get("stage_act") and p.get("act_f16", True)) or (p.get("gcol") and c.get("FORMAT") == "mxfp4"))
+    gemm2 = fx and ((p.get("stage_act") and p.get("act_f16", True)) or (p.get("gcol", 0) >= 2 and c.get("FORMAT") == "mxfp4"))
     return {"experts_gemm1": fused_smem(fx, c["H"]), "experts_gemm2": fused_smem(fx, c["I"]) if gemm2 else 0}
 
 
