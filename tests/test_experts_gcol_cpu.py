@@ -1,10 +1,12 @@
-"""kerngen.experts' gcol (MXFP4 at 1-2 tokens, no GPU): the eight columns of each mma are a tile row's four 32-value
-groups, twice, so each group's dot product comes out of the tensor cores alone and takes its e8m0 scale as one fp32
-multiply (no f16 group factor a weight pair, no largest scale byte a row by shuffles), and experts_gemm2 quantizes its
-tile's rows of the intermediate into shared memory itself. Every shipped MXFP4 model's 1-token rule builds with it in
-at least a fifth fewer instructions a K step, without local memory and within its register bound, with no
-quantizing launch; the launch shapes that cannot take it are refused. The GPU tests
-(tests/gpu/test_experts_quantized.py) check it against the dequantized reference."""
+"""kerngen.experts' gcol (MXFP4 at 1-2 tokens, experts_gemm1; no GPU): the eight columns of each mma are a tile
+row's four 32-value groups, twice, so each group's dot product comes out of the tensor cores alone and takes its e8m0
+scale as one fp32 multiply (no f16 group factor a weight pair, no largest scale byte a row by shuffles). Every shipped
+MXFP4 model's 1-token rule (which takes it) builds experts_gemm1 with it in at least a fifth fewer instructions a K
+step than without, without local memory and within its register bound, and experts_gemm2 as without it; the launch
+shapes that cannot take it are refused. The GPU tests (tests/gpu/test_experts_quantized.py) check it against the
+dequantized reference."""
+import re
+
 import pytest
 
 from kerngen import jit, resources, tiers
@@ -20,7 +22,12 @@ def mxfp4_pairs():
         if m.experts_format == "mxfp4":
             p = {k: v for k, v in rule.params.items() if k != "gcol"}
             yield m, *(ex.rule_spec(tiers.Rule("experts", "mma", rule.ranges, q), m.hidden, m.intermediate,
-                                    m.activation, "sm_90a", "mxfp4") for q in (p, {**p, "gcol": 2}))
+                                    m.activation, "sm_90a", "mxfp4") for q in (p, {**p, "gcol": True}))
+
+
+def instructions(text: str, fn: str) -> list[str]:
+    """The instructions of kernel `fn` in SASS `text`, opcodes and operands only."""
+    return re.findall(r"/\*[0-9a-f]+\*/\s+([^;]*);", resources.function_sass(text, fn))
 
 
 def test_gcol_takes_a_fifth_fewer_instructions_a_step_without_spills(tmp_path):
@@ -31,19 +38,21 @@ def test_gcol_takes_a_fifth_fewer_instructions_a_step_without_spills(tmp_path):
         use = dict(resources.usage(jit.build(gcol, store=store).files))
         p = dict(gcol.params)
         assert set(use) == set(ex.persistent(gcol)) == {"experts_gemm1", "experts_gemm2"}
+        assert p.get("gcol") and dict(plain.params).get("gcol") is None
         for fn in ("experts_gemm1", "experts_gemm2"):
             assert use[fn]["REG"] <= 65536 // (32 * p["warps"] * p["min_blocks"]), (m.name, fn)
             assert use[fn].get("STACK", 0) == 0, (m.name, fn)
             base, loop = resources.mma_loop(text0, fn), resources.mma_loop(text, fn)
             assert loop is not None and not loop[1], f"{m.name} {fn}: local memory in the K-step loop"
-            assert loop[0] <= 0.8 * base[0], (m.name, fn, loop[0], base[0])
-            body = resources.function_sass(text, fn)
-            assert "HMUL2" not in body and "SHFL.BFLY" not in body.split("HMMA", 1)[1].rsplit("HMMA", 1)[0], \
-                f"{m.name} {fn}: a group factor or a row's largest scale in the K steps"
-        launch = ex.persistent(gcol)   # both GEMMs' f16 rows and their scales in dynamic shared memory
-        H, I = m.hidden, m.intermediate
-        assert launch["experts_gemm1"].dynamic_smem == 2 * (2 * H + 4 * -(-H // 128))
-        assert launch["experts_gemm2"].dynamic_smem == 2 * (2 * I + 4 * -(-I // 128))
+        base, loop = resources.mma_loop(text0, "experts_gemm1"), resources.mma_loop(text, "experts_gemm1")
+        assert loop[0] <= 0.8 * base[0], (m.name, loop[0], base[0])
+        body = resources.function_sass(text, "experts_gemm1")
+        assert "HMUL2" not in body and "SHFL.BFLY" not in body.split("HMMA", 1)[1].rsplit("HMMA", 1)[0], \
+            f"{m.name}: a group factor or a row's largest scale in the K steps"
+        assert instructions(text, "experts_gemm2") == instructions(text0, "experts_gemm2")   # gemm2 as it was
+        launch = ex.persistent(gcol)   # x's f16 rows and their scales in experts_gemm1's dynamic shared memory only
+        assert launch["experts_gemm1"].dynamic_smem == 2 * (2 * m.hidden + 4 * -(-m.hidden // 128))
+        assert launch["experts_gemm2"].dynamic_smem == 0
     assert seen >= 2   # gpt-oss-120b, kimi-k3
 
 
@@ -52,7 +61,7 @@ def test_gcol_takes_a_fifth_fewer_instructions_a_step_without_spills(tmp_path):
                          ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_launch_shapes_that_cannot_take_it_are_refused(change):
     m, plain, _ = next(mxfp4_pairs())
-    p = {**dict(plain.params), "tile": 8, "gcol": 2, **change}
+    p = {**dict(plain.params), "tile": 8, "gcol": True, **change}
     p = {k: v for k, v in p.items() if k not in change or v or k == "act_f16"}   # (fused_x=0, lean=False: left out)
     with pytest.raises(TierError, match="gcol"):
         ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 2)}, p), m.hidden, m.intermediate, m.activation,
@@ -62,7 +71,7 @@ def test_launch_shapes_that_cannot_take_it_are_refused(change):
 def test_fp8_weights_refuse_it():
     m = next(m for m, _ in one_token_rules() if m.experts_format == "fp8")
     rule = tiers.load().rule("experts", {"hidden": m.hidden, "tokens": 1, "arch": "sm_90a", "format": "fp8"})
-    p = {**rule.params, "fused_x": 2, "act_f16": False, "unroll": 1, "lean": True, "prefetch": False, "gcol": 1}
+    p = {**rule.params, "fused_x": 2, "act_f16": False, "unroll": 1, "lean": True, "prefetch": False, "gcol": True}
     with pytest.raises(TierError, match="gcol"):
         ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 2)}, p), m.hidden, m.intermediate, m.activation,
                      "sm_90a", "fp8")

@@ -17,7 +17,7 @@ from tests.test_experts_fused_x_cpu import one_token_rules
 def pairs():
     """(model, its 1-token rule's spec without lean, the same with it) of every shipped fp8 and MXFP4 model."""
     for m, rule in one_token_rules():
-        p = {k: v for k, v in rule.params.items() if k != "lean"}
+        p = {k: v for k, v in rule.params.items() if k not in ("lean", "gcol")}   # (gcol takes lean: its own test)
         specs = [ex.rule_spec(tiers.Rule("experts", "mma", rule.ranges, q), m.hidden, m.intermediate, m.activation,
                               "sm_90a", m.experts_format) for q in (p, {**p, "lean": True})]
         yield m, *specs

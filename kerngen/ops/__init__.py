@@ -192,9 +192,8 @@ register(Op("experts", {
             "act_f16": FLAG,   # with f16x: gemm2 on the intermediate as f16 (default) or bf16 (false)
             "stage_act": FLAG,   # with fused_x: gemm2 copies its tile's f16 rows into shared memory
             "lean": FLAG,   # quantized, prefetch = false: whole K steps unchecked, fewer instructions a step
-            "gcol": _n(1, 2),   # MXFP4, 1-2 tokens: each 32-value group its own mma columns (1: gemm1, 2: both)
-            "early_l2": FLAG,   # the first item's first weight bytes to L2 before the wait
-            "l2_ahead": _n(1, 8)}},   # the TMA prefetches the next N items' weight rows into L2
+            "gcol": FLAG,   # MXFP4, 1-2 tokens: gemm1's mma columns each one 32-value group, its scale in fp32
+            "early_l2": FLAG}},   # the first item's first weight bytes to L2 before the wait
     public={"experts": "experts.experts"}, torch=("moe_experts",), shape=("hidden", "intermediate")))
 
 

@@ -288,12 +288,12 @@ def fused_smem(rows: int, cols: int) -> int:
 
 
 def dynamic_smem(s: plan_mod.KernelSpec) -> dict[str, int]:
-    """Each GEMM's dynamic shared memory: fused_x rows of x (experts_gemm1), with stage_act or gcol = 2 rows of the
-    intermediate (experts_gemm2); none otherwise."""
+    """Each GEMM's dynamic shared memory: fused_x rows of x (experts_gemm1), with stage_act rows of the intermediate
+    (experts_gemm2); none otherwise."""
     p, c = dict(s.params), dict(s.constants)
     fx = p.get("fused_x", 0) if p.get("f16x") else 0
-    gemm2 = fx and ((p.get("stage_act") and p.get("act_f16", True)) or (p.get("gcol", 0) >= 2 and c.get("FORMAT") == "mxfp4"))
-    return {"experts_gemm1": fused_smem(fx, c["H"]), "experts_gemm2": fused_smem(fx, c["I"]) if gemm2 else 0}
+    return {"experts_gemm1": fused_smem(fx, c["H"]),
+            "experts_gemm2": fused_smem(fx, c["I"]) if fx and p.get("stage_act") and p.get("act_f16", True) else 0}
 
 
 def quant_kernels(s: plan_mod.KernelSpec) -> tuple[str, ...]:
