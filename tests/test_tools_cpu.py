@@ -14,7 +14,7 @@ GPU_TOOLS = ["tools.bench.__main__", "tools.bench.routing", "tools.bench.routing
              "tools.bench.moe_layer_demo", "tools.bench.moe_block", "tools.diagnose.routing_phases",
              "tools.diagnose.sanitize_run", "tools.bench.experts", "tools.bench.latent_tail", "tools.sweep.finalize",
              "tools.sweep.tail", "tools.sweep.experts fp8 deepseek-v3 1", "tools.diagnose.experts_alone",
-             "tools.diagnose.pdl_cost"]
+             "tools.diagnose.pdl_cost", "tools.diagnose.read_pattern"]
 
 
 @pytest.mark.parametrize("command", GPU_TOOLS)
@@ -59,6 +59,23 @@ def test_the_pdl_probe_compiles_with_and_without_the_grid_dependency_instruction
     fns = {part.split()[0]: part for part in sass({"kernel.cubin": cubin}).split("Function : ")[1:]}
     assert ("ACQBULK" in fns["chase"]) == wait and ("PREEXIT" in fns["chase"]) == wait
     assert ("PREEXIT" in fns["produce"]) == trigger and "ACQBULK" not in fns["produce"]
+
+
+@pytest.mark.parametrize("chunk,unroll,spin", [(16, 1, 0), (32, 2, 128), (64, 4, 64)])
+def test_the_read_pattern_probe_loads_its_steps_and_spins(chunk, unroll, spin):
+    """tools/diagnose/read_pattern.py's kernel compiles for sm_90a with `unroll` steps of two rows' `chunk` bytes a lane
+    in its loop (16-byte streaming loads) and about `spin` more instructions a step; a chunk that is not whole 16-byte
+    vectors is refused."""
+    from kerngen.compile import nvrtc_compile
+    from kerngen.resources import mma_loop, sass
+    from tools.diagnose import read_pattern
+    cubin, _ = nvrtc_compile(read_pattern.source(chunk, unroll, spin), "read_pattern", "sm_90a", "read_pattern", None)
+    text = sass({"kernel.cubin": cubin})
+    assert text.count("LDG.E.EF.128") >= 2 * unroll * chunk // 16
+    assert "SHF.L" in text or "SHF.R" in text or spin == 0
+    with pytest.raises(ValueError, match="chunk"):
+        read_pattern.source(24, 1, 0)
+    assert mma_loop(text, "read_pattern") is None   # (no tensor cores: only loads)
 
 
 def test_experts_alone_builds_a_fused_x_rule_for_the_tokens_it_serves():
