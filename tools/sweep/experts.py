@@ -16,7 +16,7 @@ prefetch_x (for -x16 formats also two m16 tiles an item, two weight buffers taki
 weight loads, and early_l2: the first weights toward L2 before the wait, beside the rule as "rule-early"; `deep`
 times instead only the f16x shapes of 3-6 steps a load batch: more weight bytes in flight a warp at few tokens;
 `fused` only the 1-2-token shapes of fused_x = 2 at 6-8 CTAs of 4 warps, one or two steps a load batch, with and
-without lean and act_f16, and with lean at 5 and 6 warps an item), each
+without lean and act_f16, MXFP4 with gcol too, and with lean at 5 and 6 warps an item), each
 launched at most as many CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). A
 -x16 format times the rule with f16x (activations carried as f16) beside it, and sweeps the f16x shapes. Every
 candidate is built first by a pool of processes. Correctness is the GPU tests' job
@@ -124,6 +124,12 @@ def main():
                                   build(dict(warps=4, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
                                              prefetch=False, f16x=True, fused_x=2, act_f16=False, lean=True,
                                              early_l2=True))))
+                if fmt == "mxfp4":   # experts_gemm1's mma columns each one 32-value group (gcol)
+                    for b, u, early in itertools.product((6, 7, 8), (1, 2), (False, True)):
+                        cands.append((f"w4 u{u} b{b} fx2 lean gcol" + " early" * early,
+                                      build(dict(warps=4, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
+                                                 prefetch=False, f16x=True, fused_x=2, act_f16=False, lean=True,
+                                                 gcol=True, **({"early_l2": True} if early else {})))))
                 # an item's K split 5 or 6 ways (at 64 registers an SM holds 32 warps: 6 CTAs of 5, 5 of 6)
                 for (w, b), a16 in itertools.product(((5, 6), (6, 5)), (False, True)):
                     cands.append((f"w{w} u1 b{b} fx2 lean" + " a16" * a16,
