@@ -3,11 +3,11 @@
 experts' items and K steps, read only, against the streaming-read floor.
 
     python3 -m tools.diagnose.read_pattern [--rows 23040] [--row-bytes 1440] [--layers 4]
-        [--chunk 16,32,64] [--unroll 1,2,4] [--ctas 4,8] [--spin 0,128]
+        [--chunk 16,32,64] [--unroll 1,2,4] [--ctas 4,8] [--warps 4] [--spin 0,128]
 
-A persistent grid (`--ctas` CTAs of 4 warps an SM) loops over items of 16 rows (of `--row-bytes` bytes; `--rows`
-rows in all: gpt-oss-120b's experts_gemm1 at one token is 4 experts x 5760 rows x 1440 bytes); a warp takes every
-4th K step of an item, a step being 16 rows x 4 lanes x `--chunk` bytes (the MXFP4 kernels: 16 bytes a lane and
+A persistent grid (`--ctas` CTAs of `--warps` warps an SM) loops over items of 16 rows (of `--row-bytes` bytes;
+`--rows` rows in all: gpt-oss-120b's experts_gemm1 at one token is 4 experts x 5760 rows x 1440 bytes, 1440 items
+for 1056 CTAs; 16896 rows would make one item a CTA); a warp takes every `--warps`-th K step of an item, a step being 16 rows x 4 lanes x `--chunk` bytes (the MXFP4 kernels: 16 bytes a lane and
 row, 1 KiB a step), `--unroll` steps' loads issued before any is used, then `--spin` integer instructions a lane
 and step over the loaded words (four independent chains: the conversion's issue cost without its arithmetic; 0:
 none). `--layers` copies are cycled so nothing comes from L2. Each configuration is timed in a CUDA graph after a
@@ -22,7 +22,7 @@ import itertools
 
 SRC = r"""
 struct P { const unsigned char* w; unsigned* sink; long long rows; int row_bytes; };
-constexpr int CHUNK = {{ chunk }}, UNROLL = {{ unroll }}, SPIN = {{ spin }}, WARPS = 4, V = CHUNK / 16;
+constexpr int CHUNK = {{ chunk }}, UNROLL = {{ unroll }}, SPIN = {{ spin }}, WARPS = {{ warps }}, V = CHUNK / 16;
 extern "C" __global__ void __launch_bounds__(WARPS * 32) read_pattern(const __grid_constant__ P p) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, w = threadIdx.x >> 5;
     const int step = 4 * CHUNK, steps = (p.row_bytes + step - 1) / step;
@@ -63,13 +63,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) read_pattern(const __gr
 """
 
 
-def source(chunk: int, unroll: int, spin: int) -> str:
+def source(chunk: int, unroll: int, spin: int, warps: int = 4) -> str:
     """The CUDA C++ of one configuration (`chunk` bytes a lane and row a step, `unroll` steps' loads at once,
-    `spin` instructions a lane and step)."""
+    `spin` instructions a lane and step, `warps` warps splitting an item's steps)."""
     import jinja2
     if chunk % 16 or chunk <= 0:
         raise ValueError(f"--chunk: multiples of 16 bytes, got {chunk}")
-    return jinja2.Template(SRC).render(chunk=chunk, unroll=unroll, spin=spin)
+    return jinja2.Template(SRC).render(chunk=chunk, unroll=unroll, spin=spin, warps=warps)
 
 
 def ints(text: str) -> list[int]:
@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", default="16,32,64")
     ap.add_argument("--unroll", default="1,2,4")
     ap.add_argument("--ctas", default="4,8")
+    ap.add_argument("--warps", default="4", help="warps a CTA (they split an item's steps)")
     ap.add_argument("--spin", default="0,128")
     a = ap.parse_args(argv)
     if a.rows % 16 or a.row_bytes % 16:
@@ -106,10 +107,12 @@ def main(argv=None) -> int:
     floor = nbytes / (tbs * 1e12) * 1e6
     print(f"{a.rows} rows x {a.row_bytes} bytes ({nbytes / 2**20:.1f} MiB), {a.layers} layers cycled; streaming read "
           f"{tbs:.2f} TB/s: floor {floor:.2f} µs")
-    for chunk, unroll, ctas, spin in itertools.product(ints(a.chunk), ints(a.unroll), ints(a.ctas), ints(a.spin)):
-        cubin, _ = nvrtc_compile(source(chunk, unroll, spin), "read_pattern", target_arch(dev), "read_pattern", None)
-        k = Launcher(Module(cubin, f"read_pattern-{chunk}-{unroll}-{spin}"), "read_pattern", dev, (ctas * sms, 1, 1),
-                     (128, 1, 1), "QQqi4x")
+    for chunk, unroll, ctas, spin, warps in itertools.product(ints(a.chunk), ints(a.unroll), ints(a.ctas),
+                                                             ints(a.spin), ints(a.warps)):
+        cubin, _ = nvrtc_compile(source(chunk, unroll, spin, warps), "read_pattern", target_arch(dev), "read_pattern",
+                                 None)
+        k = Launcher(Module(cubin, f"read_pattern-{chunk}-{unroll}-{spin}-{warps}"), "read_pattern", dev,
+                     (ctas * sms, 1, 1), (32 * warps, 1, 1), "QQqi4x")
         turn = [0]
 
         def step():   # the next layer's copy (captured in turn: the graph cycles them)
@@ -118,7 +121,7 @@ def main(argv=None) -> int:
             k(current_stream(dev), w.data_ptr(), sink.data_ptr(), a.rows, a.row_bytes)
 
         us = after_producer_us(step, producer, calls=4 * len(layers))
-        print(f"chunk {chunk:3d} B  unroll {unroll}  {ctas} CTAs an SM  spin {spin:4d}:  {us:8.2f} µs  "
+        print(f"chunk {chunk:3d} B  unroll {unroll}  {ctas} CTAs of {warps} warps an SM  spin {spin:4d}:  {us:8.2f} µs  "
               f"{100 * floor / us:5.1f}% of the floor")
     return 0
 
