@@ -10,8 +10,8 @@ A persistent grid (`--ctas` CTAs of `--warps` warps an SM) loops over items of 1
 for 1056 CTAs; 16896 rows would make one item a CTA); a warp takes every `--warps`-th K step of an item, a step
 being 16 rows x 4 lanes x `--chunk` bytes (the MXFP4 kernels: 16 bytes a lane and row, 1 KiB a step), `--unroll`
 steps' loads issued before any is used, then `--spin` integer instructions a lane and step over the loaded words
-(four independent chains: the conversion's issue cost without its arithmetic; 0: none). `--layers` copies are cycled so nothing comes from L2. Each configuration is timed in a CUDA graph after a
-producer kernel, as tools.bench.experts times the GEMMs, and printed as µs and % of the floor (the bytes at
+(four independent chains: the conversion's issue cost without its arithmetic; 0: none). `--layers` copies are
+cycled so nothing comes from L2. Each configuration is timed in a CUDA graph after a producer kernel, as tools.bench.experts times the GEMMs, and printed as µs and % of the floor (the bytes at
 tools.bench's streaming-read bandwidth). It separates what the access pattern and the load depth cost from what
 the instructions between the loads cost. Needs a GPU; `source(...)` renders anywhere.
 """
@@ -121,8 +121,8 @@ def main(argv=None) -> int:
             k(current_stream(dev), w.data_ptr(), sink.data_ptr(), a.rows, a.row_bytes)
 
         us = after_producer_us(step, producer, calls=4 * len(layers))
-        print(f"chunk {chunk:3d} B  unroll {unroll}  {ctas} CTAs of {warps} warps an SM  spin {spin:4d}:  {us:8.2f} µs  "
-              f"{100 * floor / us:5.1f}% of the floor")
+        print(f"chunk {chunk:3d} B  unroll {unroll}  {ctas} CTAs of {warps} warps an SM  spin {spin:4d}:  "
+              f"{us:8.2f} µs  {100 * floor / us:5.1f}% of the floor")
     return 0
 
 
