@@ -11,9 +11,10 @@ for 1056 CTAs; 16896 rows would make one item a CTA); a warp takes every `--warp
 being 16 rows x 4 lanes x `--chunk` bytes (the MXFP4 kernels: 16 bytes a lane and row, 1 KiB a step), `--unroll`
 steps' loads issued before any is used, then `--spin` integer instructions a lane and step over the loaded words
 (four independent chains: the conversion's issue cost without its arithmetic; 0: none). `--layers` copies are
-cycled so nothing comes from L2. Each configuration is timed in a CUDA graph after a producer kernel, as tools.bench.experts times the GEMMs, and printed as µs and % of the floor (the bytes at
-tools.bench's streaming-read bandwidth). It separates what the access pattern and the load depth cost from what
-the instructions between the loads cost. Needs a GPU; `source(...)` renders anywhere.
+cycled so nothing comes from L2. Each configuration is timed in a CUDA graph after a producer kernel, as
+tools.bench.experts times the GEMMs, and printed as µs and % of the floor (the bytes at tools.bench's streaming-read
+bandwidth). It separates what the access pattern, the load depth and the items' rounds over the grid cost from
+what the instructions between the loads cost. Needs a GPU; `source(...)` renders anywhere.
 """
 from __future__ import annotations
 
