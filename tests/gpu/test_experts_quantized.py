@@ -414,27 +414,32 @@ def test_f16x_inside_a_cuda_graph_with_input_weights_and_a_local_range(fmt):
     check_rows(out[:rows], ex.reference(x, r, w13, w2, **s, input_weights=inw), r)
 
 
-@pytest.mark.parametrize("top", [24, 127, 160, 230])
-def test_f16x_mxfp4_scale_bytes_and_subnormal_codes(top):
-    """Scale bytes in [top - 20, top] (a row's groups of a step up to 2^20 apart: the f16 group factors stay exact),
-    x scaled by 2^(127 - top); and the codes 0 and +-0.5 alone (0.5 an e4m3 subnormal once placed)."""
+def check_scale_bytes_and_subnormal_codes(k, top, spread, T, both=False):
+    """Kernels `k` (MXFP4, 1024 x 256) on scale bytes in [top - spread, top] (w13's; w2's too where `both`), x of T
+    tokens scaled by 2^(127 - top), then on the codes 0 and +-0.5 alone (0.5 an e4m3 subnormal once placed)."""
     E, K, H, I = 8, 2, 1024, 256
-    w13, s13, _, _ = mx_weights(E, H, I, seed=top, scale_range=(top - 20, top + 1))
-    _, _, w2, s2 = mx_weights(E, H, I, seed=top + 1)
+    w13, s13, _, _ = mx_weights(E, H, I, seed=top, scale_range=(top - spread, top + 1))
+    _, _, w2, s2 = mx_weights(E, H, I, seed=top + 1, **({"scale_range": (top - spread, top + 1)} if both else {}))
     w, s = (w13.cuda(), w2.cuda()), dict(w13_scale=s13.cuda(), w2_scale=s2.cuda())
-    x = (torch.randn(5, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(top)) * 0.3
+    x = (torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(top)) * 0.3
          * 2.0 ** (127 - top)).to(torch.bfloat16)
     r = _route(x, E, K, top)
-    k = f16x_kernels("mxfp4", H, I, 8)
     check_rows(run_f16x(k, x, r, w, s), ex.reference(x, r, *w, **s), r)
     allowed = [lo | hi << 4 for lo in (0, 1, 8, 9) for hi in (0, 1, 8, 9)]
-    x = torch.randn(5, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).to(torch.bfloat16)
+    x = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).to(torch.bfloat16)
     w = (_codes((E, 2 * I, H // 32, 16), allowed, 1).cuda(), _codes((E, H, I // 32, 16), allowed, 2).cuda())
     s = dict(w13_scale=torch.full((E, 2 * I, H // 32), 124, dtype=torch.uint8, device="cuda"),
              w2_scale=torch.full((E, H, I // 32), 124, dtype=torch.uint8, device="cuda"))
     ref = ex.reference(x, r, *w, **s)
     assert ref[r.permuted_to_token >= 0].float().abs().max() > 0
     check_rows(run_f16x(k, x, r, w, s), ref, r)
+
+
+@pytest.mark.parametrize("top", [24, 127, 160, 230])
+def test_f16x_mxfp4_scale_bytes_and_subnormal_codes(top):
+    """Scale bytes of a row's groups of a step up to 2^20 apart (the f16 group factors stay exact) and the codes 0
+    and +-0.5 alone, on the f16x build."""
+    check_scale_bytes_and_subnormal_codes(f16x_kernels("mxfp4", 1024, 256, 8), top, 20, 5)
 
 
 @pytest.mark.parametrize("prefetch_x", [False, True])
@@ -723,25 +728,9 @@ def test_gcol_runs_tiles_of_more_rows_a_pair_at_a_time():
 
 @pytest.mark.parametrize("top", [24, 127, 160, 230])
 def test_gcol_scale_bytes_and_subnormal_codes(top):
-    """Scale bytes in [top - 24, top] (each group's fp32 factor 2^(s - 127) exact for all of them), x scaled by
-    2^(127 - top); and the codes 0 and +-0.5 alone (0.5 an e4m3 subnormal once placed)."""
-    E, K, H, I = 8, 2, 1024, 256
-    w13, s13, _, _ = mx_weights(E, H, I, seed=top, scale_range=(top - 24, top + 1))
-    _, _, w2, s2 = mx_weights(E, H, I, seed=top + 1, scale_range=(top - 24, top + 1))
-    w, s = (w13.cuda(), w2.cuda()), dict(w13_scale=s13.cuda(), w2_scale=s2.cuda())
-    x = (torch.randn(2, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(top)) * 0.3
-         * 2.0 ** (127 - top)).to(torch.bfloat16)
-    r = _route(x, E, K, top)
-    k = shape_kernels("mxfp4", H, I, 8, **GCOL)
-    check_rows(run_f16x(k, x, r, w, s), ex.reference(x, r, *w, **s), r)
-    allowed = [lo | hi << 4 for lo in (0, 1, 8, 9) for hi in (0, 1, 8, 9)]
-    x = torch.randn(2, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).to(torch.bfloat16)
-    w = (_codes((E, 2 * I, H // 32, 16), allowed, 1).cuda(), _codes((E, H, I // 32, 16), allowed, 2).cuda())
-    s = dict(w13_scale=torch.full((E, 2 * I, H // 32), 124, dtype=torch.uint8, device="cuda"),
-             w2_scale=torch.full((E, H, I // 32), 124, dtype=torch.uint8, device="cuda"))
-    ref = ex.reference(x, r, *w, **s)
-    assert ref[r.permuted_to_token >= 0].float().abs().max() > 0
-    check_rows(run_f16x(k, x, r, w, s), ref, r)
+    """Scale bytes up to 2^24 apart in both GEMMs (gcol: each group's fp32 factor 2^(s - 127), exact for all of them)
+    and the codes 0 and +-0.5 alone, at two tokens."""
+    check_scale_bytes_and_subnormal_codes(shape_kernels("mxfp4", 1024, 256, 8, **GCOL), top, 24, 2, both=True)
 
 
 def test_gcol_inside_a_cuda_graph():
