@@ -525,8 +525,8 @@ def main(argv=None) -> int:
             allrows += rows
             rows.sort(key=lambda r: r["us"])
             print(summary(rows[0]), flush=True)
-            for r in rows[1:4] if args.sweep or args.rule else ():
-                print(f"{'':24s} {r['us']:7.1f} [{r['kernel']}]")
+            for r in rows[1:4] if args.sweep or args.rule else ():   # (its case, and its time over the fastest's)
+                print(f"{m:16s} T={T:3d} {'':5s} {r['us']:7.1f} ({r['us'] / rows[0]['us']:.3f}x) [{r['kernel']}]")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(allrows, f, indent=1)
