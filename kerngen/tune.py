@@ -199,9 +199,10 @@ def experts_candidates(fmt: str = "bf16"):
                     dict(unroll=1, blocks_per_sm=4, mtiles=2)):
             yield "mma", dict(tile=8, warps=4, pdl=True, prefetch=False, f16x=True, lean=True, **few)
         if fmt == "mxfp4":   # 1-2 tokens: experts_gemm1's mma columns each one group (gcol), its scale in fp32;
-            for unroll, bps in ((1, 8), (2, 7), (2, 6)):   # one or two steps a load batch
-                yield "mma", dict(tile=8, warps=4, unroll=unroll, blocks_per_sm=bps, min_blocks=bps, pdl=True,
+            for warps, unroll, bps in ((4, 1, 8), (4, 2, 7), (4, 2, 6), (2, 1, 16), (3, 1, 10)):   # one or two
+                yield "mma", dict(tile=8, warps=warps, unroll=unroll, blocks_per_sm=bps, min_blocks=bps, pdl=True,
                                   prefetch=False, f16x=True, lean=True, fused_x=2, act_f16=False, gcol=True)
+                # (steps a load batch; items split 2 or 3 ways over more CTAs: fewer second rounds at one token)
         # any token count at tiles of 8 rows: 32 warps an SM at 64 registers, activations prefetched (fp8: no spills)
         yield "mma", dict(tile=8, warps=8, unroll=1, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
                           prefetch_x=True, f16x=True)

@@ -124,10 +124,15 @@ def main():
                                   build(dict(warps=4, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
                                              prefetch=False, f16x=True, fused_x=2, act_f16=False, lean=True,
                                              early_l2=True))))
-                if fmt == "mxfp4":   # experts_gemm1's mma columns each one 32-value group (gcol)
-                    for b, u, early in itertools.product((6, 7, 8), (1, 2), (False, True)):
-                        cands.append((f"w4 u{u} b{b} fx2 lean gcol" + " early" * early,
-                                      build(dict(warps=4, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
+                if fmt == "mxfp4":   # experts_gemm1's mma columns each one 32-value group (gcol); and items split
+                    #                  2 or 3 ways over more CTAs (gpt-oss-120b at one token: 1440 items for 1056
+                    #                  CTAs of 4 warps, so a third of them take a second item)
+                    for (w, b), u, early in itertools.product(((4, 6), (4, 7), (4, 8), (2, 12), (2, 16), (3, 10)),
+                                                              (1, 2), (False, True)):
+                        if u == 2 and w < 4:
+                            continue
+                        cands.append((f"w{w} u{u} b{b} fx2 lean gcol" + " early" * early,
+                                      build(dict(warps=w, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
                                                  prefetch=False, f16x=True, fused_x=2, act_f16=False, lean=True,
                                                  gcol=True, **({"early_l2": True} if early else {})))))
                 # an item's K split 5 or 6 ways (at 64 registers an SM holds 32 warps: 6 CTAs of 5, 5 of 6)
