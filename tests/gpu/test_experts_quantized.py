@@ -679,15 +679,16 @@ def test_lean_inside_a_cuda_graph(fmt):
 
 
 GCOL = dict(RULE_1_2, prefetch=False, lean=True, gcol=True)   # the 1-2-token rule's shape (it takes gcol)
-GCOL_SHAPES = [GCOL, dict(GCOL, unroll=2, blocks_per_sm=6, min_blocks=6)]
+GCOL_SHAPES = [GCOL, dict(GCOL, unroll=2, blocks_per_sm=6, min_blocks=6),
+               dict(GCOL, warps=2, blocks_per_sm=16, min_blocks=16), dict(GCOL, warps=3, blocks_per_sm=10, min_blocks=10)]
 
 
-@pytest.mark.parametrize("params", GCOL_SHAPES, ids=lambda p: f"unroll={p.get('unroll', 1)}")
+@pytest.mark.parametrize("params", GCOL_SHAPES, ids=lambda p: f"warps={p.get('warps', 4)},unroll={p.get('unroll', 1)}")
 @pytest.mark.parametrize("H,I,act", [(1024, 256, "silu"), (2880, 2880, "gpt_oss"), (3584, 2048, "situglu")])
 @pytest.mark.parametrize("T", [1, 2])
 def test_gcol_matches_the_dequantized_reference(params, H, I, act, T):
-    """gcol (experts_gemm1's mma columns each one 32-value group, its scale in fp32; one and two steps a load batch)
-    against the reference with the weight-only kernels' tolerance: gpt-oss's 2880 ends its rows mid-step (and takes
+    """gcol (experts_gemm1's mma columns each one 32-value group, its scale in fp32; one and two steps a load batch,
+    an item's K split 2, 3 or 4 ways) against the reference with the weight-only kernels' tolerance: gpt-oss's 2880 ends its rows mid-step (and takes
     its interleaved clamped SwiGLU with biases), over local experts 4..11 of 16 with input weights, and with both
     tokens on the same experts (tiles of two rows)."""
     k = shape_kernels("mxfp4", H, I, 8, act, **params)
