@@ -203,6 +203,9 @@ def experts_candidates(fmt: str = "bf16"):
                 yield "mma", dict(tile=8, warps=warps, unroll=unroll, blocks_per_sm=bps, min_blocks=bps, pdl=True,
                                   prefetch=False, f16x=True, lean=True, fused_x=2, act_f16=False, gcol=True)
                 # (steps a load batch; items split 2 or 3 ways over more CTAs: fewer second rounds at one token)
+            for bps in (6, 7):   # a lane 32 contiguous bytes of a row a step (wide)
+                yield "mma", dict(tile=8, warps=4, unroll=1, blocks_per_sm=bps, min_blocks=bps, pdl=True,
+                                  prefetch=False, f16x=True, lean=True, fused_x=2, act_f16=False, gcol=True, wide=True)
         # any token count at tiles of 8 rows: 32 warps an SM at 64 registers, activations prefetched (fp8: no spills)
         yield "mma", dict(tile=8, warps=8, unroll=1, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
                           prefetch_x=True, f16x=True)

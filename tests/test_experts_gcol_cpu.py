@@ -56,6 +56,32 @@ def test_gcol_takes_a_fifth_fewer_instructions_a_step_without_spills(tmp_path):
     assert seen >= 2   # gpt-oss-120b, kimi-k3
 
 
+def test_wide_reads_two_groups_a_lane_in_fewer_instructions_a_kib(tmp_path):
+    """wide (with gcol): a lane's two 16-byte vectors of each row a step, 256-wide steps; at 7 CTAs of 4 warps (72
+    registers) no local memory in the K-step loop, and fewer instructions a KiB of weights than one group a lane."""
+    store = DiskCache(tmp_path)
+    for m, _, gcol in mxfp4_pairs():
+        p = {**dict(gcol.params), "tile": 8, "wide": True, "blocks_per_sm": 7, "min_blocks": 7}
+        wide = ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 2)}, p), m.hidden, m.intermediate,
+                            m.activation, "sm_90a", "mxfp4")
+        built = jit.build(wide, store=store)
+        text, use = resources.sass(built.files), dict(resources.usage(built.files))
+        assert use["experts_gemm1"]["REG"] <= 65536 // (32 * 4 * 7), m.name
+        loop, one = resources.mma_loop(text, "experts_gemm1"), resources.mma_loop(
+            resources.sass(jit.build(gcol, store=store).files), "experts_gemm1")
+        assert loop is not None and not loop[1], f"{m.name}: local memory in the K-step loop"
+        assert loop[0] / 2 < one[0], (m.name, loop[0], one[0])   # a step is 2 KiB a warp
+        body = resources.function_sass(text, "experts_gemm1")
+        assert body.count("HMMA") >= 16 and body.count("LDG.E.EF.128") >= 4
+
+
+def test_wide_without_gcol_is_refused():
+    m, plain, _ = next(mxfp4_pairs())
+    with pytest.raises(TierError, match="wide"):
+        ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 2)}, {**dict(plain.params), "tile": 8, "wide": True}),
+                     m.hidden, m.intermediate, m.activation, "sm_90a", "mxfp4")
+
+
 @pytest.mark.parametrize("change", [dict(fused_x=0), dict(fused_x=8), dict(act_f16=True),
                                     dict(lean=False), dict(mtiles=2), dict(tile=1)],
                          ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))

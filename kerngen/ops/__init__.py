@@ -193,6 +193,7 @@ register(Op("experts", {
             "stage_act": FLAG,   # with fused_x: gemm2 copies its tile's f16 rows into shared memory
             "lean": FLAG,   # quantized, prefetch = false: whole K steps unchecked, fewer instructions a step
             "gcol": FLAG,   # MXFP4, 1-2 tokens: gemm1's mma columns each one 32-value group, its scale in fp32
+            "wide": FLAG,   # with gcol: a lane reads 32 contiguous bytes of a row a step (two groups, 256-wide steps)
             "early_l2": FLAG}},   # the first item's first weight bytes to L2 before the wait
     public={"experts": "experts.experts"}, torch=("moe_experts",), shape=("hidden", "intermediate")))
 

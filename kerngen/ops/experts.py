@@ -99,6 +99,8 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
                                    and not params.get("stage_act")):
         raise TierError(f"{where} sets gcol, which MXFP4 weights take with fused_x = 1 or 2, lean, act_f16 = false, "
                         "one m16 tile of weight rows an item (mtiles = 1) and tiles of 2 rows or more")
+    if params.get("wide") and not params.get("gcol"):
+        raise TierError(f"{where} sets wide without gcol: only gcol's experts_gemm1 reads two groups a lane a step")
     if not params.get("act_f16", True) and params.get("mtiles", 1) != 1:
         raise TierError(f"{where} sets act_f16 = false with mtiles: GEMM2 on the bf16 intermediate takes one m16 "
                         "tile of weight rows an item")

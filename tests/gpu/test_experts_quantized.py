@@ -680,17 +680,22 @@ def test_lean_inside_a_cuda_graph(fmt):
 
 GCOL = dict(RULE_1_2, prefetch=False, lean=True, gcol=True)   # the 1-2-token rule's shape (it takes gcol)
 GCOL_SHAPES = [GCOL, dict(GCOL, unroll=2, blocks_per_sm=6, min_blocks=6),
-               dict(GCOL, warps=2, blocks_per_sm=16, min_blocks=16), dict(GCOL, warps=3, blocks_per_sm=10, min_blocks=10)]
+               dict(GCOL, warps=2, blocks_per_sm=16, min_blocks=16),
+               dict(GCOL, warps=3, blocks_per_sm=10, min_blocks=10),
+               dict(GCOL, wide=True, blocks_per_sm=7, min_blocks=7),
+               dict(GCOL, wide=True, unroll=2, blocks_per_sm=4, min_blocks=4)]
 
 
-@pytest.mark.parametrize("params", GCOL_SHAPES, ids=lambda p: f"warps={p.get('warps', 4)},unroll={p.get('unroll', 1)}")
+@pytest.mark.parametrize("params", GCOL_SHAPES, ids=lambda p: f"warps={p.get('warps', 4)},unroll={p.get('unroll', 1)}"
+                                                               f"{',wide' if p.get('wide') else ''}")
 @pytest.mark.parametrize("H,I,act", [(1024, 256, "silu"), (2880, 2880, "gpt_oss"), (3584, 2048, "situglu")])
 @pytest.mark.parametrize("T", [1, 2])
 def test_gcol_matches_the_dequantized_reference(params, H, I, act, T):
     """gcol (experts_gemm1's mma columns each one 32-value group, its scale in fp32; one and two steps a load batch,
-    an item's K split 2, 3 or 4 ways) against the reference with the weight-only kernels' tolerance: gpt-oss's 2880 ends its rows mid-step (and takes
-    its interleaved clamped SwiGLU with biases), over local experts 4..11 of 16 with input weights, and with both
-    tokens on the same experts (tiles of two rows)."""
+    an item's K split 2, 3 or 4 ways, two groups a lane with wide) against the reference with the weight-only
+    kernels' tolerance: gpt-oss's 2880 ends its rows mid-step (and takes its interleaved clamped SwiGLU with biases),
+    over local experts 4..11 of 16 with input weights, and with both tokens on the same experts (tiles of two
+    rows)."""
     k = shape_kernels("mxfp4", H, I, 8, act, **params)
     assert set(ex.persistent(k.spec)) == {"experts_gemm1", "experts_gemm2"}
     g = torch.Generator(device="cuda").manual_seed(H + T)
@@ -728,10 +733,13 @@ def test_gcol_runs_tiles_of_more_rows_a_pair_at_a_time():
 
 
 @pytest.mark.parametrize("top", [24, 127, 160, 230])
-def test_gcol_scale_bytes_and_subnormal_codes(top):
+@pytest.mark.parametrize("wide", [False, True])
+def test_gcol_scale_bytes_and_subnormal_codes(top, wide):
     """Scale bytes up to 2^24 apart in both GEMMs (gcol: each group's fp32 factor 2^(s - 127), exact for all of them)
-    and the codes 0 and +-0.5 alone, at two tokens."""
-    check_scale_bytes_and_subnormal_codes(shape_kernels("mxfp4", 1024, 256, 8, **GCOL), top, 24, 2, both=True)
+    and the codes 0 and +-0.5 alone, at two tokens, one group a lane and two (wide)."""
+    wider = {"wide": True, "blocks_per_sm": 7, "min_blocks": 7} if wide else {}
+    check_scale_bytes_and_subnormal_codes(shape_kernels("mxfp4", 1024, 256, 8, **{**GCOL, **wider}), top, 24, 2,
+                                          both=True)
 
 
 def test_gcol_inside_a_cuda_graph():

@@ -135,6 +135,11 @@ def main():
                                       build(dict(warps=w, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
                                                  prefetch=False, f16x=True, fused_x=2, act_f16=False, lean=True,
                                                  gcol=True, **({"early_l2": True} if early else {})))))
+                    for b, early in itertools.product((6, 7), (False, True)):   # 32 bytes of a row a lane (wide)
+                        cands.append((f"w4 u1 b{b} fx2 lean gcol wide" + " early" * early,
+                                      build(dict(warps=4, unroll=1, blocks_per_sm=b, min_blocks=b, pdl=True,
+                                                 prefetch=False, f16x=True, fused_x=2, act_f16=False, lean=True,
+                                                 gcol=True, wide=True, **({"early_l2": True} if early else {})))))
                 # an item's K split 5 or 6 ways (at 64 registers an SM holds 32 warps: 6 CTAs of 5, 5 of 6)
                 for (w, b), a16 in itertools.product(((5, 6), (6, 5)), (False, True)):
                     cands.append((f"w{w} u1 b{b} fx2 lean" + " a16" * a16,
