@@ -5,8 +5,6 @@ MXFP4 model's 1-token rule (which takes it) builds experts_gemm1 with it in at l
 step than without, without local memory and within its register bound, and experts_gemm2 as without it; the launch
 shapes that cannot take it are refused. The GPU tests (tests/gpu/test_experts_quantized.py) check it against the
 dequantized reference."""
-import re
-
 import pytest
 
 from kerngen import jit, resources, tiers
@@ -14,6 +12,7 @@ from kerngen.cache import DiskCache
 from kerngen.errors import TierError
 from kerngen.ops import experts as ex
 from tests.test_experts_fused_x_cpu import one_token_rules
+from tools.diagnose.same_sass import normalize
 
 
 def mxfp4_pairs():
@@ -23,11 +22,6 @@ def mxfp4_pairs():
             p = {k: v for k, v in rule.params.items() if k != "gcol"}
             yield m, *(ex.rule_spec(tiers.Rule("experts", "mma", rule.ranges, q), m.hidden, m.intermediate,
                                     m.activation, "sm_90a", "mxfp4") for q in (p, {**p, "gcol": True}))
-
-
-def instructions(text: str, fn: str) -> list[str]:
-    """The instructions of kernel `fn` in SASS `text`, opcodes and operands only."""
-    return re.findall(r"/\*[0-9a-f]+\*/\s+([^;]*);", resources.function_sass(text, fn))
 
 
 def test_gcol_takes_a_fifth_fewer_instructions_a_step_without_spills(tmp_path):
@@ -42,14 +36,14 @@ def test_gcol_takes_a_fifth_fewer_instructions_a_step_without_spills(tmp_path):
         for fn in ("experts_gemm1", "experts_gemm2"):
             assert use[fn]["REG"] <= 65536 // (32 * p["warps"] * p["min_blocks"]), (m.name, fn)
             assert use[fn].get("STACK", 0) == 0, (m.name, fn)
-            base, loop = resources.mma_loop(text0, fn), resources.mma_loop(text, fn)
+            loop = resources.mma_loop(text, fn)
             assert loop is not None and not loop[1], f"{m.name} {fn}: local memory in the K-step loop"
         base, loop = resources.mma_loop(text0, "experts_gemm1"), resources.mma_loop(text, "experts_gemm1")
         assert loop[0] <= 0.8 * base[0], (m.name, loop[0], base[0])
         body = resources.function_sass(text, "experts_gemm1")
         assert "HMUL2" not in body and "SHFL.BFLY" not in body.split("HMMA", 1)[1].rsplit("HMMA", 1)[0], \
             f"{m.name}: a group factor or a row's largest scale in the K steps"
-        assert instructions(text, "experts_gemm2") == instructions(text0, "experts_gemm2")   # gemm2 as it was
+        assert normalize(text)["experts_gemm2"] == normalize(text0)["experts_gemm2"]   # gemm2 as it was
         launch = ex.persistent(gcol)   # x's f16 rows and their scales in experts_gemm1's dynamic shared memory only
         assert launch["experts_gemm1"].dynamic_smem == 2 * (2 * m.hidden + 4 * -(-m.hidden // 128))
         assert launch["experts_gemm2"].dynamic_smem == 0
