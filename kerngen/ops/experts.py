@@ -101,6 +101,10 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
                         "one m16 tile of weight rows an item (mtiles = 1) and tiles of 2 rows or more")
     if params.get("wide") and not params.get("gcol"):
         raise TierError(f"{where} sets wide without gcol: only gcol's experts_gemm1 reads two groups a lane a step")
+    if params.get("one_launch") and (a8 or quant_launches(params, a8) or params.get("early_l2")
+                                     or params.get("stage_act")):
+        raise TierError(f"{where} sets one_launch, which builds without quantizing launches take (bf16 activations, "
+                        "or f16x with fused_x and act_f16 = false), without early_l2 and stage_act")
     if not params.get("act_f16", True) and params.get("mtiles", 1) != 1:
         raise TierError(f"{where} sets act_f16 = false with mtiles: GEMM2 on the bf16 intermediate takes one m16 "
                         "tile of weight rows an item")
@@ -140,7 +144,8 @@ class Kernels:
     The grid follows the routing's tile count, so the launchers are kept per tile count; the intermediate scratch
     per stream."""
     __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "qx", "fused_x", "_mod", "_warps", "_pdl", "_ctas",
-                 "_H", "_I", "_grids", "_act", "_cols", "_q", "_quants", "_no_q", "graphs", "graph_tokens", "_per_tile")
+                 "_H", "_I", "_grids", "_act", "_cols", "_q", "_quants", "_no_q", "graphs", "graph_tokens", "_per_tile",
+                 "one", "_sync")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
         if s.variant not in VARIANTS:
@@ -158,6 +163,8 @@ class Kernels:
         mt = p.get("mtiles", 1) if self.x16 else 1   # m16 tiles of weight rows an item takes
         self._cols = (16, 32) if c.get("KN") else (8 * mt, 16 * mt)   # an item's columns: GEMM1, GEMM2
         self._per_tile = (-(-self._I // self._cols[0]), -(-self._H // self._cols[1]))   # items a tile: GEMM1, GEMM2
+        self.one = one_launch(s)   # both GEMMs in one launch, whose tickets and counts live in _sync (per stream)
+        self._sync: dict[int, torch.Tensor] = {}
         self._mod = resolve(s)
         self._pdl = bool(p.get("pdl", False))
         self._ctas = {name: _common.persistent_ctas(OP, self._mod, name, device, launch)
@@ -184,6 +191,11 @@ class Kernels:
     def launchers(self, tiles: int) -> tuple[Launcher, ...]:
         """gemm1, gemm2 (and with fp8 or f16 activations quant_x, gemm1, quant_act, gemm2) for this many tiles."""
         pair = self._grids.get(tiles)
+        if pair is None and self.one:   # tickets: every CTA on the grid takes them, so none past the items
+            grid = (min(self._ctas["experts_gemm12"], tiles * sum(self._per_tile)), 1, 1)
+            pair = self._grids[tiles] = (
+                Launcher(self._mod, "experts_gemm12", self.device, grid, (32 * self._warps, 1, 1),
+                         params_struct(self.spec), dynamic_smem(self.spec)["experts_gemm12"], pdl=self._pdl),)
         if pair is None:
             block = (32 * self._warps, 1, 1)
             grid1 = (min(self._ctas["experts_gemm1"], tiles * self._per_tile[0]), 1, 1)
@@ -236,6 +248,16 @@ class Kernels:
             act = self._act[stream] = torch.empty((tiles * self.tile, self._I), dtype=torch.bfloat16, device=device)
         return act
 
+    def sync(self, stream: int, tiles: int, device: torch.device) -> torch.Tensor:
+        """one_launch: the stream's tickets and counts (int32, each on its own 128 bytes: tickets, CTAs done, each
+        tile's GEMM1 items; zero between launches: the last CTA of each launch zeroes what it used), grown to the most
+        tiles seen."""
+        n = SYNC_LINE * (2 + tiles)
+        sync = self._sync.get(stream)
+        if sync is None or sync.shape[0] < n:
+            sync = self._sync[stream] = torch.zeros(n, dtype=torch.int32, device=device)
+        return sync
+
     def __call__(self, x, routing, w13, w2, out, act=None, *, interleaved=False, b13=None, b2=None,
                  input_weights=None, a0=0.0, a1=0.0, w13_scale=None, w2_scale=None) -> torch.Tensor:
         """Both launches on the current stream over arguments experts() has checked; out [rows, H] is the
@@ -267,6 +289,8 @@ class Kernels:
             fields += q[1]
         else:
             fields += self._no_q
+        if self.one:
+            fields += (self.sync(stream, tiles, x.device).data_ptr(),)
         if self.graphs is None or T > self.graph_tokens or not self.graphs.launch(stream, pair, fields):
             for launch in pair:
                 launch(stream, *fields)
@@ -281,6 +305,7 @@ def quantizes_activations(s: plan_mod.KernelSpec) -> bool:
     return bool(dict(s.constants).get("A8") or dict(s.params).get("f16x"))
 
 
+SYNC_LINE = 32   # one_launch: int32 counters a 128-byte line (templates/experts/mma.cu.j2's SYNC_LINE)
 FUSED_SMEM = 200 * 1024   # the most dynamic shared memory fused_x / stage_act rows may take a CTA (an SM: 227 KiB)
 
 
@@ -291,9 +316,11 @@ def fused_smem(rows: int, cols: int) -> int:
 
 def dynamic_smem(s: plan_mod.KernelSpec) -> dict[str, int]:
     """Each GEMM's dynamic shared memory: fused_x rows of x (experts_gemm1), with stage_act rows of the intermediate
-    (experts_gemm2); none otherwise."""
+    (experts_gemm2); none otherwise. one_launch: experts_gemm12's, GEMM1's."""
     p, c = dict(s.params), dict(s.constants)
     fx = p.get("fused_x", 0) if p.get("f16x") else 0
+    if one_launch(s):
+        return {"experts_gemm12": fused_smem(fx, c["H"])}
     return {"experts_gemm1": fused_smem(fx, c["H"]),
             "experts_gemm2": fused_smem(fx, c["I"]) if fx and p.get("stage_act") and p.get("act_f16", True) else 0}
 
@@ -302,19 +329,30 @@ def quant_kernels(s: plan_mod.KernelSpec) -> tuple[str, ...]:
     """The quantizing launches of spec `s`: with quantized activations experts_quant_x, unless experts_gemm1
     quantizes x itself (the rule's fused_x), and experts_quant_act, unless experts_gemm2 reads the bf16 intermediate
     (act_f16 = false); fp8 activations (A8) take both."""
-    if not quantizes_activations(s):
+    return quant_launches(dict(s.params), bool(dict(s.constants).get("A8")))
+
+
+def quant_launches(p: dict, a8: bool) -> tuple[str, ...]:
+    """quant_kernels of a rule's params `p` (a8: fp8 activations)."""
+    if not (a8 or p.get("f16x")):
         return ()
-    p, a8 = dict(s.params), bool(dict(s.constants).get("A8"))
     return ((("experts_quant_x",) if a8 or not p.get("fused_x") else ())
             + (("experts_quant_act",) if a8 or p.get("act_f16", True) else ()))
+
+
+def one_launch(s: plan_mod.KernelSpec) -> bool:
+    """Does spec `s` run both GEMMs as one launch (experts_gemm12)? Its rule's one_launch, for contiguous weights
+    whose intermediate rows are whole 128-byte lines (I % 64 == 0); otherwise the two launches."""
+    c = dict(s.constants)
+    return bool(dict(s.params).get("one_launch")) and not c.get("KN") and c["I"] % 64 == 0
 
 
 def params_struct(s: plan_mod.KernelSpec) -> Params:
     """The launch fields of spec `s`'s struct Params: bf16 weights PARAMS, quantized ones their scales too
     (PARAMS_SCALED), and with quantized activations (A8, f16x) their buffers (PARAMS_A8)."""
-    if quantizes_activations(s):
-        return PARAMS_A8
-    return PARAMS_SCALED if dict(s.constants).get("FORMAT", "bf16") != "bf16" else PARAMS
+    base = (PARAMS_A8 if quantizes_activations(s)
+            else PARAMS_SCALED if dict(s.constants).get("FORMAT", "bf16") != "bf16" else PARAMS)
+    return Params(*base.fields, ("sync", "ptr")) if one_launch(s) else base
 
 
 def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Kernels:
