@@ -156,10 +156,12 @@ def experts_candidates(fmt: str = "bf16"):
     with early_l2, and for 1-2 (or up to 8) tokens x quantized by the first GEMM itself (fused_x, act_f16, stage_act;
     also at 32 warps an SM, 64 registers without prefetch); the K loop's whole steps with no bound checks (lean);
     MXFP4 at 1-2 tokens with each 32-value group's own mma columns (gcol, also with two groups a lane: wide, and
-    an item's K split 2 or 3 ways); w8a8 with early_l2."""
+    both GEMMs in one launch); w8a8 with early_l2. bf16 also the shipped rules' shapes as one launch (one_launch)."""
     if fmt == "bf16":
         for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
             yield "mma", dict(tile=tile, warps=warps, unroll=unroll, blocks_per_sm=bps, pdl=True)
+        yield "mma", dict(tile=8, warps=8, unroll=2, blocks_per_sm=4, one_launch=True)
+        yield "mma", dict(tile=16, warps=4, unroll=2, blocks_per_sm=8, pdl=True, one_launch=True)
         return
     for tile, unroll, bps, px in itertools.product((8, 16), (1, 2), (4, 5, 6), (False, True)):
         base = dict(tile=tile, warps=4, unroll=unroll, blocks_per_sm=bps, pdl=True, prefetch_x=px)
@@ -200,13 +202,12 @@ def experts_candidates(fmt: str = "bf16"):
                     dict(unroll=1, blocks_per_sm=4, mtiles=2)):
             yield "mma", dict(tile=8, warps=4, pdl=True, prefetch=False, f16x=True, lean=True, **few)
         if fmt == "mxfp4":   # 1-2 tokens, experts_gemm1's mma columns each one group (gcol): one or two steps a
-            # load batch, an item's K split 2 or 3 ways over more CTAs (fewer second rounds of items at one token), and
-            # a lane reading 32 contiguous bytes of a row a step (wide)
-            for warps, unroll, bps, wide in ((4, 1, 8, False), (4, 2, 7, False), (4, 2, 6, False), (2, 1, 16, False),
-                                             (3, 1, 10, False), (4, 1, 7, True), (4, 1, 6, True)):
-                yield "mma", dict(tile=8, warps=warps, unroll=unroll, blocks_per_sm=bps, min_blocks=bps, pdl=True,
-                                  prefetch=False, f16x=True, lean=True, fused_x=2, act_f16=False, gcol=True,
-                                  **({"wide": True} if wide else {}))
+            # load batch, both GEMMs in one launch (one_launch), a lane reading 32 contiguous bytes of a row a step
+            # (wide, at 7 CTAs: 3-6% slower on an H100)
+            for unroll, bps, extra in ((1, 8, {}), (2, 7, {}), (2, 6, {}), (1, 8, {"one_launch": True}),
+                                       (1, 7, {"wide": True})):
+                yield "mma", dict(tile=8, warps=4, unroll=unroll, blocks_per_sm=bps, min_blocks=bps, pdl=True,
+                                  prefetch=False, f16x=True, lean=True, fused_x=2, act_f16=False, gcol=True, **extra)
         # any token count at tiles of 8 rows: 32 warps an SM at 64 registers, activations prefetched (fp8: no spills)
         yield "mma", dict(tile=8, warps=8, unroll=1, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
                           prefetch_x=True, f16x=True)

@@ -16,7 +16,7 @@ prefetch_x (for -x16 formats also two m16 tiles an item, two weight buffers taki
 weight loads, and early_l2: the first weights toward L2 before the wait, beside the rule as "rule-early"; `deep`
 times instead only the f16x shapes of 3-6 steps a load batch: more weight bytes in flight a warp at few tokens;
 `fused` only the 1-2-token shapes of fused_x = 2 at 6-8 CTAs of 4 warps, one or two steps a load batch, with and
-without lean and act_f16, MXFP4 with gcol too, and with lean at 5 and 6 warps an item), each
+without lean and act_f16, MXFP4 with gcol too (and one_launch), and with lean at 5 and 6 warps an item), each
 launched at most as many CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). A
 -x16 format times the rule with f16x (activations carried as f16) beside it, and sweeps the f16x shapes. Every
 candidate is built first by a pool of processes. Correctness is the GPU tests' job
@@ -124,17 +124,14 @@ def main():
                                   build(dict(warps=4, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
                                              prefetch=False, f16x=True, fused_x=2, act_f16=False, lean=True,
                                              early_l2=True))))
-                if fmt == "mxfp4":   # experts_gemm1's mma columns each one 32-value group (gcol); and items split
-                    #                  2 or 3 ways over more CTAs (gpt-oss-120b at one token: 1440 items for 1056
-                    #                  CTAs of 4 warps, so a third of them take a second item)
-                    for (w, b), u, early in itertools.product(((4, 6), (4, 7), (4, 8), (2, 12), (2, 16), (3, 10)),
-                                                              (1, 2), (False, True)):
-                        if u == 2 and w < 4:
-                            continue
-                        cands.append((f"w{w} u{u} b{b} fx2 lean gcol" + " early" * early,
-                                      build(dict(warps=w, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
+                if fmt == "mxfp4":   # experts_gemm1's mma columns each one 32-value group (gcol), with both GEMMs
+                    #                  in one launch too (one_launch)
+                    for b, u, extra in itertools.product((6, 7, 8), (1, 2), ({}, {"early_l2": True},
+                                                                             {"one_launch": True})):
+                        cands.append((f"w4 u{u} b{b} fx2 lean gcol" + "".join(f" {k}" for k in extra),
+                                      build(dict(warps=4, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
                                                  prefetch=False, f16x=True, fused_x=2, act_f16=False, lean=True,
-                                                 gcol=True, **({"early_l2": True} if early else {})))))
+                                                 gcol=True, **extra))))
                     for b, early in itertools.product((6, 7), (False, True)):   # 32 bytes of a row a lane (wide)
                         cands.append((f"w4 u1 b{b} fx2 lean gcol wide" + " early" * early,
                                       build(dict(warps=4, unroll=1, blocks_per_sm=b, min_blocks=b, pdl=True,
