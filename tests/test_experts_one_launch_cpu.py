@@ -86,3 +86,37 @@ def test_builds_with_quantizing_launches_are_refused(params, a8):
     rule = tiers.Rule("experts", "mma", {"tokens": (1, 2)}, dict(tile=8, warps=4, unroll=1, one_launch=True, **params))
     with pytest.raises(TierError, match="one_launch"):
         ex.rule_spec(rule, 1024, 256, "silu", "sm_90a", "fp8", "nk", a8)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_one_launch_fields_and_its_tickets_buffer(monkeypatch, fmt):
+    """Through stub launchers on CPU tensors: one launch, experts_gemm12, with the two-launch struct's fields and the
+    stream's tickets buffer (zeroed int32, a 128-byte line for each counter: tickets, CTAs done, each tile), the same
+    buffer call after call on a stream, another on another stream, a larger one for more tiles; the grid at most the
+    CTAs the rule's SMs hold and the items of both GEMMs."""
+    import torch
+
+    from tests.test_experts_quantized_cpu import FORMATS, stub_launches
+    launches = stub_launches(monkeypatch)
+    a = FORMATS[fmt][1]()
+    H, I = a["x"].shape[1], a["w2"].shape[-1] * (32 if fmt == "mxfp4" else 1)
+    rule = tiers.Rule("experts", "mma", {"tokens": (1, 2)}, dict(tile=8, warps=4, unroll=1, blocks_per_sm=4,
+                                                                 f16x=True, fused_x=2, act_f16=False, one_launch=True))
+    k = ex.Kernels(ex.rule_spec(rule, H, I, "silu", "sm_90a", fmt), -1)
+    assert k.one and I % 64 == 0
+    r, x, kw = a["routing"], a["x"][:2], dict(w13_scale=a["w13_scale"], w2_scale=a["w2_scale"])
+    tiles = r.tile_to_expert.shape[0]
+    k(x, r, a["w13"], a["w2"], ex.reference(**a), **kw)
+    k(x, r, a["w13"], a["w2"], ex.reference(**a), **kw)
+    assert [n for n, _, _ in launches] == ["experts_gemm12"] * 2
+    f0, f1 = launches[0][2], launches[1][2]
+    assert list(f0)[-1] == "sync" and f0["sync"] == f1["sync"] and f0["x"] == x.data_ptr()
+    sync = k._sync[0]
+    assert sync.dtype == torch.int32 and sync.numel() == ex.SYNC_LINE * (2 + tiles) and not sync.any()
+    assert ex.SYNC_LINE * 4 == 128
+    monkeypatch.setattr(ex, "current_stream", lambda dev: 7)   # another stream: its own counters
+    k(x, r, a["w13"], a["w2"], ex.reference(**a), **kw)
+    assert launches[-1][2]["sync"] != f0["sync"] and set(k._sync) == {0, 7}
+    assert k.sync(7, tiles + 5, x.device).numel() == ex.SYNC_LINE * (2 + tiles + 5)   # grown for more tiles
+    grid = k.launchers(tiles)[0].grid[0]
+    assert grid == min(4 * tiers.SMS, tiles * sum(k._per_tile))
