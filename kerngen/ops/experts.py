@@ -16,6 +16,7 @@ experts_checks.py's (both re-exported here).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -139,10 +140,10 @@ def tile_of(s: plan_mod.KernelSpec) -> int:
 
 
 class Kernels:
-    """The mma variant of one spec on one device: two launches on a persistent grid of blocks_per_sm CTAs per
-    SM (no more than an SM holds of each kernel, and at most one per work item) looping over the used tiles' items.
-    The grid follows the routing's tile count, so the launchers are kept per tile count; the intermediate scratch
-    per stream."""
+    """The mma variant of one spec on one device: two launches (one with one_launch) on a persistent grid of
+    blocks_per_sm CTAs per SM (no more than an SM holds of each kernel, and at most one per work item) looping over
+    the used tiles' items. The grid follows the routing's tile count, so the launchers are kept per tile count; the
+    intermediate scratch (and one_launch's tickets) per stream."""
     __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "qx", "fused_x", "_mod", "_warps", "_pdl", "_ctas",
                  "_H", "_I", "_grids", "_act", "_cols", "_q", "_quants", "_no_q", "graphs", "graph_tokens", "_per_tile",
                  "one", "_sync")
@@ -189,7 +190,8 @@ class Kernels:
         return out
 
     def launchers(self, tiles: int) -> tuple[Launcher, ...]:
-        """gemm1, gemm2 (and with fp8 or f16 activations quant_x, gemm1, quant_act, gemm2) for this many tiles."""
+        """gemm1, gemm2 (and with fp8 or f16 activations quant_x, gemm1, quant_act, gemm2; one_launch: gemm12 alone)
+        for this many tiles."""
         pair = self._grids.get(tiles)
         if pair is None and self.one:   # tickets: every CTA on the grid takes them, so none past the items
             grid = (min(self._ctas["experts_gemm12"], tiles * sum(self._per_tile)), 1, 1)
@@ -352,7 +354,13 @@ def params_struct(s: plan_mod.KernelSpec) -> Params:
     (PARAMS_SCALED), and with quantized activations (A8, f16x) their buffers (PARAMS_A8)."""
     base = (PARAMS_A8 if quantizes_activations(s)
             else PARAMS_SCALED if dict(s.constants).get("FORMAT", "bf16") != "bf16" else PARAMS)
-    return Params(*base.fields, ("sync", "ptr")) if one_launch(s) else base
+    return _with_sync(base) if one_launch(s) else base
+
+
+@functools.cache
+def _with_sync(base: Params) -> Params:
+    """one_launch's struct Params: `base`, then the tickets buffer (one struct, and launcher code, per base)."""
+    return Params(*base.fields, ("sync", "ptr"))
 
 
 def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Kernels:
