@@ -9,6 +9,7 @@ import kerngen
 from kerngen import tiers
 from kerngen.ops import experts as ex
 from kerngen.plan import target_arch
+from tests.gpu.test_experts import make as make_bf16
 from tests.gpu.test_experts_quantized import RULE_1_2, check_rows, make as make_q
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
@@ -42,13 +43,11 @@ def ref_kw(act):
 
 def inputs(fmt, T, K, E, H, I, act, seed):
     """x, logits, weights, scales (quantized formats) and biases (gpt-oss)."""
+    if fmt == "bf16":   # (test_experts' inputs, its biases too)
+        x, logits, w13, w2, b13, b2 = make_bf16(T, K, E, H, I, bias=act == "gpt_oss", seed=seed)
+        return x, logits, (w13, w2), {}, ({} if b13 is None else dict(b13=b13, b2=b2))
+    x, logits, w, s = make_q(fmt, T, K, E, H, I, seed=seed)
     g = torch.Generator(device="cuda").manual_seed(seed)
-    if fmt == "bf16":
-        r = lambda *s: (torch.randn(*s, device="cuda", generator=g) * 0.5).to(torch.bfloat16)  # noqa: E731
-        x, logits = r(T, H), torch.randn(T, E, device="cuda", generator=g)
-        w, s = (r(E, 2 * I, H) / H ** 0.25, r(E, H, I) / I ** 0.25), {}
-    else:
-        x, logits, w, s = make_q(fmt, T, K, E, H, I, seed=seed)
     bias = {}
     if act == "gpt_oss":
         bias = dict(b13=(torch.randn(E, 2 * I, device="cuda", generator=g) * 0.1).to(torch.bfloat16),
