@@ -40,7 +40,7 @@ def test_the_models_shipping_a_format_warm_up_it_and_bf16(fmt):
 def test_every_quantized_kernel_compiles_without_spills(spec, tmp_path):
     built = jit.build(spec, store=DiskCache(tmp_path))
     cubin = built.files["kernel.cubin"]
-    assert built.status == "compiled" and b"experts_gemm1" in cubin and b"experts_gemm2" in cubin
+    assert built.status == "compiled" and all(name.encode() in cubin for name in ex.gemm_kernels(spec))
     assert_no_spills(built.files)
 
 
@@ -106,9 +106,9 @@ def test_quantized_weights_dispatch_their_build_with_their_scales(monkeypatch, f
     a = FORMATS[fmt][1]()
     kerngen.experts(**a)
     kerngen.clear()
-    quant = ["experts_quant_x", "experts_gemm1", "experts_quant_act", "experts_gemm2"]
+    quant = ["experts_quant_x", "experts_gemm1", "experts_gemm12", "experts_quant_act", "experts_gemm2"]
     spec = launches[0][1]   # a rule with f16 activations: up to two more launches (none a fused_x build makes)
-    made = ("experts_gemm1", "experts_gemm2") + (ex.quant_kernels(spec) if dict(spec.params).get("f16x") else ())
+    made = ex.gemm_kernels(spec) + (ex.quant_kernels(spec) if dict(spec.params).get("f16x") else ())
     assert [n for n, _, _ in launches] == [n for n in quant if n in made]
     for _, spec, f in launches:
         assert dict(spec.constants)["FORMAT"] == fmt and spec.tag.endswith(f"-{fmt}")
@@ -154,7 +154,7 @@ def f16x_specs():
 def test_f16x_builds_compile_without_spills(spec, tmp_path):
     built = jit.build(spec, store=DiskCache(tmp_path))
     cubin = built.files["kernel.cubin"]
-    for name in ("experts_gemm1", "experts_gemm2") + ex.quant_kernels(spec):   # (a fused_x build: x quantized by
+    for name in ex.gemm_kernels(spec) + ex.quant_kernels(spec):            # (a fused_x build: x quantized by
         assert name.encode() in cubin                                          # gemm1, no quantizing kernel)
     assert_no_spills(built.files)
 

@@ -291,8 +291,10 @@ class Kernels:
             fields += q[1]
         else:
             fields += self._no_q
-        if self.one:
-            fields += (self.sync(stream, tiles, x.device).data_ptr(),)
+        if self.one:   # the caller's scratch: counters of this call's own too (zeroed here; nothing kept)
+            sync = (self.sync(stream, tiles, x.device) if own
+                    else torch.zeros(SYNC_LINE * (2 + tiles), dtype=torch.int32, device=x.device))
+            fields += (sync.data_ptr(),)
         if self.graphs is None or T > self.graph_tokens or not self.graphs.launch(stream, pair, fields):
             for launch in pair:
                 launch(stream, *fields)
@@ -347,6 +349,12 @@ def one_launch(s: plan_mod.KernelSpec) -> bool:
     whose intermediate rows are whole 128-byte lines (I % 64 == 0); otherwise the two launches."""
     c = dict(s.constants)
     return bool(dict(s.params).get("one_launch")) and not c.get("KN") and c["I"] % 64 == 0
+
+
+def gemm_kernels(s: plan_mod.KernelSpec) -> tuple[str, ...]:
+    """The GEMM kernels spec `s` builds and launches: experts_gemm12 where one_launch(s), else experts_gemm1 and
+    experts_gemm2."""
+    return ("experts_gemm12",) if one_launch(s) else ("experts_gemm1", "experts_gemm2")
 
 
 def params_struct(s: plan_mod.KernelSpec) -> Params:
