@@ -254,10 +254,9 @@ class Kernels:
         """one_launch: the stream's tickets and counts (int32, each on its own 128 bytes: tickets, CTAs done, each
         tile's GEMM1 items; zero between launches: the last CTA of each launch zeroes what it used), grown to the most
         tiles seen."""
-        n = SYNC_LINE * (2 + tiles)
         sync = self._sync.get(stream)
-        if sync is None or sync.shape[0] < n:
-            sync = self._sync[stream] = torch.zeros(n, dtype=torch.int32, device=device)
+        if sync is None or sync.shape[0] < sync_ints(tiles):
+            sync = self._sync[stream] = new_sync(tiles, device)
         return sync
 
     def __call__(self, x, routing, w13, w2, out, act=None, *, interleaved=False, b13=None, b2=None,
@@ -292,8 +291,7 @@ class Kernels:
         else:
             fields += self._no_q
         if self.one:   # the caller's scratch: counters of this call's own too (zeroed here; nothing kept)
-            sync = (self.sync(stream, tiles, x.device) if own
-                    else torch.zeros(SYNC_LINE * (2 + tiles), dtype=torch.int32, device=x.device))
+            sync = self.sync(stream, tiles, x.device) if own else new_sync(tiles, x.device)
             fields += (sync.data_ptr(),)
         if self.graphs is None or T > self.graph_tokens or not self.graphs.launch(stream, pair, fields):
             for launch in pair:
@@ -351,10 +349,20 @@ def one_launch(s: plan_mod.KernelSpec) -> bool:
     return bool(dict(s.params).get("one_launch")) and not c.get("KN") and c["I"] % 64 == 0
 
 
+def sync_ints(tiles: int) -> int:
+    """one_launch's counters for this many tiles, in int32: tickets, CTAs done, then each tile's, a line each."""
+    return SYNC_LINE * (2 + tiles)
+
+
+def new_sync(tiles: int, device) -> torch.Tensor:
+    """Zeroed one_launch counters for this many tiles."""
+    return torch.zeros(sync_ints(tiles), dtype=torch.int32, device=device)
+
+
 def gemm_kernels(s: plan_mod.KernelSpec) -> tuple[str, ...]:
-    """The GEMM kernels spec `s` builds and launches: experts_gemm12 where one_launch(s), else experts_gemm1 and
-    experts_gemm2."""
-    return ("experts_gemm12",) if one_launch(s) else ("experts_gemm1", "experts_gemm2")
+    """The GEMM kernels spec `s` builds and launches (dynamic_smem's): experts_gemm12 where one_launch(s), else
+    experts_gemm1 and experts_gemm2."""
+    return tuple(dynamic_smem(s))
 
 
 def params_struct(s: plan_mod.KernelSpec) -> Params:
