@@ -14,7 +14,7 @@ GPU_TOOLS = ["tools.bench.__main__", "tools.bench.routing", "tools.bench.routing
              "tools.bench.moe_layer_demo", "tools.bench.moe_block", "tools.diagnose.routing_phases",
              "tools.diagnose.sanitize_run", "tools.bench.experts", "tools.bench.latent_tail", "tools.sweep.finalize",
              "tools.sweep.tail", "tools.sweep.experts fp8 deepseek-v3 1", "tools.diagnose.experts_alone",
-             "tools.diagnose.pdl_cost", "tools.diagnose.read_pattern"]
+             "tools.diagnose.pdl_cost", "tools.diagnose.read_pattern", "tools.diagnose.wgmma_fp4"]
 
 
 @pytest.mark.parametrize("command", GPU_TOOLS)
@@ -76,6 +76,51 @@ def test_the_read_pattern_probe_loads_its_steps_and_spins(chunk, unroll, spin):
     with pytest.raises(ValueError, match="chunk"):
         read_pattern.source(24, 1, 0)
     assert mma_loop(text, "read_pattern") is None   # (no tensor cores: only loads)
+
+
+@pytest.mark.parametrize("k_bytes,unroll,loads,gps", [(1440, 2, 32, 2), (1440, 2, 64, 2), (3584, 2, 32, 4)])
+def test_the_wgmma_fp4_probe_builds_fp8_wgmmas_from_registers(k_bytes, unroll, loads, gps):
+    """tools/diagnose/wgmma_fp4.py's kernel compiles for sm_90a: its K loop holds one register-sourced fp8 wgmma a
+    group (QGMMA), no spills; groups a step that do not divide a row's are refused at compile time."""
+    from kerngen.compile import nvrtc_compile
+    from kerngen.errors import CompileError
+    from kerngen.resources import mma_loop, sass, usage
+    from tools.diagnose import wgmma_fp4
+    cubin, _ = nvrtc_compile(wgmma_fp4.source(k_bytes, unroll, loads, gps), "wgmma_fp4", "sm_90a", "wgmma_fp4", None)
+    files = {"kernel.cubin": cubin}
+    text = sass(files)
+    assert text.count("QGMMA.64x8x32.F32.E4M3.E4M3") >= unroll * gps
+    assert dict(usage(files))["wgmma_fp4"]["STACK"] == 0
+    loop = mma_loop(text, "wgmma_fp4")
+    assert loop is not None and not loop[1]
+    with pytest.raises(CompileError, match="divisor"):
+        nvrtc_compile(wgmma_fp4.source(1440, 2, 32, 4), "wgmma_fp4", "sm_90a", "wgmma_fp4", None)   # 90 groups
+    with pytest.raises(ValueError, match="loads"):
+        wgmma_fp4.source(1440, 2, 128)
+
+
+def test_the_wgmma_fp4_layouts_compute_the_dequantized_product():
+    """The probe's layouts on the CPU: every e2m1 byte placed by its bit operations is the two values times 2^-6 as
+    e4m3, and emulate() (its fragments, its shared-memory B, a fresh sum a group times the scale, the two terms) is
+    the product with weights an fp32 reference dequantizes itself, within 2e-3 of the largest output (the two e4m3
+    terms of an activation keep about 8 bits), for 1-4 tokens, signed zeros, extreme scales."""
+    from tools.diagnose.wgmma_fp4 import dequant, emulate
+    w = torch.arange(256, dtype=torch.uint8).reshape(1, 256).repeat(64, 1)[:, :160]   # every byte (and a group's 16)
+    word = w[:1].contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    lo = ((word << 4) & 0x80808080) | ((word << 2) & 0x1C1C1C1C)
+    hi = (word & 0x80808080) | ((word >> 2) & 0x1C1C1C1C)
+    as_e4m3 = lambda v: torch.stack([(v >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8).reshape(-1) \
+        .view(torch.float8_e4m3fn).float()
+    lut = dequant(w[:1], torch.full((1, 10), 127, dtype=torch.uint8), torch).reshape(-1)
+    assert torch.equal(as_e4m3(lo) * 64, lut[0::2]) and torch.equal(as_e4m3(hi) * 64, lut[1::2])
+    g = torch.Generator().manual_seed(1)
+    for t, k, lo_s, hi_s in [(1, 2880, 118, 128), (2, 512, 100, 140), (4, 2880, 120, 125), (3, 7168, 127, 128)]:
+        w = torch.randint(0, 256, (64, k // 2), dtype=torch.uint8, generator=g)
+        s = torch.randint(lo_s, hi_s, (64, k // 32), dtype=torch.uint8, generator=g)
+        x = (torch.randn(t, k, generator=g) * torch.rand(t, k, generator=g) ** 4).to(torch.bfloat16)
+        ref = x.float() @ dequant(w, s, torch).T
+        err = ((emulate(w, s, x, torch) - ref).abs().max() / ref.abs().max()).item()
+        assert err < 2e-3, (t, k, err)
 
 
 def test_experts_alone_builds_a_fused_x_rule_for_the_tokens_it_serves():

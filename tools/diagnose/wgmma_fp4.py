@@ -1,0 +1,333 @@
+#!/usr/bin/env python3
+"""MXFP4 weights on fp8 wgmma: how fast a decode GEMM streams them when the tensor cores take the weights as e4m3
+placed in registers (no widening to f16, no per-pair group factor), against the streaming-read floor.
+
+    python3 -m tools.diagnose.wgmma_fp4 [--rows 23040] [--k 2880] [--tokens 1,4] [--layers 4]
+        [--unroll 2,4] [--ctas 4,6] [--loads 32,64]
+
+The experts kernels' MXFP4 step (templates/experts/mma.cu.j2) widens every e2m1 pair to f16 and multiplies it by
+its group's factor before an f16 mma.sync: about 6.8 instructions a weight pair, which bounds them near half of
+the H200's floor. Here a warpgroup of 4 warps takes an item of 64 weight rows: each thread places its e2m1 bits as
+e4m3 bytes (sign and magnitude moved by shifts: 5 integer instructions for 8 values, the values times 2^-6), and
+`wgmma.mma_async.m64n8k32.f32.e4m3.e4m3` with A from those registers computes one 32-value group a wgmma into a
+fresh accumulator, which one FFMA a value adds to the item's sum times the group's scale (2^(s - 127): one shift;
+the 2^6 goes with the token's scale). The
+activations are B, in shared memory: each token as two e4m3 terms (hi = e4m3(x / s_t), lo = e4m3(x / s_t - hi),
+s_t = max|x_t| / 448), a column each, so 4 tokens fill the n8 tile; inside each group the K order is permuted the
+same way for A and B (thread q holds bytes 4q .. 4q + 3 of a group's 16, as values 2p and 2p + 1 at the fragment's
+k = p and 16 + p). `--loads 32`: each thread loads its 4 bytes of a group and row (LDG.32); `--loads 64`: 8 bytes
+(half a group) and one shuffle with the lane beside it gives each its 4 bytes of two groups.
+
+Each configuration is checked against an fp32 reference that dequantizes the weights itself (relative error
+printed), then timed in a CUDA graph after a producer kernel with `--layers` copies cycled, and printed as µs and %
+of the floor (weight + scale bytes at tools.bench's streaming-read bandwidth). Needs a GPU with sm_90a (Hopper);
+`source(...)` renders anywhere and compiles with NVRTC on a machine without one.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+SRC = r"""
+struct P {
+    const unsigned* w;          // [rows, KB] e2m1 pairs, as words
+    const unsigned char* s;     // [rows, G] e8m0 group scales
+    const unsigned char* b;     // B: [2G core matrices][8 columns][16 bytes] e4m3 (the activation terms)
+    const float* xs;            // [4] token scales s_t, times 2^6 (the placed weights' factor)
+    float* y;                   // [tokens, rows]
+    long long rows;
+    int tokens;
+};
+constexpr int KB = {{ k_bytes }};          // bytes a weight row (K / 2)
+constexpr int G = KB / 16;                 // groups a row
+constexpr int KW = KB / 4;                 // words a row
+constexpr int GPS = {{ gps }};             // groups a step
+constexpr int UNROLL = {{ unroll }};       // steps whose loads are in flight
+constexpr int LOADW = {{ loads }};         // bits a weight load (32 or 64)
+constexpr int STEPS = G / GPS;
+static_assert(G % GPS == 0, "groups a step: a divisor of the groups a row");
+static_assert(GPS % 2 == 0 || LOADW == 32, "64-bit loads: an even number of groups a step");
+
+__device__ __forceinline__ void wgmma_fresh(float d[4], const unsigned a[4], unsigned desc_lo, unsigned desc_hi) {
+    asm volatile("{\n.reg .pred p;\n.reg .b64 desc;\nsetp.ne.b32 p, 0, 0;\nmov.b64 desc, {%8, %9};\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, desc, p, 1, 1;\n}\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(desc_lo), "r"(desc_hi));
+}
+
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// e2m1 pairs (a word: bytes b0..b3, each low nibble first) -> e4m3 bytes (value x 2^-6): lo = the low nibbles,
+// hi = the high ones, byte b of each from byte b of the word.
+__device__ __forceinline__ void place(unsigned w, unsigned& lo, unsigned& hi) {
+    lo = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);
+    hi = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);
+}
+
+struct Step { unsigned w[2][GPS]; unsigned s[2][GPS]; };
+
+// Step `step`'s loads (a step past the last reloads the last: its registers go unused).
+__device__ __forceinline__ void load_step(const unsigned* r0, const unsigned* r1, const unsigned char* s0,
+                                          const unsigned char* s1, int step, Step& st) {
+    const int lane = threadIdx.x & 31, q = lane & 3;
+    const int g0 = min(step, STEPS - 1) * GPS;
+#pragma unroll
+    for (int j = 0; j < GPS; ++j) {
+        if (LOADW == 32) {
+            st.w[0][j] = __ldcs(r0 + (g0 + j) * 4 + q);
+            st.w[1][j] = __ldcs(r1 + (g0 + j) * 4 + q);
+        } else if (j % 2 == 0) {
+            // lane q loads words 2 (q >> 1), +1 of group g0 + j + (q & 1); use_step swaps one with lane q ^ 1
+            const int o = (g0 + j + (q & 1)) * 4 + 2 * (q >> 1);
+            const uint2 v0 = __ldcs(reinterpret_cast<const uint2*>(r0 + o));
+            const uint2 v1 = __ldcs(reinterpret_cast<const uint2*>(r1 + o));
+            st.w[0][j] = v0.x; st.w[0][j + 1] = v0.y;
+            st.w[1][j] = v1.x; st.w[1][j + 1] = v1.y;
+        }
+        st.s[0][j] = __ldcs(s0 + g0 + j);
+        st.s[1][j] = __ldcs(s1 + g0 + j);
+    }
+}
+
+__device__ __forceinline__ void use_step(const Step& st, int step, unsigned desc_lo, unsigned desc_hi, float acc[4]) {
+    const int lane = threadIdx.x & 31, q = lane & 3;
+    unsigned a[GPS][4];
+    float sc[2][GPS];
+    unsigned wd[2][GPS];   // word q of each group of the step, rows g and g + 8
+#pragma unroll
+    for (int j = 0; j < GPS; ++j) {
+        if (LOADW == 32) {
+            wd[0][j] = st.w[0][j];
+            wd[1][j] = st.w[1][j];
+        } else if (j % 2 == 0) {
+            // an even lane holds (word q of group j, word q + 1 of it), an odd one (word q - 1, word q) of group
+            // j + 1: each sends the word the other wants
+            const bool even = (q & 1) == 0;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const unsigned got = __shfl_xor_sync(~0u, even ? st.w[r][j + 1] : st.w[r][j], 1);
+                wd[r][j] = even ? st.w[r][j] : got;
+                wd[r][j + 1] = even ? got : st.w[r][j + 1];
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < GPS; ++j) {
+        place(wd[0][j], a[j][0], a[j][2]);
+        place(wd[1][j], a[j][1], a[j][3]);
+        sc[0][j] = __uint_as_float(st.s[0][j] << 23);   // 2^(s - 127) (the placement's 2^6: in xs)
+        sc[1][j] = __uint_as_float(st.s[1][j] << 23);
+    }
+    float d[GPS][4];
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < GPS; ++j)   // group step * GPS + j: its two core matrices at 256 (j + step GPS) bytes
+        wgmma_fresh(d[j], a[j], desc_lo + (unsigned)((step * GPS + j) * 16), desc_hi);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < GPS; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) fence_operand(d[j][i]);
+        acc[0] = fmaf(d[j][0], sc[0][j], acc[0]);
+        acc[1] = fmaf(d[j][1], sc[0][j], acc[1]);
+        acc[2] = fmaf(d[j][2], sc[1][j], acc[2]);
+        acc[3] = fmaf(d[j][3], sc[1][j], acc[3]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __grid_constant__ P p) {
+    extern __shared__ __align__(128) unsigned char bs[];   // B, 2G core matrices of 8 x 16 bytes
+    for (int i = threadIdx.x; i < G * 256 / 16; i += blockDim.x)
+        reinterpret_cast<uint4*>(bs)[i] = reinterpret_cast<const uint4*>(p.b)[i];
+    __syncthreads();
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, w = (threadIdx.x >> 5) & 3;
+    const int wg = threadIdx.x >> 7, wgs = blockDim.x >> 7;
+    const long long items = p.rows / 64;
+    // B's descriptor (no swizzle): start address / 16, K-adjacent core matrices 128 bytes apart (the leading
+    // offset; the stride offset, between core matrices along N, the same: one in an n8 tile)
+    const unsigned desc_lo = (((unsigned)__cvta_generic_to_shared(bs) >> 4) & 0x3FFF) | ((128 >> 4) << 16);
+    const unsigned desc_hi = 128 >> 4;
+    for (long long item = (long long)blockIdx.x * wgs + wg; item < items; item += (long long)gridDim.x * wgs) {
+        const long long row0 = item * 64 + w * 16 + g, row1 = row0 + 8;
+        const unsigned* r0 = p.w + row0 * KW;
+        const unsigned* r1 = p.w + row1 * KW;
+        const unsigned char* s0 = p.s + row0 * G;
+        const unsigned char* s1 = p.s + row1 * G;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        Step ring[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) load_step(r0, r1, s0, s1, u, ring[u]);
+        for (int s = 0; s < STEPS; s += UNROLL) {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                if (s + u < STEPS) use_step(ring[u], s + u, desc_lo, desc_hi, acc);   // (uniform over the warpgroup)
+                load_step(r0, r1, s0, s1, s + u + UNROLL, ring[u]);
+            }
+        }
+        if (q < p.tokens) {   // columns 2q, 2q + 1: token q's two terms
+            const float t = p.xs[q];
+            p.y[(long long)q * p.rows + row0] = (acc[0] + acc[1]) * t;
+            p.y[(long long)q * p.rows + row1] = (acc[2] + acc[3]) * t;
+        }
+    }
+}
+"""
+
+
+def source(k_bytes: int, unroll: int, loads: int, gps: int = 4, wg: int = 1) -> str:
+    """The CUDA C++ of one configuration: rows of `k_bytes` bytes (K / 2), `unroll` steps of `gps` groups in flight,
+    `loads` bits a weight load, `wg` warpgroups a CTA."""
+    if k_bytes % 16:
+        raise ValueError(f"K / 2 = {k_bytes}: a whole number of 32-value groups (16 bytes) expected")
+    if loads not in (32, 64):
+        raise ValueError(f"--loads: 32 or 64, got {loads}")
+    out = SRC
+    for name, value in (("k_bytes", k_bytes), ("unroll", unroll), ("loads", loads), ("gps", gps),
+                        ("128 * wg", 128 * wg)):
+        out = out.replace("{{ %s }}" % name, str(value))
+    return out
+
+
+def b_operand(x, torch):
+    """x [T <= 4, K] bf16 -> (B bytes in the kernel's shared-memory layout, s_t [4] fp32, the terms' value)."""
+    t, k = x.shape
+    xf = x.float()
+    s = (xf.abs().amax(dim=1).clamp_min(1e-30) / 448.0)
+    v = xf / s[:, None]
+    hi = v.to(torch.float8_e4m3fn)
+    lo = (v - hi.float()).to(torch.float8_e4m3fn)
+    cols = torch.zeros(8, k, dtype=torch.uint8, device=x.device)
+    cols[0:2 * t:2] = hi.view(torch.uint8)
+    cols[1:2 * t:2] = lo.view(torch.uint8)
+    # inside each group of 32: fragment k = p holds value 2p (p < 16) or 2 (p - 16) + 1
+    p = torch.arange(32, device=x.device)
+    src = torch.where(p < 16, 2 * p, 2 * (p - 16) + 1)
+    perm = (torch.arange(k // 32, device=x.device)[:, None] * 32 + src[None, :]).reshape(-1)
+    cols = cols[:, perm]
+    b = cols.reshape(8, k // 16, 16).permute(1, 0, 2).contiguous().reshape(-1)
+    xs = torch.zeros(4, dtype=torch.float32, device=x.device)
+    xs[:t] = s * 64.0   # (the placed e4m3 weights are the e2m1 values times 2^-6)
+    approx = (hi.float() + lo.float()) * s[:, None]
+    return b, xs, approx
+
+
+def dequant(w, s, torch):
+    """e2m1 pairs [rows, K / 2] (low nibble first) and e8m0 scales [rows, K / 32] -> fp32 [rows, K]."""
+    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       device=w.device)
+    v = torch.stack([lut[(w & 15).long()], lut[(w >> 4).long()]], dim=-1).reshape(w.shape[0], -1)
+    return v * torch.exp2(s.float() - 127).repeat_interleave(32, dim=1)
+
+
+def emulate(w, s, x, torch):
+    """The kernel's arithmetic on the CPU, from its own layouts: each group's words placed as e4m3 by the kernel's bit
+    operations and set at the fragment's k positions, B read back from b_operand()'s shared-memory bytes, a fresh
+    fp32 sum a group times its scale, the two terms added and times the token's scale. w [rows, K / 2] uint8, s [rows,
+    K / 32] uint8, x [T, K] bf16 -> [T, rows] fp32."""
+    rows, kb = w.shape
+    groups = kb // 16
+    words = w.contiguous().view(torch.int32).long() & 0xFFFFFFFF            # [rows, KB / 4], little-endian
+    lo = ((words << 4) & 0x80808080) | ((words << 2) & 0x1C1C1C1C)
+    hi = (words & 0x80808080) | ((words >> 2) & 0x1C1C1C1C)
+
+    def e4m3(v):   # [..., n] words -> [..., 4n] e4m3 values (byte 0 first)
+        b = torch.stack([(v >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
+        return b.view(torch.float8_e4m3fn).float().reshape(*v.shape[:-1], -1)
+
+    lo_v = e4m3(lo.reshape(rows, groups, 4, 1)).reshape(rows, groups, 4, 4)   # [row, group, q, byte]
+    hi_v = e4m3(hi.reshape(rows, groups, 4, 1)).reshape(rows, groups, 4, 4)
+    a = torch.cat([lo_v.reshape(rows, groups, 16), hi_v.reshape(rows, groups, 16)], dim=2)   # k = 4q + b, 16 + 4q + b
+    b, xs, _ = b_operand(x, torch)
+    bm = b.reshape(2 * groups, 8, 16).view(torch.float8_e4m3fn).float()                    # [core matrix, col, byte]
+    bm = bm.reshape(groups, 2, 8, 16).permute(2, 0, 1, 3).reshape(8, groups, 32)            # [col, group, k]
+    d = torch.einsum("rgk,cgk->rcg", a, bm)                                                # fresh sums a group
+    acc = (d * torch.exp2(s.float() - 127)[:, None, :]).sum(dim=2)                         # [rows, col]
+    t = x.shape[0]
+    return ((acc[:, 0:2 * t:2] + acc[:, 1:2 * t:2]) * xs[:t]).T
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=4 * 5760, help="weight rows in all (a multiple of 64)")
+    ap.add_argument("--k", type=int, default=2880, help="K, values a row (a multiple of 32)")
+    ap.add_argument("--tokens", default="1,4")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--unroll", default="2,4")
+    ap.add_argument("--ctas", default="4,6", help="CTAs an SM")
+    ap.add_argument("--loads", default="32,64")
+    ap.add_argument("--gps", default="4", help="groups a step")
+    ap.add_argument("--wg", default="1", help="warpgroups a CTA")
+    a = ap.parse_args(argv)
+    if a.rows % 64 or a.k % 32:
+        ap.error("--rows must be a multiple of 64 and --k of 32")
+    from ..bench.lib import read_bandwidth_tbs, require_gpu
+    require_gpu("python3 -m tools.diagnose.wgmma_fp4")
+    import torch
+
+    from kerngen.compile import nvrtc_compile
+    from kerngen.launch import Launcher, Module, current_stream
+    from kerngen.plan import target_arch
+    from kerngen.timing import after_producer_us, elementwise_producer
+    dev = torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    kb = a.k // 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = [(torch.randint(0, 256, (a.rows, kb), dtype=torch.uint8, device="cuda", generator=g),
+               torch.randint(118, 128, (a.rows, a.k // 32), dtype=torch.uint8, device="cuda", generator=g))
+              for _ in range(a.layers)]
+    nbytes = a.rows * (kb + a.k // 32)
+    tbs = read_bandwidth_tbs()
+    floor = nbytes / (tbs * 1e12) * 1e6
+    print(f"{a.rows} rows x K {a.k} MXFP4 ({nbytes / 2**20:.1f} MiB with scales), {a.layers} layers cycled; "
+          f"streaming read {tbs:.2f} TB/s: floor {floor:.2f} µs")
+    ref_w = dequant(layers[0][0], layers[0][1], torch)
+    producer = elementwise_producer()
+    for tokens in ints(a.tokens):
+        if not 1 <= tokens <= 4:
+            ap.error("--tokens: 1 to 4 (two terms a token in the n8 tile)")
+        x = torch.randn(tokens, a.k, device="cuda", generator=g).to(torch.bfloat16)
+        b, xs, approx = b_operand(x, torch)
+        ref = x.float() @ ref_w.T
+        y = torch.zeros(4, a.rows, dtype=torch.float32, device="cuda")
+        for unroll, ctas, loads, gps, wg in itertools.product(ints(a.unroll), ints(a.ctas), ints(a.loads),
+                                                              ints(a.gps), ints(a.wg)):
+            tag = f"T {tokens}  unroll {unroll}  {ctas} CTAs of {wg} warpgroups an SM  loads {loads}  gps {gps}"
+            try:
+                cubin, log = nvrtc_compile(source(kb, unroll, loads, gps, wg), "wgmma_fp4", target_arch(dev),
+                                           "wgmma_fp4", None)
+            except Exception as e:   # noqa: BLE001 (a diagnostic: report and go on)
+                print(f"{tag}: build failed: {e}")
+                continue
+            if "serialized" in log:
+                print(f"{tag}: {log.strip()}")
+            k = Launcher(Module(cubin, f"wgmma_fp4-{kb}-{unroll}-{loads}-{gps}-{wg}"), "wgmma_fp4", dev,
+                         (ctas * sms, 1, 1), (128 * wg, 1, 1), "QQQQQqi4x", smem=kb // 16 * 256)
+            turn = [0]
+
+            def step(layer=None):
+                w, s = layer or layers[turn[0] % len(layers)]
+                turn[0] += 1
+                k(current_stream(dev), w.data_ptr(), s.data_ptr(), b.data_ptr(), xs.data_ptr(), y.data_ptr(),
+                  a.rows, tokens)
+
+            y.zero_()
+            step(layers[0])
+            torch.cuda.synchronize()
+            err = ((y[:tokens] - ref).abs().max() / ref.abs().max()).item()
+            us = after_producer_us(step, producer, calls=4 * len(layers))
+            y.zero_()
+            step(layers[0])
+            torch.cuda.synchronize()
+            err2 = ((y[:tokens] - ref).abs().max() / ref.abs().max()).item()
+            print(f"{tag}:  {us:8.2f} µs  {100 * floor / us:5.1f}% of the floor  max err / max |ref| {err:.2e}"
+                  f" (after timing {err2:.2e})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
