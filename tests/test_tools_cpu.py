@@ -78,15 +78,19 @@ def test_the_read_pattern_probe_loads_its_steps_and_spins(chunk, unroll, spin):
     assert mma_loop(text, "read_pattern") is None   # (no tensor cores: only loads)
 
 
-@pytest.mark.parametrize("k_bytes,unroll,loads,gps", [(1440, 2, 32, 2), (1440, 2, 64, 2), (3584, 2, 32, 4)])
-def test_the_wgmma_fp4_probe_builds_fp8_wgmmas_from_registers(k_bytes, unroll, loads, gps):
+@pytest.mark.parametrize("k_bytes,unroll,loads,gps,wg,split", [(1440, 2, 32, 2, 1, False), (1440, 2, 64, 2, 1, False),
+                                                               (3584, 2, 32, 4, 2, False), (1440, 4, 64, 2, 2, True)])
+def test_the_wgmma_fp4_probe_builds_fp8_wgmmas_from_registers(k_bytes, unroll, loads, gps, wg, split):
     """tools/diagnose/wgmma_fp4.py's kernel compiles for sm_90a: its K loop holds one register-sourced fp8 wgmma a
-    group (QGMMA), no spills; groups a step that do not divide a row's are refused at compile time."""
+    group (QGMMA), no spills, and ptxas does not serialize the wgmmas; groups a step that do not divide a row's are
+    refused at compile time."""
     from kerngen.compile import nvrtc_compile
     from kerngen.errors import CompileError
     from kerngen.resources import mma_loop, sass, usage
     from tools.diagnose import wgmma_fp4
-    cubin, _ = nvrtc_compile(wgmma_fp4.source(k_bytes, unroll, loads, gps), "wgmma_fp4", "sm_90a", "wgmma_fp4", None)
+    cubin, log = nvrtc_compile(wgmma_fp4.source(k_bytes, unroll, loads, gps, wg, split), "wgmma_fp4", "sm_90a",
+                               "wgmma_fp4", None)
+    assert "serialized" not in log, log
     files = {"kernel.cubin": cubin}
     text = sass(files)
     assert text.count("QGMMA.64x8x32.F32.E4M3.E4M3") >= unroll * gps

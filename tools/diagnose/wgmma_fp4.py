@@ -44,6 +44,7 @@ constexpr int KW = KB / 4;                 // words a row
 constexpr int GPS = {{ gps }};             // groups a step
 constexpr int UNROLL = {{ unroll }};       // steps whose loads are in flight
 constexpr int LOADW = {{ loads }};         // bits a weight load (32 or 64)
+constexpr int SPLIT = {{ split }};         // warpgroups sharing an item (1: an item each)
 constexpr int STEPS = G / GPS;
 static_assert(G % GPS == 0, "groups a step: a divisor of the groups a row");
 static_assert(GPS % 2 == 0 || LOADW == 32, "64-bit loads: an even number of groups a step");
@@ -66,11 +67,11 @@ __device__ __forceinline__ void place(unsigned w, unsigned& lo, unsigned& hi) {
 
 struct Step { unsigned w[2][GPS]; unsigned s[2][GPS]; };
 
-// Step `step`'s loads (a step past the last reloads the last: its registers go unused).
+// Step `step`'s loads (the caller clamps a step past its last to the last: those registers go unused).
 __device__ __forceinline__ void load_step(const unsigned* r0, const unsigned* r1, const unsigned char* s0,
                                           const unsigned char* s1, int step, Step& st) {
     const int lane = threadIdx.x & 31, q = lane & 3;
-    const int g0 = min(step, STEPS - 1) * GPS;
+    const int g0 = step * GPS;
 #pragma unroll
     for (int j = 0; j < GPS; ++j) {
         if (LOADW == 32) {
@@ -89,10 +90,12 @@ __device__ __forceinline__ void load_step(const unsigned* r0, const unsigned* r1
     }
 }
 
-__device__ __forceinline__ void use_step(const Step& st, int step, unsigned desc_lo, unsigned desc_hi, float acc[4]) {
+struct Pend { float d[GPS][4]; float sc[2][GPS]; };   // a step's wgmmas in flight and its scales
+
+// Place step `step`'s weights, issue its GPS wgmmas (a fresh sum a group) and commit them as one group.
+__device__ __forceinline__ void issue_step(const Step& st, int step, unsigned desc_lo, unsigned desc_hi, Pend& pd) {
     const int lane = threadIdx.x & 31, q = lane & 3;
     unsigned a[GPS][4];
-    float sc[2][GPS];
     unsigned wd[2][GPS];   // word q of each group of the step, rows g and g + 8
 #pragma unroll
     for (int j = 0; j < GPS; ++j) {
@@ -115,26 +118,30 @@ __device__ __forceinline__ void use_step(const Step& st, int step, unsigned desc
     for (int j = 0; j < GPS; ++j) {
         place(wd[0][j], a[j][0], a[j][2]);
         place(wd[1][j], a[j][1], a[j][3]);
-        sc[0][j] = __uint_as_float(st.s[0][j] << 23);   // 2^(s - 127) (the placement's 2^6: in xs)
-        sc[1][j] = __uint_as_float(st.s[1][j] << 23);
+        pd.sc[0][j] = __uint_as_float(st.s[0][j] << 23);   // 2^(s - 127) (the placement's 2^6: in xs)
+        pd.sc[1][j] = __uint_as_float(st.s[1][j] << 23);
     }
-    float d[GPS][4];
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int j = 0; j < GPS; ++j)   // group step * GPS + j: its two core matrices at 256 (j + step GPS) bytes
-        wgmma_fresh(d[j], a[j], desc_lo + (unsigned)((step * GPS + j) * 16), desc_hi);
+        wgmma_fresh(pd.d[j], a[j], desc_lo + (unsigned)((step * GPS + j) * 16), desc_hi);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+// A step whose wgmmas are complete: its sums times their scales into acc.
+__device__ __forceinline__ void finish_step(Pend& pd, float acc[4]) {
 #pragma unroll
     for (int j = 0; j < GPS; ++j) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) fence_operand(d[j][i]);
-        acc[0] = fmaf(d[j][0], sc[0][j], acc[0]);
-        acc[1] = fmaf(d[j][1], sc[0][j], acc[1]);
-        acc[2] = fmaf(d[j][2], sc[1][j], acc[2]);
-        acc[3] = fmaf(d[j][3], sc[1][j], acc[3]);
+        for (int i = 0; i < 4; ++i) fence_operand(pd.d[j][i]);
+        acc[0] = fmaf(pd.d[j][0], pd.sc[0][j], acc[0]);
+        acc[1] = fmaf(pd.d[j][1], pd.sc[0][j], acc[1]);
+        acc[2] = fmaf(pd.d[j][2], pd.sc[1][j], acc[2]);
+        acc[3] = fmaf(pd.d[j][3], pd.sc[1][j], acc[3]);
     }
 }
+
+__device__ __forceinline__ void wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 
 extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __grid_constant__ P p) {
     extern __shared__ __align__(128) unsigned char bs[];   // B, 2G core matrices of 8 x 16 bytes
@@ -148,7 +155,12 @@ extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __g
     // offset; the stride offset, between core matrices along N, the same: one in an n8 tile)
     const unsigned desc_lo = (((unsigned)__cvta_generic_to_shared(bs) >> 4) & 0x3FFF) | ((128 >> 4) << 16);
     const unsigned desc_hi = 128 >> 4;
-    for (long long item = (long long)blockIdx.x * wgs + wg; item < items; item += (long long)gridDim.x * wgs) {
+    // SPLIT: the CTA's warpgroups share an item, each a contiguous share of its steps (else an item each)
+    const int k0 = SPLIT > 1 ? wg * STEPS / SPLIT : 0, k1 = SPLIT > 1 ? (wg + 1) * STEPS / SPLIT : STEPS;
+    const int n = k1 - k0;
+    const long long first = SPLIT > 1 ? blockIdx.x : (long long)blockIdx.x * wgs + wg;
+    const long long stride = SPLIT > 1 ? gridDim.x : (long long)gridDim.x * wgs;
+    for (long long item = first; item < items; item += stride) {
         const long long row0 = item * 64 + w * 16 + g, row1 = row0 + 8;
         const unsigned* r0 = p.w + row0 * KW;
         const unsigned* r1 = p.w + row1 * KW;
@@ -156,35 +168,55 @@ extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __g
         const unsigned char* s1 = p.s + row1 * G;
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         Step ring[UNROLL];
+        Pend pend;   // (a step's sums taken while the next step's wgmmas run: ptxas serializes the wgmmas, C7513/C7514)
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) load_step(r0, r1, s0, s1, u, ring[u]);
-        for (int s = 0; s < STEPS; s += UNROLL) {
+        for (int u = 0; u < UNROLL; ++u) load_step(r0, r1, s0, s1, k0 + min(u, n - 1), ring[u]);
+        for (int s = 0; s < n; s += UNROLL) {
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
-                if (s + u < STEPS) use_step(ring[u], s + u, desc_lo, desc_hi, acc);   // (uniform over the warpgroup)
-                load_step(r0, r1, s0, s1, s + u + UNROLL, ring[u]);
+                if (s + u < n) {   // (uniform over the warpgroup)
+                    issue_step(ring[u], k0 + s + u, desc_lo, desc_hi, pend);
+                    wait_all();
+                    finish_step(pend, acc);
+                }
+                load_step(r0, r1, s0, s1, k0 + min(s + u + UNROLL, n - 1), ring[u]);
             }
         }
-        if (q < p.tokens) {   // columns 2q, 2q + 1: token q's two terms
-            const float t = p.xs[q];
-            p.y[(long long)q * p.rows + row0] = (acc[0] + acc[1]) * t;
-            p.y[(long long)q * p.rows + row1] = (acc[2] + acc[3]) * t;
+        if (SPLIT > 1) {   // the other warpgroups' sums into warpgroup 0's
+            __shared__ float red[SPLIT > 1 ? SPLIT - 1 : 1][128][4];
+            if (wg > 0)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) red[wg - 1][threadIdx.x & 127][i] = acc[i];
+            __syncthreads();
+            if (wg == 0)
+#pragma unroll
+                for (int c = 0; c < SPLIT - 1; ++c)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[i] += red[c][threadIdx.x][i];
+            __syncthreads();
+        }
+        if (wg == 0 || SPLIT == 1) {
+            if (q < p.tokens) {   // columns 2q, 2q + 1: token q's two terms
+                const float t = p.xs[q];
+                p.y[(long long)q * p.rows + row0] = (acc[0] + acc[1]) * t;
+                p.y[(long long)q * p.rows + row1] = (acc[2] + acc[3]) * t;
+            }
         }
     }
 }
 """
 
 
-def source(k_bytes: int, unroll: int, loads: int, gps: int = 4, wg: int = 1) -> str:
+def source(k_bytes: int, unroll: int, loads: int, gps: int = 4, wg: int = 1, split: bool = False) -> str:
     """The CUDA C++ of one configuration: rows of `k_bytes` bytes (K / 2), `unroll` steps of `gps` groups in flight,
-    `loads` bits a weight load, `wg` warpgroups a CTA."""
+    `loads` bits a weight load, `wg` warpgroups a CTA (`split`: sharing each item's steps)."""
     if k_bytes % 16:
         raise ValueError(f"K / 2 = {k_bytes}: a whole number of 32-value groups (16 bytes) expected")
     if loads not in (32, 64):
         raise ValueError(f"--loads: 32 or 64, got {loads}")
     out = SRC
     for name, value in (("k_bytes", k_bytes), ("unroll", unroll), ("loads", loads), ("gps", gps),
-                        ("128 * wg", 128 * wg)):
+                        ("128 * wg", 128 * wg), ("split", wg if split else 1)):
         out = out.replace("{{ %s }}" % name, str(value))
     return out
 
@@ -262,6 +294,7 @@ def main(argv=None) -> int:
     ap.add_argument("--loads", default="32,64")
     ap.add_argument("--gps", default="4", help="groups a step")
     ap.add_argument("--wg", default="1", help="warpgroups a CTA")
+    ap.add_argument("--split", default="0", help="1: a CTA's warpgroups share each item's steps (0: an item each)")
     a = ap.parse_args(argv)
     if a.rows % 64 or a.k % 32:
         ap.error("--rows must be a multiple of 64 and --k of 32")
@@ -294,19 +327,22 @@ def main(argv=None) -> int:
         b, xs, approx = b_operand(x, torch)
         ref = x.float() @ ref_w.T
         y = torch.zeros(4, a.rows, dtype=torch.float32, device="cuda")
-        for unroll, ctas, loads, gps, wg in itertools.product(ints(a.unroll), ints(a.ctas), ints(a.loads),
-                                                              ints(a.gps), ints(a.wg)):
-            tag = f"T {tokens}  unroll {unroll}  {ctas} CTAs of {wg} warpgroups an SM  loads {loads}  gps {gps}"
+        for unroll, ctas, loads, gps, wg, split in itertools.product(
+                ints(a.unroll), ints(a.ctas), ints(a.loads), ints(a.gps), ints(a.wg), ints(a.split)):
+            if split and wg == 1:
+                continue
+            tag = (f"T {tokens}  unroll {unroll}  {ctas} CTAs of {wg} warpgroups an SM{' (split)' if split else ''}"
+                   f"  loads {loads}  gps {gps}")
             try:
-                cubin, log = nvrtc_compile(source(kb, unroll, loads, gps, wg), "wgmma_fp4", target_arch(dev),
-                                           "wgmma_fp4", None)
+                cubin, log = nvrtc_compile(source(kb, unroll, loads, gps, wg, bool(split)), "wgmma_fp4",
+                                           target_arch(dev), "wgmma_fp4", None)
             except Exception as e:   # noqa: BLE001 (a diagnostic: report and go on)
                 print(f"{tag}: build failed: {e}")
                 continue
             if "serialized" in log:
                 print(f"{tag}: {log.strip()}")
-            k = Launcher(Module(cubin, f"wgmma_fp4-{kb}-{unroll}-{loads}-{gps}-{wg}"), "wgmma_fp4", dev,
-                         (ctas * sms, 1, 1), (128 * wg, 1, 1), "QQQQQqi4x", smem=kb // 16 * 256)
+            k = Launcher(Module(cubin, f"wgmma_fp4-{kb}-{unroll}-{loads}-{gps}-{wg}-{split}"), "wgmma_fp4",
+                         dev, (ctas * sms, 1, 1), (128 * wg, 1, 1), "QQQQQqi4x", smem=kb // 16 * 256)
             turn = [0]
 
             def step(layer=None):
