@@ -947,6 +947,34 @@ def test_split_weights_delay_holds_the_first_loads_back(tmp_path):
         lt.persistent(mk(weights_delay=600, split=False, n_global=False))
 
 
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_split_next_early_loads_the_next_item_before_the_epilogue(tokens, tmp_path):
+    """next_early (split builds with early_weights): the projection loads the next item's first steps before its
+    reduction across warps (its source holds the loads, its SASS is not the rule's); the 1-8 and 9-16-token rules'
+    launch shapes build with it without spills and within their register bound; without early_weights, with
+    even_rows or without split a named error."""
+    m = tiers.load().model("kimi-k3")
+    base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", tokens, "sm_90a").params)
+    assert base.get("early_weights") and base.get("split") and not base.get("next_early")
+    mk = lambda **over: lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, **over}),  # noqa: E731
+                                     m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
+    src = render.render(mk(next_early=True)).split("latent_tail_proj(")[0]
+    assert "next_early: the next item" in src and "next_early: the next item" not in render.render(mk())
+    proj = lambda files: resources.sass(files).split(f"Function : {lt.PROJ}")[1].split("Function :")[0]  # noqa: E731
+    b, b0 = jit.build(mk(next_early=True), store=DiskCache(tmp_path)), jit.build(mk(), store=DiskCache(tmp_path))
+    assert_no_spills(b.files)
+    assert proj(b.files) != proj(b0.files) and "LDG.E.EF.128" in proj(b.files)
+    regs = dict(resources.usage(b.files))[lt.PROJ]["REG"]
+    assert regs <= 65536 // (32 * base["warps"] * base["blocks_per_sm"]), regs
+    for over in ({"early_weights": False}, {"even_rows": True}):
+        with pytest.raises(kerngen.InputError, match="next_early"):
+            lt.persistent(mk(next_early=True, **over))
+    one = {k: v for k, v in base.items() if k not in lt.SPLIT_ONLY}
+    with pytest.raises(kerngen.InputError, match="next_early"):
+        lt.persistent(lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**one, "split": False, "next_early": True}),
+                                   m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a"))
+
+
 def test_beside_norm_leaves_a_slot_for_each_norm_cta():
     """beside_norm (split builds): the projection's grid is the persistent one less a CTA for each norm CTA at this
     token count (kimi-k3: 264 - 8 at T = 1, 264 - 64 at T = 8), so every projection CTA can start at once; with

@@ -125,7 +125,8 @@ def split(s: plan_mod.KernelSpec) -> bool:
 
 
 # fused params that only split builds take
-SPLIT_ONLY = ("even_rows", "n_global", "proj_registers", "l2_lines", "weights_delay", "beside_norm", "norm_async")
+SPLIT_ONLY = ("even_rows", "n_global", "proj_registers", "l2_lines", "weights_delay", "beside_norm", "norm_async",
+              "next_early")
 
 
 def even_rows(s: plan_mod.KernelSpec) -> bool:
@@ -166,6 +167,9 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
         if dict(s.params).get(name) and not split(s):
             raise InputError(OP, "tier params", f"{name} only with split = true", str(s.params))
     c, p = dict(s.constants), dict(s.params)
+    if p.get("next_early") and (not p.get("early_weights") or p.get("even_rows")):
+        raise InputError(OP, "tier params", "next_early with early_weights = true and without even_rows (it loads "
+                         "the next item into the early_weights registers)", str(s.params))
     L, K = c["L"], c["K"]
     mt, warps, cl = p["max_tokens"], p["warps"], p.get("cluster", 1)
     nt = 32 * warps
