@@ -144,20 +144,19 @@ __device__ __forceinline__ void finish_step(Pend& pd, float acc[4]) {
 __device__ __forceinline__ void wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 
 extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __grid_constant__ P p) {
-    extern __shared__ __align__(128) unsigned char bs[];   // B, 2G core matrices of 8 x 16 bytes
-    for (int i = threadIdx.x; i < G * 256 / 16; i += blockDim.x)
-        reinterpret_cast<uint4*>(bs)[i] = reinterpret_cast<const uint4*>(p.b)[i];
-    __syncthreads();
+    extern __shared__ __align__(128) unsigned char smem[];   // B of each warpgroup: 2G core matrices of 8 x 16 bytes
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, w = (threadIdx.x >> 5) & 3;
     const int wg = threadIdx.x >> 7, wgs = blockDim.x >> 7;
     const long long items = p.rows / 64;
     // B's descriptor (no swizzle): start address / 16, K-adjacent core matrices 128 bytes apart (the leading
     // offset; the stride offset, between core matrices along N, the same: one in an n8 tile)
+    unsigned char* bs = smem + wg * (G * 256);
     const unsigned desc_lo = (((unsigned)__cvta_generic_to_shared(bs) >> 4) & 0x3FFF) | ((128 >> 4) << 16);
     const unsigned desc_hi = 128 >> 4;
     // SPLIT: the CTA's warpgroups share an item, each a contiguous share of its steps (else an item each)
     const int k0 = SPLIT > 1 ? wg * STEPS / SPLIT : 0, k1 = SPLIT > 1 ? (wg + 1) * STEPS / SPLIT : STEPS;
     const int n = k1 - k0;
+    bool staged = false;   // this warpgroup's B (its steps' groups) copied into its shared memory
     const long long first = SPLIT > 1 ? blockIdx.x : (long long)blockIdx.x * wgs + wg;
     const long long stride = SPLIT > 1 ? gridDim.x : (long long)gridDim.x * wgs;
     for (long long item = first; item < items; item += stride) {
@@ -171,6 +170,12 @@ extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __g
         Pend pend;   // (a step's sums taken while the next step's wgmmas run: ptxas serializes the wgmmas, C7513/C7514)
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) load_step(r0, r1, s0, s1, k0 + min(u, n - 1), ring[u]);
+        if (!staged) {   // B once, after the first weight loads are on their way; a barrier of the warpgroup
+            for (int i = (threadIdx.x & 127) + k0 * GPS * 16; i < k1 * GPS * 16; i += 128)
+                reinterpret_cast<uint4*>(bs)[i] = reinterpret_cast<const uint4*>(p.b)[i];
+            asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");
+            staged = true;
+        }
         for (int s = 0; s < n; s += UNROLL) {
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
@@ -342,7 +347,7 @@ def main(argv=None) -> int:
             if "serialized" in log:
                 print(f"{tag}: {log.strip()}")
             k = Launcher(Module(cubin, f"wgmma_fp4-{kb}-{unroll}-{loads}-{gps}-{wg}-{split}"), "wgmma_fp4",
-                         dev, (ctas * sms, 1, 1), (128 * wg, 1, 1), "QQQQQqi4x", smem=kb // 16 * 256)
+                         dev, (ctas * sms, 1, 1), (128 * wg, 1, 1), "QQQQQqi4x", smem=wg * (kb // 16 * 256))
             turn = [0]
 
             def step(layer=None):
