@@ -221,7 +221,7 @@ register(Op("latent_tail", {
               "items_per_cta": _n(1, 64),   # the grid: at most ceil(items / items_per_cta) CTAs
               "weights_delay": _n(0, 100000),   # split: ns before the projection's first loads
               "beside_norm": FLAG,   # split: a projection CTA fewer an SM for each norm CTA
-              "next_early": FLAG,   # split, early_weights: the next item's first steps loaded before the epilogue
+              "next_early": FLAG,   # split with early_weights: the next item's first steps loaded before the epilogue
               "split": FLAG},   # the norm in a first kernel of its own, the projection waiting on it
     "norm_gemm": {"backend": NVRTC, "cluster": _n(1, 8), "pdl": FLAG,   # norm kernel, torch.mm, add
                   "norm_loads": _n(1, 16),   # rows a norm thread loads at once (default 16)

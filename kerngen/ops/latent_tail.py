@@ -167,9 +167,6 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
         if dict(s.params).get(name) and not split(s):
             raise InputError(OP, "tier params", f"{name} only with split = true", str(s.params))
     c, p = dict(s.constants), dict(s.params)
-    if p.get("next_early") and (not p.get("early_weights") or p.get("even_rows")):
-        raise InputError(OP, "tier params", "next_early with early_weights = true and without even_rows (it loads "
-                         "the next item into the early_weights registers)", str(s.params))
     L, K = c["L"], c["K"]
     mt, warps, cl = p["max_tokens"], p["warps"], p.get("cluster", 1)
     nt = 32 * warps

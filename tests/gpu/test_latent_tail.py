@@ -240,14 +240,14 @@ def test_split_even_rows_and_n_global_keep_the_bits(T, early, shape):
 @pytest.mark.parametrize("T", [1, 3, 8, 9, 16])
 def test_split_next_early_keeps_the_bits(T):
     """next_early: each warp loads the next item's first steps before the item's reduction and epilogue; the same
-    sums in the same order, so the bits of the rule that serves T without it."""
+    sums in the same order, so the bits of the rule that serves T with it and without it."""
     args = make(T, *KIMI, seed=300 + T)
     L, H, K = args[3].shape[0], args[4].shape[0], args[1].shape[1]
     wd, arch = DTYPE_NAMES[args[2].dtype], target_arch()
     base = dict(lt.spec(L, H, K, wd, T, arch).params)
     assert base.get("split") and base.get("early_weights"), base
     outs = []
-    for over in ({}, {"next_early": True}):
+    for over in ({"next_early": False}, {"next_early": True}):
         s = spec_for(tiers.Rule(lt.OP, "fused", {}, {**base, **over}), *lt.tag_constants(L, H, K, wd), arch)
         outs.append(lt.run(lt.kernel(s, T, torch.cuda.current_device()), *args, 1e-6,
                            torch.empty(T, H, dtype=BF, device="cuda")))
