@@ -78,9 +78,10 @@ def test_the_read_pattern_probe_loads_its_steps_and_spins(chunk, unroll, spin):
     assert mma_loop(text, "read_pattern") is None   # (no tensor cores: only loads)
 
 
-@pytest.mark.parametrize("k_bytes,unroll,loads,gps,wg,split", [(1440, 2, 32, 2, 1, False), (1440, 2, 64, 2, 1, False),
-                                                               (3584, 2, 32, 4, 2, False), (1440, 4, 64, 2, 2, True)])
-def test_the_wgmma_fp4_probe_builds_fp8_wgmmas_from_registers(k_bytes, unroll, loads, gps, wg, split):
+@pytest.mark.parametrize("k_bytes,unroll,loads,gps,wg,split,ncol", [
+    (1440, 2, 32, 2, 1, False, 8), (1440, 2, 64, 2, 1, False, 8), (3584, 2, 32, 4, 2, False, 8),
+    (1440, 4, 64, 2, 2, True, 8), (1440, 4, 64, 2, 1, False, 16), (3584, 2, 64, 4, 1, False, 16)])
+def test_the_wgmma_fp4_probe_builds_fp8_wgmmas_from_registers(k_bytes, unroll, loads, gps, wg, split, ncol):
     """tools/diagnose/wgmma_fp4.py's kernel compiles for sm_90a: its K loop holds one register-sourced fp8 wgmma a
     group (QGMMA), no spills, and ptxas does not serialize the wgmmas; groups a step that do not divide a row's are
     refused at compile time."""
@@ -88,12 +89,12 @@ def test_the_wgmma_fp4_probe_builds_fp8_wgmmas_from_registers(k_bytes, unroll, l
     from kerngen.errors import CompileError
     from kerngen.resources import mma_loop, sass, usage
     from tools.diagnose import wgmma_fp4
-    cubin, log = nvrtc_compile(wgmma_fp4.source(k_bytes, unroll, loads, gps, wg, split), "wgmma_fp4", "sm_90a",
-                               "wgmma_fp4", None)
+    cubin, log = nvrtc_compile(wgmma_fp4.source(k_bytes, unroll, loads, gps, wg, split, ncol), "wgmma_fp4",
+                               "sm_90a", "wgmma_fp4", None)
     assert "serialized" not in log, log
     files = {"kernel.cubin": cubin}
     text = sass(files)
-    assert text.count("QGMMA.64x8x32.F32.E4M3.E4M3") >= unroll * gps
+    assert text.count(f"QGMMA.64x{ncol}x32.F32.E4M3.E4M3") >= unroll * gps
     assert dict(usage(files))["wgmma_fp4"]["STACK"] == 0
     loop = mma_loop(text, "wgmma_fp4")
     assert loop is not None and not loop[1]
@@ -107,8 +108,12 @@ def test_the_wgmma_fp4_layouts_compute_the_dequantized_product():
     """The probe's layouts on the CPU: every e2m1 byte placed by its bit operations is the two values times 2^-6 as
     e4m3, and emulate() (its fragments, its shared-memory B, a fresh sum a group times the scale, the two terms) is
     the product with weights an fp32 reference dequantizes itself, within 2e-3 of the largest output (the two e4m3
-    terms of an activation keep about 8 bits), for 1-4 tokens, signed zeros, extreme scales."""
-    from tools.diagnose.wgmma_fp4 import dequant, emulate
+    terms of an activation keep about 8 bits), for 1-8 tokens (B of 8 columns to 4 tokens, 16 to 8), signed zeros,
+    extreme scales."""
+    from tools.diagnose.wgmma_fp4 import columns, dequant, emulate
+    assert [columns(t) for t in (1, 4, 5, 8)] == [8, 8, 16, 16]
+    with pytest.raises(ValueError, match="tokens"):
+        columns(9)
     w = torch.arange(256, dtype=torch.uint8).reshape(1, 256).repeat(64, 1)[:, :160]   # every byte (and a group's 16)
     word = w[:1].contiguous().view(torch.int32).long() & 0xFFFFFFFF
     lo = ((word << 4) & 0x80808080) | ((word << 2) & 0x1C1C1C1C)
@@ -118,7 +123,8 @@ def test_the_wgmma_fp4_layouts_compute_the_dequantized_product():
     lut = dequant(w[:1], torch.full((1, 10), 127, dtype=torch.uint8), torch).reshape(-1)
     assert torch.equal(as_e4m3(lo) * 64, lut[0::2]) and torch.equal(as_e4m3(hi) * 64, lut[1::2])
     g = torch.Generator().manual_seed(1)
-    for t, k, lo_s, hi_s in [(1, 2880, 118, 128), (2, 512, 100, 140), (4, 2880, 120, 125), (3, 7168, 127, 128)]:
+    for t, k, lo_s, hi_s in [(1, 2880, 118, 128), (2, 512, 100, 140), (4, 2880, 120, 125), (3, 7168, 127, 128),
+                             (5, 2880, 118, 128), (8, 1024, 110, 130)]:
         w = torch.randint(0, 256, (64, k // 2), dtype=torch.uint8, generator=g)
         s = torch.randint(lo_s, hi_s, (64, k // 32), dtype=torch.uint8, generator=g)
         x = (torch.randn(t, k, generator=g) * torch.rand(t, k, generator=g) ** 4).to(torch.bfloat16)

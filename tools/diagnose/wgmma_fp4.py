@@ -13,7 +13,7 @@ e4m3 bytes (sign and magnitude moved by shifts: 5 integer instructions for 8 val
 fresh accumulator, which one FFMA a value adds to the item's sum times the group's scale (2^(s - 127): one shift;
 the 2^6 goes with the token's scale). The
 activations are B, in shared memory: each token as two e4m3 terms (hi = e4m3(x / s_t), lo = e4m3(x / s_t - hi),
-s_t = max|x_t| / 448), a column each, so 4 tokens fill the n8 tile; inside each group the K order is permuted the
+s_t = max|x_t| / 448), a column each, so 4 tokens fill an n8 tile and 8 an n16 one; inside each group the K order is permuted the
 same way for A and B (thread q holds bytes 4q .. 4q + 3 of a group's 16, as values 2p and 2p + 1 at the fragment's
 k = p and 16 + p). `--loads 32`: each thread loads its 4 bytes of a group and row (LDG.32); `--loads 64`: 8 bytes
 (half a group) and one shuffle with the lane beside it gives each its 4 bytes of two groups.
@@ -33,7 +33,7 @@ struct P {
     const unsigned* w;          // [rows, KB] e2m1 pairs, as words
     const unsigned char* s;     // [rows, G] e8m0 group scales
     const unsigned char* b;     // B: [2G core matrices][8 columns][16 bytes] e4m3 (the activation terms)
-    const float* xs;            // [4] token scales s_t, times 2^6 (the placed weights' factor)
+    const float* xs;            // [8] token scales s_t, times 2^6 (the placed weights' factor)
     float* y;                   // [tokens, rows]
     long long rows;
     int tokens;
@@ -45,15 +45,27 @@ constexpr int GPS = {{ gps }};             // groups a step
 constexpr int UNROLL = {{ unroll }};       // steps whose loads are in flight
 constexpr int LOADW = {{ loads }};         // bits a weight load (32 or 64)
 constexpr int SPLIT = {{ split }};         // warpgroups sharing an item (1: an item each)
+constexpr int NCOL = {{ ncol }};           // B's columns: two terms a token (8: up to 4 tokens, 16: up to 8)
+constexpr int ND = NCOL / 2;               // a thread's sums of an m64nNCOL tile
+constexpr int GB = NCOL * 32;              // B's bytes a group (2 core matrices along K, NCOL / 8 along N)
+static_assert(NCOL == 8 || NCOL == 16, "B's columns: 8 or 16");
 constexpr int STEPS = G / GPS;
 static_assert(G % GPS == 0, "groups a step: a divisor of the groups a row");
 static_assert(GPS % 2 == 0 || LOADW == 32, "64-bit loads: an even number of groups a step");
 
-__device__ __forceinline__ void wgmma_fresh(float d[4], const unsigned a[4], unsigned desc_lo, unsigned desc_hi) {
+__device__ __forceinline__ void wgmma_fresh(float d[ND], const unsigned a[4], unsigned desc_lo, unsigned desc_hi) {
+#if {{ ncol }} == 8
     asm volatile("{\n.reg .pred p;\n.reg .b64 desc;\nsetp.ne.b32 p, 0, 0;\nmov.b64 desc, {%8, %9};\n"
                  "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, desc, p, 1, 1;\n}\n"
                  : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(desc_lo), "r"(desc_hi));
+#else
+    asm volatile("{\n.reg .pred p;\n.reg .b64 desc;\nsetp.ne.b32 p, 0, 0;\nmov.b64 desc, {%12, %13};\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+                 "{%8, %9, %10, %11}, desc, p, 1, 1;\n}\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(desc_lo), "r"(desc_hi));
+#endif
 }
 
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
@@ -90,7 +102,7 @@ __device__ __forceinline__ void load_step(const unsigned* r0, const unsigned* r1
     }
 }
 
-struct Pend { float d[GPS][4]; float sc[2][GPS]; };   // a step's wgmmas in flight and its scales
+struct Pend { float d[GPS][ND]; float sc[2][GPS]; };   // a step's wgmmas in flight and its scales
 
 // Place step `step`'s weights, issue its GPS wgmmas (a fresh sum a group) and commit them as one group.
 __device__ __forceinline__ void issue_step(const Step& st, int step, unsigned desc_lo, unsigned desc_hi, Pend& pd) {
@@ -123,21 +135,20 @@ __device__ __forceinline__ void issue_step(const Step& st, int step, unsigned de
     }
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-    for (int j = 0; j < GPS; ++j)   // group step * GPS + j: its two core matrices at 256 (j + step GPS) bytes
-        wgmma_fresh(pd.d[j], a[j], desc_lo + (unsigned)((step * GPS + j) * 16), desc_hi);
+    for (int j = 0; j < GPS; ++j)   // group step * GPS + j: its core matrices at GB (j + step GPS) bytes
+        wgmma_fresh(pd.d[j], a[j], desc_lo + (unsigned)((step * GPS + j) * (GB / 16)), desc_hi);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
 // A step whose wgmmas are complete: its sums times their scales into acc.
-__device__ __forceinline__ void finish_step(Pend& pd, float acc[4]) {
+__device__ __forceinline__ void finish_step(Pend& pd, float acc[ND]) {
 #pragma unroll
     for (int j = 0; j < GPS; ++j) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) fence_operand(pd.d[j][i]);
-        acc[0] = fmaf(pd.d[j][0], pd.sc[0][j], acc[0]);
-        acc[1] = fmaf(pd.d[j][1], pd.sc[0][j], acc[1]);
-        acc[2] = fmaf(pd.d[j][2], pd.sc[1][j], acc[2]);
-        acc[3] = fmaf(pd.d[j][3], pd.sc[1][j], acc[3]);
+        for (int i = 0; i < ND; ++i) {   // d[4c + i]: row g (i < 2) or g + 8, column 8c + 2q + (i & 1)
+            fence_operand(pd.d[j][i]);
+            acc[i] = fmaf(pd.d[j][i], pd.sc[(i >> 1) & 1][j], acc[i]);
+        }
     }
 }
 
@@ -148,10 +159,10 @@ extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __g
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, w = (threadIdx.x >> 5) & 3;
     const int wg = threadIdx.x >> 7, wgs = blockDim.x >> 7;
     const long long items = p.rows / 64;
-    // B's descriptor (no swizzle): start address / 16, K-adjacent core matrices 128 bytes apart (the leading
-    // offset; the stride offset, between core matrices along N, the same: one in an n8 tile)
-    unsigned char* bs = smem + wg * (G * 256);
-    const unsigned desc_lo = (((unsigned)__cvta_generic_to_shared(bs) >> 4) & 0x3FFF) | ((128 >> 4) << 16);
+    // B's descriptor (no swizzle): start address / 16; K-adjacent core matrices NCOL * 16 bytes apart (the leading
+    // offset), N-adjacent ones 128 (the stride offset): a group's B is [2 along K][NCOL / 8 along N][8][16 bytes]
+    unsigned char* bs = smem + wg * (G * GB);
+    const unsigned desc_lo = (((unsigned)__cvta_generic_to_shared(bs) >> 4) & 0x3FFF) | ((NCOL * 16 >> 4) << 16);
     const unsigned desc_hi = 128 >> 4;
     // SPLIT: the CTA's warpgroups share an item, each a contiguous share of its steps (else an item each)
     const int k0 = SPLIT > 1 ? wg * STEPS / SPLIT : 0, k1 = SPLIT > 1 ? (wg + 1) * STEPS / SPLIT : STEPS;
@@ -165,13 +176,15 @@ extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __g
         const unsigned* r1 = p.w + row1 * KW;
         const unsigned char* s0 = p.s + row0 * G;
         const unsigned char* s1 = p.s + row1 * G;
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        float acc[ND];
+#pragma unroll
+        for (int i = 0; i < ND; ++i) acc[i] = 0.f;
         Step ring[UNROLL];
         Pend pend;   // (a step's sums taken while the next step's wgmmas run: ptxas serializes the wgmmas, C7513/C7514)
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) load_step(r0, r1, s0, s1, k0 + min(u, n - 1), ring[u]);
         if (!staged) {   // B once, after the first weight loads are on their way; a barrier of the warpgroup
-            for (int i = (threadIdx.x & 127) + k0 * GPS * 16; i < k1 * GPS * 16; i += 128)
+            for (int i = (threadIdx.x & 127) + k0 * GPS * (GB / 16); i < k1 * GPS * (GB / 16); i += 128)
                 reinterpret_cast<uint4*>(bs)[i] = reinterpret_cast<const uint4*>(p.b)[i];
             asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");
             staged = true;
@@ -188,23 +201,27 @@ extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __g
             }
         }
         if (SPLIT > 1) {   // the other warpgroups' sums into warpgroup 0's
-            __shared__ float red[SPLIT > 1 ? SPLIT - 1 : 1][128][4];
+            __shared__ float red[SPLIT > 1 ? SPLIT - 1 : 1][128][ND];
             if (wg > 0)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) red[wg - 1][threadIdx.x & 127][i] = acc[i];
+                for (int i = 0; i < ND; ++i) red[wg - 1][threadIdx.x & 127][i] = acc[i];
             __syncthreads();
             if (wg == 0)
 #pragma unroll
                 for (int c = 0; c < SPLIT - 1; ++c)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) acc[i] += red[c][threadIdx.x][i];
+                    for (int i = 0; i < ND; ++i) acc[i] += red[c][threadIdx.x][i];
             __syncthreads();
         }
         if (wg == 0 || SPLIT == 1) {
-            if (q < p.tokens) {   // columns 2q, 2q + 1: token q's two terms
-                const float t = p.xs[q];
-                p.y[(long long)q * p.rows + row0] = (acc[0] + acc[1]) * t;
-                p.y[(long long)q * p.rows + row1] = (acc[2] + acc[3]) * t;
+#pragma unroll
+            for (int c = 0; c < NCOL / 8; ++c) {   // columns 8c + 2q, +1: token 4c + q's two terms
+                const int t = 4 * c + q;
+                if (t < p.tokens) {
+                    const float f = p.xs[t];
+                    p.y[(long long)t * p.rows + row0] = (acc[4 * c] + acc[4 * c + 1]) * f;
+                    p.y[(long long)t * p.rows + row1] = (acc[4 * c + 2] + acc[4 * c + 3]) * f;
+                }
             }
         }
     }
@@ -212,29 +229,40 @@ extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __g
 """
 
 
-def source(k_bytes: int, unroll: int, loads: int, gps: int = 4, wg: int = 1, split: bool = False) -> str:
+def source(k_bytes: int, unroll: int, loads: int, gps: int = 4, wg: int = 1, split: bool = False,
+           ncol: int = 8) -> str:
     """The CUDA C++ of one configuration: rows of `k_bytes` bytes (K / 2), `unroll` steps of `gps` groups in flight,
-    `loads` bits a weight load, `wg` warpgroups a CTA (`split`: sharing each item's steps)."""
+    `loads` bits a weight load, `wg` warpgroups a CTA (`split`: sharing each item's steps), B of `ncol` columns
+    (8: up to 4 tokens, 16: up to 8)."""
     if k_bytes % 16:
         raise ValueError(f"K / 2 = {k_bytes}: a whole number of 32-value groups (16 bytes) expected")
     if loads not in (32, 64):
         raise ValueError(f"--loads: 32 or 64, got {loads}")
     out = SRC
     for name, value in (("k_bytes", k_bytes), ("unroll", unroll), ("loads", loads), ("gps", gps),
-                        ("128 * wg", 128 * wg), ("split", wg if split else 1)):
+                        ("128 * wg", 128 * wg), ("split", wg if split else 1), ("ncol", ncol)):
         out = out.replace("{{ %s }}" % name, str(value))
     return out
 
 
+def columns(tokens: int) -> int:
+    """B's columns for `tokens` tokens (two terms each): 8 up to 4 tokens, 16 up to 8."""
+    if not 1 <= tokens <= 8:
+        raise ValueError(f"tokens: 1 to 8 (two terms a token in an n16 tile at most), got {tokens}")
+    return 8 if tokens <= 4 else 16
+
+
 def b_operand(x, torch):
-    """x [T <= 4, K] bf16 -> (B bytes in the kernel's shared-memory layout, s_t [4] fp32, the terms' value)."""
+    """x [T <= 8, K] bf16 -> (B bytes in the kernel's shared-memory layout for columns(T) columns, s_t [8] fp32
+    times 2^6, the terms' value)."""
     t, k = x.shape
     xf = x.float()
     s = (xf.abs().amax(dim=1).clamp_min(1e-30) / 448.0)
     v = xf / s[:, None]
     hi = v.to(torch.float8_e4m3fn)
     lo = (v - hi.float()).to(torch.float8_e4m3fn)
-    cols = torch.zeros(8, k, dtype=torch.uint8, device=x.device)
+    n = columns(t)
+    cols = torch.zeros(n, k, dtype=torch.uint8, device=x.device)
     cols[0:2 * t:2] = hi.view(torch.uint8)
     cols[1:2 * t:2] = lo.view(torch.uint8)
     # inside each group of 32: fragment k = p holds value 2p (p < 16) or 2 (p - 16) + 1
@@ -242,8 +270,9 @@ def b_operand(x, torch):
     src = torch.where(p < 16, 2 * p, 2 * (p - 16) + 1)
     perm = (torch.arange(k // 32, device=x.device)[:, None] * 32 + src[None, :]).reshape(-1)
     cols = cols[:, perm]
-    b = cols.reshape(8, k // 16, 16).permute(1, 0, 2).contiguous().reshape(-1)
-    xs = torch.zeros(4, dtype=torch.float32, device=x.device)
+    # a group's bytes: [2 core matrices along K][n / 8 along N][8 columns][16 bytes]
+    b = cols.reshape(n // 8, 8, k // 16, 16).permute(2, 0, 1, 3).contiguous().reshape(-1)
+    xs = torch.zeros(8, dtype=torch.float32, device=x.device)
     xs[:t] = s * 64.0   # (the placed e4m3 weights are the e2m1 values times 2^-6)
     approx = (hi.float() + lo.float()) * s[:, None]
     return b, xs, approx
@@ -276,8 +305,9 @@ def emulate(w, s, x, torch):
     hi_v = e4m3(hi.reshape(rows, groups, 4, 1)).reshape(rows, groups, 4, 4)
     a = torch.cat([lo_v.reshape(rows, groups, 16), hi_v.reshape(rows, groups, 16)], dim=2)   # k = 4q + b, 16 + 4q + b
     b, xs, _ = b_operand(x, torch)
-    bm = b.reshape(2 * groups, 8, 16).view(torch.float8_e4m3fn).float()                    # [core matrix, col, byte]
-    bm = bm.reshape(groups, 2, 8, 16).permute(2, 0, 1, 3).reshape(8, groups, 32)            # [col, group, k]
+    n = columns(x.shape[0])
+    bm = b.reshape(groups, 2, n // 8, 8, 16).view(torch.float8_e4m3fn).float()            # [group, k core, n core, col, byte]
+    bm = bm.permute(2, 3, 0, 1, 4).reshape(n, groups, 32)                                 # [col, group, k]
     d = torch.einsum("rgk,cgk->rcg", a, bm)                                                # fresh sums a group
     acc = (d * torch.exp2(s.float() - 127)[:, None, :]).sum(dim=2)                         # [rows, col]
     t = x.shape[0]
@@ -326,12 +356,13 @@ def main(argv=None) -> int:
     ref_w = dequant(layers[0][0], layers[0][1], torch)
     producer = elementwise_producer()
     for tokens in ints(a.tokens):
-        if not 1 <= tokens <= 4:
-            ap.error("--tokens: 1 to 4 (two terms a token in the n8 tile)")
+        if not 1 <= tokens <= 8:
+            ap.error("--tokens: 1 to 8 (two terms a token: an n8 tile to 4 tokens, n16 to 8)")
         x = torch.randn(tokens, a.k, device="cuda", generator=g).to(torch.bfloat16)
         b, xs, approx = b_operand(x, torch)
         ref = x.float() @ ref_w.T
-        y = torch.zeros(4, a.rows, dtype=torch.float32, device="cuda")
+        y = torch.zeros(8, a.rows, dtype=torch.float32, device="cuda")
+        ncol = columns(tokens)
         for unroll, ctas, loads, gps, wg, split in itertools.product(
                 ints(a.unroll), ints(a.ctas), ints(a.loads), ints(a.gps), ints(a.wg), ints(a.split)):
             if split and wg == 1:
@@ -339,15 +370,15 @@ def main(argv=None) -> int:
             tag = (f"T {tokens}  unroll {unroll}  {ctas} CTAs of {wg} warpgroups an SM{' (split)' if split else ''}"
                    f"  loads {loads}  gps {gps}")
             try:
-                cubin, log = nvrtc_compile(source(kb, unroll, loads, gps, wg, bool(split)), "wgmma_fp4",
+                cubin, log = nvrtc_compile(source(kb, unroll, loads, gps, wg, bool(split), ncol), "wgmma_fp4",
                                            target_arch(dev), "wgmma_fp4", None)
             except Exception as e:   # noqa: BLE001 (a diagnostic: report and go on)
                 print(f"{tag}: build failed: {e}")
                 continue
             if "serialized" in log:
                 print(f"{tag}: {log.strip()}")
-            k = Launcher(Module(cubin, f"wgmma_fp4-{kb}-{unroll}-{loads}-{gps}-{wg}-{split}"), "wgmma_fp4",
-                         dev, (ctas * sms, 1, 1), (128 * wg, 1, 1), "QQQQQqi4x", smem=wg * (kb // 16 * 256))
+            k = Launcher(Module(cubin, f"wgmma_fp4-{kb}-{unroll}-{loads}-{gps}-{wg}-{split}-{ncol}"), "wgmma_fp4",
+                         dev, (ctas * sms, 1, 1), (128 * wg, 1, 1), "QQQQQqi4x", smem=wg * (kb // 16 * 32 * ncol))
             turn = [0]
 
             def step(layer=None):
