@@ -80,11 +80,12 @@ def test_the_read_pattern_probe_loads_its_steps_and_spins(chunk, unroll, spin):
 
 @pytest.mark.parametrize("k_bytes,unroll,loads,gps,wg,split,ncol", [
     (1440, 2, 32, 2, 1, False, 8), (1440, 2, 64, 2, 1, False, 8), (3584, 2, 32, 4, 2, False, 8),
-    (1440, 4, 64, 2, 2, True, 8), (1440, 4, 64, 2, 1, False, 16), (3584, 2, 64, 4, 1, False, 16)])
+    (1440, 4, 64, 2, 2, True, 8), (1440, 4, 64, 2, 1, False, 16), (3584, 2, 64, 4, 1, False, 16),
+    (1440, 8, 128, 2, 1, False, 8), (3584, 4, 128, 4, 2, True, 16)])
 def test_the_wgmma_fp4_probe_builds_fp8_wgmmas_from_registers(k_bytes, unroll, loads, gps, wg, split, ncol):
     """tools/diagnose/wgmma_fp4.py's kernel compiles for sm_90a: its K loop holds one register-sourced fp8 wgmma a
-    group (QGMMA), no spills, and ptxas does not serialize the wgmmas; groups a step that do not divide a row's are
-    refused at compile time."""
+    group (QGMMA), no spills, and ptxas does not serialize the wgmmas; with 128-bit loads the weights go by cp.async
+    and ldmatrix; groups a step that do not divide a row's are refused at compile time."""
     from kerngen.compile import nvrtc_compile
     from kerngen.errors import CompileError
     from kerngen.resources import mma_loop, sass, usage
@@ -95,13 +96,15 @@ def test_the_wgmma_fp4_probe_builds_fp8_wgmmas_from_registers(k_bytes, unroll, l
     files = {"kernel.cubin": cubin}
     text = sass(files)
     assert text.count(f"QGMMA.64x{ncol}x32.F32.E4M3.E4M3") >= unroll * gps
+    if loads == 128:   # the weights by cp.async into shared memory, handed out by ldmatrix
+        assert "LDGSTS.E.BYPASS.128" in text and "LDSM.16.M88.4" in text
     assert dict(usage(files))["wgmma_fp4"]["STACK"] == 0
     loop = mma_loop(text, "wgmma_fp4")
     assert loop is not None and not loop[1]
     with pytest.raises(CompileError, match="divisor"):
         nvrtc_compile(wgmma_fp4.source(1440, 2, 32, 4), "wgmma_fp4", "sm_90a", "wgmma_fp4", None)   # 90 groups
     with pytest.raises(ValueError, match="loads"):
-        wgmma_fp4.source(1440, 2, 128)
+        wgmma_fp4.source(1440, 2, 16)
 
 
 def test_the_wgmma_fp4_layouts_compute_the_dequantized_product():

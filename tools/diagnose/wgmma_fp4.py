@@ -16,7 +16,9 @@ activations are B, in shared memory: each token as two e4m3 terms (hi = e4m3(x /
 s_t = max|x_t| / 448), a column each, so 4 tokens fill an n8 tile and 8 an n16 one; inside each group the K order is permuted the
 same way for A and B (thread q holds bytes 4q .. 4q + 3 of a group's 16, as values 2p and 2p + 1 at the fragment's
 k = p and 16 + p). `--loads 32`: each thread loads its 4 bytes of a group and row (LDG.32); `--loads 64`: 8 bytes
-(half a group) and one shuffle with the lane beside it gives each its 4 bytes of two groups.
+(half a group) and one shuffle with the lane beside it gives each its 4 bytes of two groups; `--loads 128`: each warp
+copies its rows' steps by 16-byte cp.async into a ring of `--unroll` slots in shared memory (no registers held by
+the bytes in flight) and ldmatrix hands each thread its words of two groups and two rows at once.
 
 Each configuration is checked against an fp32 reference that dequantizes the weights itself (relative error
 printed), then timed in a CUDA graph after a producer kernel with `--layers` copies cycled, and printed as µs and %
@@ -51,7 +53,8 @@ constexpr int GB = NCOL * 32;              // B's bytes a group (2 core matrices
 static_assert(NCOL == 8 || NCOL == 16, "B's columns: 8 or 16");
 constexpr int STEPS = G / GPS;
 static_assert(G % GPS == 0, "groups a step: a divisor of the groups a row");
-static_assert(GPS % 2 == 0 || LOADW == 32, "64-bit loads: an even number of groups a step");
+static_assert(GPS % 2 == 0 || LOADW == 32, "64- and 128-bit loads: an even number of groups a step");
+constexpr int STAGE = 16 * GPS * 16;       // LOADW 128: a warp's ring slot, [GPS groups][16 rows][16 bytes]
 
 __device__ __forceinline__ void wgmma_fresh(float d[ND], const unsigned a[4], unsigned desc_lo, unsigned desc_hi) {
 #if {{ ncol }} == 8
@@ -79,14 +82,28 @@ __device__ __forceinline__ void place(unsigned w, unsigned& lo, unsigned& hi) {
 
 struct Step { unsigned w[2][GPS]; unsigned s[2][GPS]; };
 
-// Step `step`'s loads (the caller clamps a step past its last to the last: those registers go unused).
+// Step `step`'s loads (the caller clamps a step past its last to the last: those registers go unused). LOADW 128:
+// the warp's 16 rows x GPS groups into ring slot `slot` by 16-byte cp.async, one commit group a step (none copied
+// where `copy` is false: a step past the last), rows from `wrows` (the warp's first row).
 __device__ __forceinline__ void load_step(const unsigned* r0, const unsigned* r1, const unsigned char* s0,
-                                          const unsigned char* s1, int step, Step& st) {
+                                          const unsigned char* s1, int step, Step& st, const unsigned char* wrows,
+                                          unsigned slot, bool copy) {
     const int lane = threadIdx.x & 31, q = lane & 3;
     const int g0 = step * GPS;
+    if (LOADW == 128) {
+#pragma unroll
+        for (int i = 0; i < GPS / 2; ++i) {   // chunk c = lane + 32 i: row c / GPS, group c % GPS of the step
+            const int c = lane + 32 * i, r = c / GPS, jj = c % GPS;
+            const unsigned char* src = wrows + (long long)r * KB + (g0 + jj) * 16;
+            const unsigned dst = slot + (jj * 16 + r) * 16;
+            if (copy) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
 #pragma unroll
     for (int j = 0; j < GPS; ++j) {
-        if (LOADW == 32) {
+        if (LOADW == 128) {
+        } else if (LOADW == 32) {
             st.w[0][j] = __ldcs(r0 + (g0 + j) * 4 + q);
             st.w[1][j] = __ldcs(r1 + (g0 + j) * 4 + q);
         } else if (j % 2 == 0) {
@@ -105,13 +122,27 @@ __device__ __forceinline__ void load_step(const unsigned* r0, const unsigned* r1
 struct Pend { float d[GPS][ND]; float sc[2][GPS]; };   // a step's wgmmas in flight and its scales
 
 // Place step `step`'s weights, issue its GPS wgmmas (a fresh sum a group) and commit them as one group.
-__device__ __forceinline__ void issue_step(const Step& st, int step, unsigned desc_lo, unsigned desc_hi, Pend& pd) {
+__device__ __forceinline__ void issue_step(const Step& st, int step, unsigned desc_lo, unsigned desc_hi, Pend& pd,
+                                           unsigned slot) {
     const int lane = threadIdx.x & 31, q = lane & 3;
     unsigned a[GPS][4];
     unsigned wd[2][GPS];   // word q of each group of the step, rows g and g + 8
+    if (LOADW == 128) {    // this step's slot complete (UNROLL - 1 newer copies may fly), seen by the whole warp
+        asm volatile("cp.async.wait_group %0;" :: "n"(UNROLL - 1) : "memory");
+        __syncwarp();
+    }
 #pragma unroll
     for (int j = 0; j < GPS; ++j) {
-        if (LOADW == 32) {
+        if (LOADW == 128) {
+            if (j % 2 == 0) {   // matrices (rows 0-7, j), (8-15, j), (0-7, j + 1), (8-15, j + 1): lane (g, q) gets
+                                // bytes 4q .. 4q + 3 of its row of each, word q of the groups
+                const int m = lane >> 3, row = (m & 1) * 8 + (lane & 7), jj = j + (m >> 1);
+                const unsigned addr = slot + (jj * 16 + row) * 16;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(wd[0][j]), "=r"(wd[1][j]), "=r"(wd[0][j + 1]), "=r"(wd[1][j + 1]) : "r"(addr)
+                             : "memory");
+            }
+        } else if (LOADW == 32) {
             wd[0][j] = st.w[0][j];
             wd[1][j] = st.w[1][j];
         } else if (j % 2 == 0) {
@@ -133,6 +164,7 @@ __device__ __forceinline__ void issue_step(const Step& st, int step, unsigned de
         pd.sc[0][j] = __uint_as_float(st.s[0][j] << 23);   // 2^(s - 127) (the placement's 2^6: in xs)
         pd.sc[1][j] = __uint_as_float(st.s[1][j] << 23);
     }
+    if (LOADW == 128) __syncwarp();   // every lane's reads of the slot done before it is filled again
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int j = 0; j < GPS; ++j)   // group step * GPS + j: its core matrices at GB (j + step GPS) bytes
@@ -162,6 +194,8 @@ extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __g
     // B's descriptor (no swizzle): start address / 16; K-adjacent core matrices NCOL * 16 bytes apart (the leading
     // offset), N-adjacent ones 128 (the stride offset): a group's B is [2 along K][NCOL / 8 along N][8][16 bytes]
     unsigned char* bs = smem + wg * (G * GB);
+    const unsigned ring_s = (unsigned)__cvta_generic_to_shared(smem + (blockDim.x >> 7) * (G * GB))
+                          + (threadIdx.x >> 5) * (UNROLL * STAGE);   // LOADW 128: this warp's ring
     const unsigned desc_lo = (((unsigned)__cvta_generic_to_shared(bs) >> 4) & 0x3FFF) | ((NCOL * 16 >> 4) << 16);
     const unsigned desc_hi = 128 >> 4;
     // SPLIT: the CTA's warpgroups share an item, each a contiguous share of its steps (else an item each)
@@ -176,13 +210,15 @@ extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __g
         const unsigned* r1 = p.w + row1 * KW;
         const unsigned char* s0 = p.s + row0 * G;
         const unsigned char* s1 = p.s + row1 * G;
+        const unsigned char* wrows = reinterpret_cast<const unsigned char*>(p.w) + (item * 64 + w * 16) * KB;
         float acc[ND];
 #pragma unroll
         for (int i = 0; i < ND; ++i) acc[i] = 0.f;
         Step ring[UNROLL];
         Pend pend;   // (a step's sums taken while the next step's wgmmas run: ptxas serializes the wgmmas, C7513/C7514)
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) load_step(r0, r1, s0, s1, k0 + min(u, n - 1), ring[u]);
+        for (int u = 0; u < UNROLL; ++u)
+            load_step(r0, r1, s0, s1, k0 + min(u, n - 1), ring[u], wrows, ring_s + u * STAGE, u < n);
         if (!staged) {   // B once, after the first weight loads are on their way; a barrier of the warpgroup
             for (int i = (threadIdx.x & 127) + k0 * GPS * (GB / 16); i < k1 * GPS * (GB / 16); i += 128)
                 reinterpret_cast<uint4*>(bs)[i] = reinterpret_cast<const uint4*>(p.b)[i];
@@ -193,11 +229,12 @@ extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __g
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 if (s + u < n) {   // (uniform over the warpgroup)
-                    issue_step(ring[u], k0 + s + u, desc_lo, desc_hi, pend);
+                    issue_step(ring[u], k0 + s + u, desc_lo, desc_hi, pend, ring_s + u * STAGE);
                     wait_all();
                     finish_step(pend, acc);
                 }
-                load_step(r0, r1, s0, s1, k0 + min(s + u + UNROLL, n - 1), ring[u]);
+                load_step(r0, r1, s0, s1, k0 + min(s + u + UNROLL, n - 1), ring[u], wrows, ring_s + u * STAGE,
+                          s + u + UNROLL < n);
             }
         }
         if (SPLIT > 1) {   // the other warpgroups' sums into warpgroup 0's
@@ -236,8 +273,8 @@ def source(k_bytes: int, unroll: int, loads: int, gps: int = 4, wg: int = 1, spl
     (8: up to 4 tokens, 16: up to 8)."""
     if k_bytes % 16:
         raise ValueError(f"K / 2 = {k_bytes}: a whole number of 32-value groups (16 bytes) expected")
-    if loads not in (32, 64):
-        raise ValueError(f"--loads: 32 or 64, got {loads}")
+    if loads not in (32, 64, 128):
+        raise ValueError(f"--loads: 32, 64 or 128, got {loads}")
     out = SRC
     for name, value in (("k_bytes", k_bytes), ("unroll", unroll), ("loads", loads), ("gps", gps),
                         ("128 * wg", 128 * wg), ("split", wg if split else 1), ("ncol", ncol)):
@@ -378,7 +415,7 @@ def main(argv=None) -> int:
             if "serialized" in log:
                 print(f"{tag}: {log.strip()}")
             k = Launcher(Module(cubin, f"wgmma_fp4-{kb}-{unroll}-{loads}-{gps}-{wg}-{split}-{ncol}"), "wgmma_fp4",
-                         dev, (ctas * sms, 1, 1), (128 * wg, 1, 1), "QQQQQqi4x", smem=wg * (kb // 16 * 32 * ncol))
+                         dev, (ctas * sms, 1, 1), (128 * wg, 1, 1), "QQQQQqi4x", smem=wg * (kb // 16 * 32 * ncol) + (wg * 4 * unroll * 256 * gps if loads == 128 else 0))
             turn = [0]
 
             def step(layer=None):
