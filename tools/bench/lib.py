@@ -16,6 +16,22 @@ def require_gpu(tool: str) -> None:
         raise SystemExit(2)
 
 
+def probe_kernel(source: str, name: str, grid_per_sm: int, block: int, fmt: str, smem: int = 0):
+    """A standalone probe kernel (tools/diagnose): `source` compiled by NVRTC for this GPU and bound at `grid_per_sm`
+    CTAs an SM of `block` threads, its by-value parameters packed as struct format `fmt` (without "<").
+    Returns (launcher, compile log); call the launcher as launcher(stream, *fields)."""
+    import torch
+
+    from kerngen.compile import nvrtc_compile
+    from kerngen.launch import Launcher, Module
+    from kerngen.plan import target_arch
+    dev = torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    cubin, log = nvrtc_compile(source, name, target_arch(dev), name, None)
+    module = Module(cubin, f"{name}-{hash(source) & 0xFFFFFFFF:08x}")
+    return Launcher(module, name, dev, (grid_per_sm * sms, 1, 1), (block, 1, 1), fmt, smem=smem), log
+
+
 def empty_kernel_us() -> float:
     """One empty kernel per call inside a graph: the floor of any launch."""
     from kerngen.compile import nvrtc_compile

@@ -90,16 +90,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.rows % 16 or a.row_bytes % 16:
         ap.error("--rows must be a multiple of 16 and --row-bytes of 16")
-    from ..bench.lib import read_bandwidth_tbs, require_gpu
+    from ..bench.lib import probe_kernel, read_bandwidth_tbs, require_gpu
     require_gpu("python3 -m tools.diagnose.read_pattern")
     import torch
 
-    from kerngen.compile import nvrtc_compile
-    from kerngen.launch import Launcher, Module, current_stream
-    from kerngen.plan import target_arch
+    from kerngen.launch import current_stream
     from kerngen.timing import after_producer_us, elementwise_producer
     dev = torch.cuda.current_device()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     nbytes = a.rows * a.row_bytes
     layers = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda") for _ in range(a.layers)]
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -110,10 +107,7 @@ def main(argv=None) -> int:
           f"{tbs:.2f} TB/s: floor {floor:.2f} µs")
     for chunk, unroll, ctas, spin, warps in itertools.product(ints(a.chunk), ints(a.unroll), ints(a.ctas),
                                                              ints(a.spin), ints(a.warps)):
-        cubin, _ = nvrtc_compile(source(chunk, unroll, spin, warps), "read_pattern", target_arch(dev), "read_pattern",
-                                 None)
-        k = Launcher(Module(cubin, f"read_pattern-{chunk}-{unroll}-{spin}-{warps}"), "read_pattern", dev,
-                     (ctas * sms, 1, 1), (32 * warps, 1, 1), "QQqi4x")
+        k, _ = probe_kernel(source(chunk, unroll, spin, warps), "read_pattern", ctas, 32 * warps, "QQqi4x")
         turn = [0]
 
         def step():   # the next layer's copy (captured in turn: the graph cycles them)

@@ -370,16 +370,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.rows % 64 or a.k % 32:
         ap.error("--rows must be a multiple of 64 and --k of 32")
-    from ..bench.lib import read_bandwidth_tbs, require_gpu
+    from ..bench.lib import probe_kernel, read_bandwidth_tbs, require_gpu
     require_gpu("python3 -m tools.diagnose.wgmma_fp4")
     import torch
 
-    from kerngen.compile import nvrtc_compile
-    from kerngen.launch import Launcher, Module, current_stream
-    from kerngen.plan import target_arch
+    from kerngen.launch import current_stream
     from kerngen.timing import after_producer_us, elementwise_producer
     dev = torch.cuda.current_device()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     kb = a.k // 2
     g = torch.Generator(device="cuda").manual_seed(0)
     layers = [(torch.randint(0, 256, (a.rows, kb), dtype=torch.uint8, device="cuda", generator=g),
@@ -407,15 +404,14 @@ def main(argv=None) -> int:
             tag = (f"T {tokens}  unroll {unroll}  {ctas} CTAs of {wg} warpgroups an SM{' (split)' if split else ''}"
                    f"  loads {loads}  gps {gps}")
             try:
-                cubin, log = nvrtc_compile(source(kb, unroll, loads, gps, wg, bool(split), ncol), "wgmma_fp4",
-                                           target_arch(dev), "wgmma_fp4", None)
+                k, log = probe_kernel(source(kb, unroll, loads, gps, wg, bool(split), ncol), "wgmma_fp4", ctas,
+                                      128 * wg, "QQQQQqi4x", smem=wg * (kb // 16 * 32 * ncol)
+                                      + (wg * 4 * unroll * 256 * gps if loads == 128 else 0))
             except Exception as e:   # noqa: BLE001 (a diagnostic: report and go on)
                 print(f"{tag}: build failed: {e}")
                 continue
             if "serialized" in log:
                 print(f"{tag}: {log.strip()}")
-            k = Launcher(Module(cubin, f"wgmma_fp4-{kb}-{unroll}-{loads}-{gps}-{wg}-{split}-{ncol}"), "wgmma_fp4",
-                         dev, (ctas * sms, 1, 1), (128 * wg, 1, 1), "QQQQQqi4x", smem=wg * (kb // 16 * 32 * ncol) + (wg * 4 * unroll * 256 * gps if loads == 128 else 0))
             turn = [0]
 
             def step(layer=None):
