@@ -14,7 +14,8 @@ GPU_TOOLS = ["tools.bench.__main__", "tools.bench.routing", "tools.bench.routing
              "tools.bench.moe_layer_demo", "tools.bench.moe_block", "tools.diagnose.routing_phases",
              "tools.diagnose.sanitize_run", "tools.bench.experts", "tools.bench.latent_tail", "tools.sweep.finalize",
              "tools.sweep.tail", "tools.sweep.experts fp8 deepseek-v3 1", "tools.diagnose.experts_alone",
-             "tools.diagnose.pdl_cost", "tools.diagnose.read_pattern", "tools.diagnose.wgmma_fp4"]
+             "tools.diagnose.pdl_cost", "tools.diagnose.read_pattern", "tools.diagnose.wgmma_fp4",
+             "tools.diagnose.wgmma_fp8"]
 
 
 @pytest.mark.parametrize("command", GPU_TOOLS)
@@ -133,6 +134,43 @@ def test_the_wgmma_fp4_layouts_compute_the_dequantized_product():
         x = (torch.randn(t, k, generator=g) * torch.rand(t, k, generator=g) ** 4).to(torch.bfloat16)
         ref = x.float() @ dequant(w, s, torch).T
         err = ((emulate(w, s, x, torch) - ref).abs().max() / ref.abs().max()).item()
+        assert err < 2e-3, (t, k, err)
+
+
+@pytest.mark.parametrize("k,ncol,stages", [(7168, 8, 4), (2048, 32, 6), (7168, 64, 3)])
+def test_the_wgmma_fp8_probe_reads_both_operands_from_shared_memory(k, ncol, stages):
+    """tools/diagnose/wgmma_fp8.py's kernel compiles for sm_90a: four shared-memory fp8 wgmmas of n`ncol` a K block
+    (the first a fresh sum, the rest adding to it), the weights by cp.async, no spills, no serialized wgmmas; a K
+    that is not whole scale blocks, or columns past 64, are refused."""
+    from kerngen.compile import nvrtc_compile
+    from kerngen.resources import sass, usage
+    from tools.diagnose import wgmma_fp8
+    cubin, log = nvrtc_compile(wgmma_fp8.source(k, ncol, stages), "wgmma_fp8", "sm_90a", "wgmma_fp8", None)
+    assert "serialized" not in log, log
+    files = {"kernel.cubin": cubin}
+    text = sass(files)
+    assert text.count(f"QGMMA.64x{ncol}x32.F32.E4M3.E4M3") == 4 and "LDGSTS.E.BYPASS.128" in text
+    assert dict(usage(files))["wgmma_fp8"]["STACK"] == 0
+    for bad in ((7000, 8, 4), (7168, 72, 4)):
+        with pytest.raises(ValueError):
+            wgmma_fp8.source(*bad)
+
+
+def test_the_wgmma_fp8_layouts_compute_the_dequantized_product():
+    """The fp8 probe's layouts on the CPU: emulate() (B read back from its shared-memory bytes, a fresh fp32 sum a
+    128-wide K block times its scale, the two terms) is the product with block-scaled weights an fp32 reference
+    dequantizes itself, within 2e-3 of the largest output, for 1-32 tokens."""
+    from tools.diagnose.wgmma_fp8 import columns, dequant, emulate
+    assert [columns(t) for t in (1, 4, 5, 12, 32)] == [8, 8, 16, 24, 64]
+    with pytest.raises(ValueError, match="tokens"):
+        columns(33)
+    g = torch.Generator().manual_seed(2)
+    for t, k in [(1, 7168), (3, 512), (12, 1024), (32, 256)]:
+        w = (torch.randn(256, k, generator=g) * 64).to(torch.float8_e4m3fn).view(torch.uint8)
+        ws = torch.rand(2, k // 128, generator=g) * 1e-3 + 1e-4
+        x = (torch.randn(t, k, generator=g) * torch.rand(t, k, generator=g) ** 4).to(torch.bfloat16)
+        ref = x.float() @ dequant(w, ws, torch).T
+        err = ((emulate(w, ws, x, torch) - ref).abs().max() / ref.abs().max()).item()
         assert err < 2e-3, (t, k, err)
 
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import itertools
 
+from .probe import floor_us, ints, measure, start, two_terms
+
 SRC = r"""
 struct P {
     const unsigned* w;          // [rows, KB] e2m1 pairs, as words
@@ -293,11 +295,7 @@ def b_operand(x, torch):
     """x [T <= 8, K] bf16 -> (B bytes in the kernel's shared-memory layout for columns(T) columns, s_t [8] fp32
     times 2^6, the terms' value)."""
     t, k = x.shape
-    xf = x.float()
-    s = (xf.abs().amax(dim=1).clamp_min(1e-30) / 448.0)
-    v = xf / s[:, None]
-    hi = v.to(torch.float8_e4m3fn)
-    lo = (v - hi.float()).to(torch.float8_e4m3fn)
+    hi, lo, s = two_terms(x, torch)
     n = columns(t)
     cols = torch.zeros(n, k, dtype=torch.uint8, device=x.device)
     cols[0:2 * t:2] = hi.view(torch.uint8)
@@ -351,9 +349,6 @@ def emulate(w, s, x, torch):
     return ((acc[:, 0:2 * t:2] + acc[:, 1:2 * t:2]) * xs[:t]).T
 
 
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -370,25 +365,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.rows % 64 or a.k % 32:
         ap.error("--rows must be a multiple of 64 and --k of 32")
-    from ..bench.lib import probe_kernel, read_bandwidth_tbs, require_gpu
-    require_gpu("python3 -m tools.diagnose.wgmma_fp4")
-    import torch
-
-    from kerngen.launch import current_stream
-    from kerngen.timing import after_producer_us, elementwise_producer
-    dev = torch.cuda.current_device()
+    torch, _, _, producer, g = start("python3 -m tools.diagnose.wgmma_fp4")
     kb = a.k // 2
-    g = torch.Generator(device="cuda").manual_seed(0)
     layers = [(torch.randint(0, 256, (a.rows, kb), dtype=torch.uint8, device="cuda", generator=g),
                torch.randint(118, 128, (a.rows, a.k // 32), dtype=torch.uint8, device="cuda", generator=g))
               for _ in range(a.layers)]
     nbytes = a.rows * (kb + a.k // 32)
-    tbs = read_bandwidth_tbs()
-    floor = nbytes / (tbs * 1e12) * 1e6
-    print(f"{a.rows} rows x K {a.k} MXFP4 ({nbytes / 2**20:.1f} MiB with scales), {a.layers} layers cycled; "
-          f"streaming read {tbs:.2f} TB/s: floor {floor:.2f} µs")
+    floor = floor_us("MXFP4", a.rows, a.k, nbytes, a.layers)
     ref_w = dequant(layers[0][0], layers[0][1], torch)
-    producer = elementwise_producer()
     for tokens in ints(a.tokens):
         if not 1 <= tokens <= 8:
             ap.error("--tokens: 1 to 8 (two terms a token: an n8 tile to 4 tokens, n16 to 8)")
@@ -403,34 +387,9 @@ def main(argv=None) -> int:
                 continue
             tag = (f"T {tokens}  unroll {unroll}  {ctas} CTAs of {wg} warpgroups an SM{' (split)' if split else ''}"
                    f"  loads {loads}  gps {gps}")
-            try:
-                k, log = probe_kernel(source(kb, unroll, loads, gps, wg, bool(split), ncol), "wgmma_fp4", ctas,
-                                      128 * wg, "QQQQQqi4x", smem=wg * (kb // 16 * 32 * ncol)
-                                      + (wg * 4 * unroll * 256 * gps if loads == 128 else 0))
-            except Exception as e:   # noqa: BLE001 (a diagnostic: report and go on)
-                print(f"{tag}: build failed: {e}")
-                continue
-            if "serialized" in log:
-                print(f"{tag}: {log.strip()}")
-            turn = [0]
-
-            def step(layer=None):
-                w, s = layer or layers[turn[0] % len(layers)]
-                turn[0] += 1
-                k(current_stream(dev), w.data_ptr(), s.data_ptr(), b.data_ptr(), xs.data_ptr(), y.data_ptr(),
-                  a.rows, tokens)
-
-            y.zero_()
-            step(layers[0])
-            torch.cuda.synchronize()
-            err = ((y[:tokens] - ref).abs().max() / ref.abs().max()).item()
-            us = after_producer_us(step, producer, calls=4 * len(layers))
-            y.zero_()
-            step(layers[0])
-            torch.cuda.synchronize()
-            err2 = ((y[:tokens] - ref).abs().max() / ref.abs().max()).item()
-            print(f"{tag}:  {us:8.2f} µs  {100 * floor / us:5.1f}% of the floor  max err / max |ref| {err:.2e}"
-                  f" (after timing {err2:.2e})")
+            measure(tag, source(kb, unroll, loads, gps, wg, bool(split), ncol), "wgmma_fp4", ctas, 128 * wg,
+                    wg * (kb // 16 * 32 * ncol) + (wg * 4 * unroll * 256 * gps if loads == 128 else 0), layers, b, xs,
+                    y, tokens, ref, floor, producer)
     return 0
 
 
