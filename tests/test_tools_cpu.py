@@ -15,7 +15,7 @@ GPU_TOOLS = ["tools.bench.__main__", "tools.bench.routing", "tools.bench.routing
              "tools.diagnose.sanitize_run", "tools.bench.experts", "tools.bench.latent_tail", "tools.sweep.finalize",
              "tools.sweep.tail", "tools.sweep.experts fp8 deepseek-v3 1", "tools.diagnose.experts_alone",
              "tools.diagnose.pdl_cost", "tools.diagnose.read_pattern", "tools.diagnose.wgmma_fp4",
-             "tools.diagnose.wgmma_fp8"]
+             "tools.diagnose.wgmma_smem"]
 
 
 @pytest.mark.parametrize("command", GPU_TOOLS)
@@ -137,41 +137,48 @@ def test_the_wgmma_fp4_layouts_compute_the_dequantized_product():
         assert err < 2e-3, (t, k, err)
 
 
-@pytest.mark.parametrize("k,ncol,stages", [(7168, 8, 4), (2048, 32, 6), (7168, 64, 3)])
-def test_the_wgmma_fp8_probe_reads_both_operands_from_shared_memory(k, ncol, stages):
-    """tools/diagnose/wgmma_fp8.py's kernel compiles for sm_90a: four shared-memory fp8 wgmmas of n`ncol` a K block
-    (the first a fresh sum, the rest adding to it), the weights by cp.async, no spills, no serialized wgmmas; a K
-    that is not whole scale blocks, or columns past 64, are refused."""
+@pytest.mark.parametrize("dtype,k,ncol,stages", [("e4m3", 7168, 8, 4), ("e4m3", 2048, 32, 6), ("e4m3", 7168, 64, 3),
+                                                 ("bf16", 2048, 8, 4), ("bf16", 7168, 64, 3)])
+def test_the_wgmma_smem_probe_reads_both_operands_from_shared_memory(dtype, k, ncol, stages):
+    """tools/diagnose/wgmma_smem.py's kernel compiles for sm_90a: four shared-memory wgmmas of n`ncol` a 128-byte K
+    block (e4m3 k32 or bf16 k16; the first a fresh sum, the rest adding to it), the weights by cp.async, no spills, no
+    serialized wgmmas; a K that is not whole blocks, columns past 64 or another dtype are refused."""
     from kerngen.compile import nvrtc_compile
     from kerngen.resources import sass, usage
-    from tools.diagnose import wgmma_fp8
-    cubin, log = nvrtc_compile(wgmma_fp8.source(k, ncol, stages), "wgmma_fp8", "sm_90a", "wgmma_fp8", None)
+    from tools.diagnose import wgmma_smem
+    cubin, log = nvrtc_compile(wgmma_smem.source(k, ncol, stages, dtype=dtype), "wgmma_smem", "sm_90a", "wgmma_smem",
+                               None)
     assert "serialized" not in log, log
     files = {"kernel.cubin": cubin}
     text = sass(files)
-    assert text.count(f"QGMMA.64x{ncol}x32.F32.E4M3.E4M3") == 4 and "LDGSTS.E.BYPASS.128" in text
-    assert dict(usage(files))["wgmma_fp8"]["STACK"] == 0
+    op = f"QGMMA.64x{ncol}x32.F32.E4M3.E4M3" if dtype == "e4m3" else f"HGMMA.64x{ncol}x16.F32.BF16"
+    assert text.count(op) == 4 and "LDGSTS.E.BYPASS.128" in text, text.count(op)
+    assert dict(usage(files))["wgmma_smem"]["STACK"] == 0
     for bad in ((7000, 8, 4), (7168, 72, 4)):
         with pytest.raises(ValueError):
-            wgmma_fp8.source(*bad)
+            wgmma_smem.source(*bad)
+    with pytest.raises(ValueError, match="dtype"):
+        wgmma_smem.source(7168, 8, 4, dtype="f16")
 
 
-def test_the_wgmma_fp8_layouts_compute_the_dequantized_product():
-    """The fp8 probe's layouts on the CPU: emulate() (B read back from its shared-memory bytes, a fresh fp32 sum a
-    128-wide K block times its scale, the two terms) is the product with block-scaled weights an fp32 reference
-    dequantizes itself, within 2e-3 of the largest output, for 1-32 tokens."""
-    from tools.diagnose.wgmma_fp8 import columns, dequant, emulate
+@pytest.mark.parametrize("dtype", ["e4m3", "bf16"])
+def test_the_wgmma_smem_layouts_compute_the_dequantized_product(dtype):
+    """The shared-memory probe's layouts on the CPU: emulate() (B read back from its shared-memory bytes, a fresh fp32
+    sum a 128-byte K block times its scale, a token's columns added) is the product with weights an fp32 reference
+    dequantizes itself (e4m3 times its block scales, or bf16), within 2e-3 of the largest output (e4m3's two terms
+    keep about 8 bits of an activation; bf16's are exact), for 1-32 (e4m3) or 1-64 (bf16) tokens."""
+    from tools.diagnose.wgmma_smem import columns, dequant, emulate, weights
     assert [columns(t) for t in (1, 4, 5, 12, 32)] == [8, 8, 16, 24, 64]
+    assert [columns(t, "bf16") for t in (1, 8, 9, 64)] == [8, 8, 16, 64]
     with pytest.raises(ValueError, match="tokens"):
         columns(33)
     g = torch.Generator().manual_seed(2)
-    for t, k in [(1, 7168), (3, 512), (12, 1024), (32, 256)]:
-        w = (torch.randn(256, k, generator=g) * 64).to(torch.float8_e4m3fn).view(torch.uint8)
-        ws = torch.rand(2, k // 128, generator=g) * 1e-3 + 1e-4
+    for t, k in [(1, 7168), (3, 512), (12, 1024), (32, 256)] + ([(64, 256)] if dtype == "bf16" else []):
+        w, ws = weights(256, k, dtype, torch, generator=g)
         x = (torch.randn(t, k, generator=g) * torch.rand(t, k, generator=g) ** 4).to(torch.bfloat16)
-        ref = x.float() @ dequant(w, ws, torch).T
-        err = ((emulate(w, ws, x, torch) - ref).abs().max() / ref.abs().max()).item()
-        assert err < 2e-3, (t, k, err)
+        ref = x.float() @ dequant(w, ws, torch, dtype).T
+        err = ((emulate(w, ws, x, torch, dtype) - ref).abs().max() / ref.abs().max()).item()
+        assert err < (2e-3 if dtype == "e4m3" else 1e-5), (t, k, err)
 
 
 def test_experts_alone_builds_a_fused_x_rule_for_the_tokens_it_serves():

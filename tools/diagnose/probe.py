@@ -1,4 +1,4 @@
-"""What the standalone GEMM probes of tools/diagnose share (wgmma_fp4, wgmma_fp8): activations as two e4m3 terms, the
+"""What the standalone GEMM probes of tools/diagnose share (wgmma_fp4, wgmma_smem): activations as two e4m3 terms, the
 floor line, and a configuration checked against its reference, timed, and checked again."""
 from __future__ import annotations
 
