@@ -14,10 +14,10 @@ item of 64 weight rows; each 128-byte K block of them (8 KiB: 128 e4m3 values, o
 `wgmma.mma_async` (m64nNk32 e4m3 or m64nNk16 bf16) reads both from shared memory (no swizzle: core matrices of 8
 rows x 16 bytes) into a fresh sum a block, which one FFMA a value adds times the block's scale (1 for bf16). e4m3:
 the activations are two e4m3 terms a token (hi = e4m3(x / s_t), lo = e4m3(x / s_t - hi), s_t = max|x_t| / 448), a
-column each, N = 2T rounded up to 8 (at most 64); bf16: the activations as they are, N = T rounded up to 8. Each configuration is checked against an fp32
-reference that dequantizes the weights itself (relative error printed), then timed in a CUDA graph after a producer
-kernel with `--layers` copies cycled, as µs and % of the floor (weight + scale bytes at tools.bench's streaming-read
-bandwidth). Needs a GPU with sm_90a; `source(...)` renders and compiles with NVRTC anywhere.
+column each, N = 2T rounded up to 8 (at most 64); bf16: the activations as they are, N = T rounded up to 8. Each
+configuration is checked against an fp32 reference that dequantizes the weights itself (relative error printed),
+then timed in a CUDA graph after a producer kernel with `--layers` copies cycled, as µs and % of the floor (weight +
+scale bytes at tools.bench's streaming-read bandwidth). Needs a GPU with sm_90a; `source(...)` renders and compiles with NVRTC anywhere.
 """
 from __future__ import annotations
 
