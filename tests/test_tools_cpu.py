@@ -138,7 +138,7 @@ def test_the_wgmma_fp4_layouts_compute_the_dequantized_product():
 
 
 @pytest.mark.parametrize("dtype,k,ncol,stages", [("e4m3", 7168, 8, 4), ("e4m3", 2048, 32, 6), ("e4m3", 7168, 64, 3),
-                                                 ("bf16", 2048, 8, 4), ("bf16", 7168, 64, 3)])
+                                                 ("bf16", 2048, 8, 4), ("bf16", 7168, 64, 3), ("bf16t", 2880, 16, 4)])
 def test_the_wgmma_smem_probe_reads_both_operands_from_shared_memory(dtype, k, ncol, stages):
     """tools/diagnose/wgmma_smem.py's kernel compiles for sm_90a: four shared-memory wgmmas of n`ncol` a 128-byte K
     block (e4m3 k32 or bf16 k16; the first a fresh sum, the rest adding to it), the weights by cp.async, no spills, no
@@ -152,6 +152,7 @@ def test_the_wgmma_smem_probe_reads_both_operands_from_shared_memory(dtype, k, n
     files = {"kernel.cubin": cubin}
     text = sass(files)
     op = f"QGMMA.64x{ncol}x32.F32.E4M3.E4M3" if dtype == "e4m3" else f"HGMMA.64x{ncol}x16.F32.BF16"
+    assert ("tnspA" in text) == (dtype == "bf16t")   # (the transposed A of the weights stored [K, rows])
     assert text.count(op) == 4 and "LDGSTS.E.BYPASS.128" in text, text.count(op)
     assert dict(usage(files))["wgmma_smem"]["STACK"] == 0
     for bad in ((7000, 8, 4), (7168, 72, 4)):
@@ -161,19 +162,20 @@ def test_the_wgmma_smem_probe_reads_both_operands_from_shared_memory(dtype, k, n
         wgmma_smem.source(7168, 8, 4, dtype="f16")
 
 
-@pytest.mark.parametrize("dtype", ["e4m3", "bf16"])
+@pytest.mark.parametrize("dtype", ["e4m3", "bf16", "bf16t"])
 def test_the_wgmma_smem_layouts_compute_the_dequantized_product(dtype):
     """The shared-memory probe's layouts on the CPU: emulate() (B read back from its shared-memory bytes, a fresh fp32
     sum a 128-byte K block times its scale, a token's columns added) is the product with weights an fp32 reference
-    dequantizes itself (e4m3 times its block scales, or bf16), within 2e-3 of the largest output (e4m3's two terms
-    keep about 8 bits of an activation; bf16's are exact), for 1-32 (e4m3) or 1-64 (bf16) tokens."""
+    dequantizes itself (e4m3 times its block scales, or bf16, also stored transposed), within 2e-3 of the largest
+    output (e4m3's two terms keep about 8 bits of an activation; bf16's are exact), for 1-32 (e4m3) or 1-64 (bf16)
+    tokens."""
     from tools.diagnose.wgmma_smem import columns, dequant, emulate, weights
     assert [columns(t) for t in (1, 4, 5, 12, 32)] == [8, 8, 16, 24, 64]
     assert [columns(t, "bf16") for t in (1, 8, 9, 64)] == [8, 8, 16, 64]
     with pytest.raises(ValueError, match="tokens"):
         columns(33)
     g = torch.Generator().manual_seed(2)
-    for t, k in [(1, 7168), (3, 512), (12, 1024), (32, 256)] + ([(64, 256)] if dtype == "bf16" else []):
+    for t, k in [(1, 7168), (3, 512), (12, 1024), (32, 256)] + ([(64, 256)] if dtype != "e4m3" else []):
         w, ws = weights(256, k, dtype, torch, generator=g)
         x = (torch.randn(t, k, generator=g) * torch.rand(t, k, generator=g) ** 4).to(torch.bfloat16)
         ref = x.float() @ dequant(w, ws, torch, dtype).T

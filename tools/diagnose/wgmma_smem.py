@@ -4,7 +4,7 @@ operand passes through registers (the weights as they are stored, by cp.async in
 against the streaming-read floor, for 1 to 64 tokens on one weight matrix (one expert's rows, as a tile of tokens
 sees them).
 
-    python3 -m tools.diagnose.wgmma_smem [--dtype e4m3,bf16] [--rows 4096] [--k 7168] [--tokens 1,8,16,32]
+    python3 -m tools.diagnose.wgmma_smem [--dtype e4m3,bf16,bf16t] [--rows 4096] [--k 7168] [--tokens 1,8,16,32]
         [--layers 4] [--stages 3,4,6] [--ctas 1,2]
 
 The experts kernels (templates/experts/mma.cu.j2) hold each lane's weights in registers for mma.sync (fp8 widened to
@@ -12,12 +12,14 @@ f16 a pair), with up to 16 tokens a tile: more tokens an expert read its weights
 item of 64 weight rows; each 128-byte K block of them (8 KiB: 128 e4m3 values, one scale of the checkpoint's 128 x
 128 blocks, or 64 bf16 values) and of the activations goes by 16-byte cp.async into one of `--stages` slots, and
 `wgmma.mma_async` (m64nNk32 e4m3 or m64nNk16 bf16) reads both from shared memory (no swizzle: core matrices of 8
-rows x 16 bytes) into a fresh sum a block, which one FFMA a value adds times the block's scale (1 for bf16). e4m3:
-the activations are two e4m3 terms a token (hi = e4m3(x / s_t), lo = e4m3(x / s_t - hi), s_t = max|x_t| / 448), a
-column each, N = 2T rounded up to 8 (at most 64); bf16: the activations as they are, N = T rounded up to 8. Each
-configuration is checked against an fp32 reference that dequantizes the weights itself (relative error printed),
-then timed in a CUDA graph after a producer kernel with `--layers` copies cycled, as µs and % of the floor (weight +
-scale bytes at tools.bench's streaming-read bandwidth). Needs a GPU with sm_90a; `source(...)` renders and compiles with NVRTC anywhere.
+rows x 16 bytes) into a fresh sum a block, which one FFMA a value adds times the block's scale (1 for bf16). bf16t:
+the bf16 weights stored transposed ([K, rows], as transformers keeps gpt-oss's and Llama-4's experts), their 64-row
+item read M-major (wgmma's transposed A). e4m3: the activations are two e4m3 terms a token (hi = e4m3(x / s_t), lo =
+e4m3(x / s_t - hi), s_t = max|x_t| / 448), a column each, N = 2T rounded up to 8 (at most 64); bf16: the activations
+as they are, N = T rounded up to 8. Each configuration is checked against an fp32 reference that dequantizes the
+weights itself (relative error printed), then timed in a CUDA graph after a producer kernel with `--layers` copies
+cycled, as µs and % of the floor (weight + scale bytes at tools.bench's streaming-read bandwidth). Needs a GPU with
+sm_90a; `source(...)` renders and compiles with NVRTC anywhere.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ constexpr int RB = $RB;                    // bytes a weight row (a multiple of 
 constexpr int KB = RB / 128;               // 128-byte blocks along K (e4m3: the scale blocks)
 constexpr int NCOL = $NCOL;                // B's columns
 constexpr int TERMS = $TERMS;              // B's columns a token (e4m3: hi and lo; bf16: the row as it is)
+constexpr int MN = $MN;                    // 1: the weights stored transposed, [K][rows] (bf16t), A read M-major
 constexpr int ND = NCOL / 2;               // a thread's sums of an m64nNCOL tile
 constexpr int STAGES = $STAGES;            // ring slots (K blocks in flight)
 constexpr int A_BYTES = 64 * 128;          // a slot's weights: [8 chunks][64 rows][16 bytes]
@@ -79,13 +82,19 @@ __device__ __forceinline__ void cp16(unsigned dst, const void* src) {
 }
 
 // K block `kb` of the item's 64 rows and of B into slot `s` (one commit group; none copied past the last block).
-__device__ __forceinline__ void load_block(const P& p, const unsigned char* rows, unsigned s, int kb) {
+__device__ __forceinline__ void load_block(const P& p, long long item, unsigned s, int kb) {
     const int t = threadIdx.x & 127;
     if (kb < KB) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {   // chunk c of row r: consecutive threads, consecutive rows of one chunk
-            const int c = 2 * j + (t >> 6), r = t & 63;
-            cp16(s + c * 1024 + r * 16, rows + (long long)r * RB + kb * 128 + c * 16);
+        for (int j = 0; j < 4; ++j) {
+            if (MN) {   // k-row k of the block, its 16 bytes mc of the item's 128: core matrix (k / 8, mc), row k % 8
+                const int i = t + 128 * j, k = i >> 3, mc = i & 7;
+                cp16(s + ((k >> 3) * 8 + mc) * 128 + (k & 7) * 16,
+                     p.w + (long long)(kb * 64 + k) * (p.rows * 2) + item * 128 + mc * 16);
+            } else {    // chunk c of row r: consecutive threads, consecutive rows of one chunk
+                const int c = 2 * j + (t >> 6), r = t & 63;
+                cp16(s + c * 1024 + r * 16, p.w + (item * 64 + r) * RB + kb * 128 + c * 16);
+            }
         }
         for (int i = t; i < 8 * NCOL; i += 128)
             cp16(s + A_BYTES + i * 16, p.b + ((long long)kb * 8 * NCOL + i) * 16);
@@ -99,24 +108,25 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_smem(const __grid_consta
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, w = threadIdx.x >> 5;
     const long long items = p.rows / 64;
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-        const unsigned char* rows = p.w + item * 64 * RB;
         const float* ws = p.ws + (item * 64 / 128) * KB;
         float acc[ND];
 #pragma unroll
         for (int i = 0; i < ND; ++i) acc[i] = 0.f;
 #pragma unroll
-        for (int kb = 0; kb < STAGES - 1; ++kb) load_block(p, rows, ring + kb * SLOT, kb);
+        for (int kb = 0; kb < STAGES - 1; ++kb) load_block(p, item, ring + kb * SLOT, kb);
         for (int kb = 0; kb < KB; ++kb) {
             asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2) : "memory");
             __syncthreads();   // block kb in every thread's view; every warp done with block kb - 1's slot
-            load_block(p, rows, ring + ((kb + STAGES - 1) % STAGES) * SLOT, kb + STAGES - 1);
+            load_block(p, item, ring + ((kb + STAGES - 1) % STAGES) * SLOT, kb + STAGES - 1);
             const unsigned s = ring + (kb % STAGES) * SLOT;
             const float f = __ldg(ws + kb);
             float d[ND];
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {   // 32 bytes of K (k32 e4m3, k16 bf16): chunks 2kk, 2kk + 1
-                const unsigned long long da = desc(s + 2 * kk * 1024, 1024, 128);
+                // (K-major: core matrices 1024 bytes apart along K, 128 along M; M-major: 8 along M contiguous,
+                // 1024 bytes apart along K)
+                const unsigned long long da = desc(s + 2 * kk * 1024, MN ? 128 : 1024, MN ? 1024 : 128);
                 const unsigned long long db = desc(s + A_BYTES + 2 * kk * NCOL * 16, NCOL * 16, 128);
                 if (kk == 0) wgmma_fresh(d, da, db);
                 else wgmma_acc(d, da, db);
@@ -157,7 +167,8 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_smem(const __grid_consta
 """
 
 
-DTYPES = {"e4m3": (1, 2, "k32.f32.e4m3.e4m3", ""), "bf16": (2, 1, "k16.f32.bf16.bf16", ", 0, 0")}   # bytes, terms
+DTYPES = {"e4m3": (1, 2, "k32.f32.e4m3.e4m3", ""), "bf16": (2, 1, "k16.f32.bf16.bf16", ", 0, 0"),
+          "bf16t": (2, 1, "k16.f32.bf16.bf16", ", 1, 0")}   # bytes a value, columns a token, shape, transposes
 
 
 def columns(tokens: int, dtype: str = "e4m3") -> int:
@@ -185,7 +196,7 @@ def source(k: int, ncol: int, stages: int, swap: bool = False, dtype: str = "e4m
                         ("$DINOUTS", ", ".join(f'"+f"(d[{i}])' for i in range(nd))),
                         ("$DA", str(nd)), ("$DB", str(nd + 1)), ("$KSHAPE", shape), ("$TRANS", trans),
                         ("$NCOL", str(ncol)), ("$RB", str(k * size)), ("$STAGES", str(stages)),
-                        ("$TERMS", str(terms)), ("$SWAP", str(int(swap)))):
+                        ("$TERMS", str(terms)), ("$SWAP", str(int(swap))), ("$MN", str(int(dtype == "bf16t")))):
         out = out.replace(name, value)
     return out
 
@@ -194,7 +205,7 @@ def b_operand(x, torch, dtype: str = "e4m3"):
     """x [T, K] bf16 -> (B bytes in the kernel's layout, s_t [NCOL / TERMS] fp32, the columns' value)."""
     t, k = x.shape
     n, terms = columns(t, dtype), DTYPES[dtype][1]
-    if dtype == "bf16":
+    if dtype != "e4m3":
         cols = torch.zeros(n, k, dtype=torch.bfloat16, device=x.device)
         cols[:t] = x
         s, approx = torch.ones(t, device=x.device), x.float()
@@ -211,10 +222,12 @@ def b_operand(x, torch, dtype: str = "e4m3"):
 
 
 def weights(rows: int, k: int, dtype: str, torch, device="cpu", generator=None):
-    """Random weights as the kernel reads them: (bytes [rows, row bytes], block scales [rows / 128, row bytes / 128]:
-    e4m3 scaled per 128 x 128 block, bf16 with scales of 1)."""
-    if dtype == "bf16":
+    """Random weights as the kernel reads them: (bytes [rows, row bytes] or, bf16t, [K, rows * 2], block scales
+    [rows / 128, row bytes / 128]: e4m3 scaled per 128 x 128 block, bf16 with scales of 1)."""
+    if dtype != "e4m3":
         w = (torch.randn(rows, k, device=device, generator=generator) / k ** 0.5).to(torch.bfloat16)
+        if dtype == "bf16t":
+            w = w.T.contiguous()   # as transformers keeps gpt-oss's and Llama-4's experts: [K, rows]
         return w.view(torch.uint8), torch.ones(rows // 128, k * 2 // 128, device=device)
     w = (torch.randn(rows, k, device=device, generator=generator) * 64).to(torch.float8_e4m3fn)
     return w.view(torch.uint8), torch.rand(rows // 128, k // 128, device=device, generator=generator) * 1e-3 + 1e-4
@@ -222,14 +235,17 @@ def weights(rows: int, k: int, dtype: str, torch, device="cpu", generator=None):
 
 def dequant(w, ws, torch, dtype: str = "e4m3"):
     """weights() -> fp32 [rows, K]: e4m3 values times their block's scale, or the bf16 values."""
-    if dtype == "bf16":
-        return w.view(torch.bfloat16).float()
+    if dtype != "e4m3":
+        v = w.view(torch.bfloat16).float()
+        return v.T if dtype == "bf16t" else v
     return w.view(torch.float8_e4m3fn).float() * ws.repeat_interleave(128, 0).repeat_interleave(128, 1)
 
 
 def emulate(w, ws, x, torch, dtype: str = "e4m3"):
     """The kernel's arithmetic on the CPU from its layouts: B read back from b_operand()'s bytes, a fresh fp32 sum a
     128-byte K block times its scale, the columns of a token added and times its scale. -> [T, rows] fp32."""
+    if dtype == "bf16t":   # (the same sums: the transposed storage only changes where the kernel reads A)
+        w, dtype = w.view(torch.bfloat16).T.contiguous().view(torch.uint8), "bf16"
     rows, rb = w.shape
     b, xs, _ = b_operand(x, torch, dtype)
     n, terms = columns(x.shape[0], dtype), DTYPES[dtype][1]
@@ -246,7 +262,8 @@ def emulate(w, ws, x, torch, dtype: str = "e4m3"):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", default="e4m3", help="e4m3 (block-scaled, two-term activations), bf16, or both")
+    ap.add_argument("--dtype", default="e4m3", help="e4m3 (block-scaled, two-term activations), bf16, bf16t (bf16 "
+                    "stored transposed, [K, rows]), or several")
     ap.add_argument("--rows", type=int, default=4096, help="weight rows (a multiple of 128)")
     ap.add_argument("--k", type=int, default=7168, help="K, values a row (a multiple of 128)")
     ap.add_argument("--tokens", default="1,8,16,32")
