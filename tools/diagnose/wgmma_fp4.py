@@ -18,7 +18,8 @@ same way for A and B (thread q holds bytes 4q .. 4q + 3 of a group's 16, as valu
 k = p and 16 + p). `--loads 32`: each thread loads its 4 bytes of a group and row (LDG.32); `--loads 64`: 8 bytes
 (half a group) and one shuffle with the lane beside it gives each its 4 bytes of two groups; `--loads 128`: each warp
 copies its rows' steps by 16-byte cp.async into a ring of `--unroll` slots in shared memory (no registers held by
-the bytes in flight) and ldmatrix hands each thread its words of two groups and two rows at once.
+the bytes in flight), ldmatrix hands each thread its words of two groups and two rows at once, and the item's
+scales come into shared memory once an item.
 
 Each configuration is checked against an fp32 reference that dequantizes the weights itself (relative error
 printed), then timed in a CUDA graph after a producer kernel with `--layers` copies cycled, and printed as µs and %
@@ -116,8 +117,10 @@ __device__ __forceinline__ void load_step(const unsigned* r0, const unsigned* r1
             st.w[0][j] = v0.x; st.w[0][j + 1] = v0.y;
             st.w[1][j] = v1.x; st.w[1][j + 1] = v1.y;
         }
-        st.s[0][j] = __ldcs(s0 + g0 + j);
-        st.s[1][j] = __ldcs(s1 + g0 + j);
+        if (LOADW != 128) {   // (LOADW 128: the item's scales are in shared memory)
+            st.s[0][j] = __ldcs(s0 + g0 + j);
+            st.s[1][j] = __ldcs(s1 + g0 + j);
+        }
     }
 }
 
@@ -125,7 +128,7 @@ struct Pend { float d[GPS][ND]; float sc[2][GPS]; };   // a step's wgmmas in fli
 
 // Place step `step`'s weights, issue its GPS wgmmas (a fresh sum a group) and commit them as one group.
 __device__ __forceinline__ void issue_step(const Step& st, int step, unsigned desc_lo, unsigned desc_hi, Pend& pd,
-                                           unsigned slot) {
+                                           unsigned slot, const unsigned char* scs) {
     const int lane = threadIdx.x & 31, q = lane & 3;
     unsigned a[GPS][4];
     unsigned wd[2][GPS];   // word q of each group of the step, rows g and g + 8
@@ -163,8 +166,14 @@ __device__ __forceinline__ void issue_step(const Step& st, int step, unsigned de
     for (int j = 0; j < GPS; ++j) {
         place(wd[0][j], a[j][0], a[j][2]);
         place(wd[1][j], a[j][1], a[j][3]);
-        pd.sc[0][j] = __uint_as_float(st.s[0][j] << 23);   // 2^(s - 127) (the placement's 2^6: in xs)
-        pd.sc[1][j] = __uint_as_float(st.s[1][j] << 23);
+        // 2^(s - 127) (the placement's 2^6: in xs); LOADW 128: the scale bytes of rows g and g + 8 of this warp's 16
+        // from the item's scales in shared memory
+        const unsigned s0 = LOADW == 128 ? scs[((threadIdx.x >> 5 & 3) * 16 + (lane >> 2)) * G + step * GPS + j]
+                                         : st.s[0][j];
+        const unsigned s1 = LOADW == 128 ? scs[((threadIdx.x >> 5 & 3) * 16 + (lane >> 2) + 8) * G + step * GPS + j]
+                                         : st.s[1][j];
+        pd.sc[0][j] = __uint_as_float(s0 << 23);
+        pd.sc[1][j] = __uint_as_float(s1 << 23);
     }
     if (LOADW == 128) __syncwarp();   // every lane's reads of the slot done before it is filled again
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -198,6 +207,7 @@ extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __g
     unsigned char* bs = smem + wg * (G * GB);
     const unsigned ring_s = (unsigned)__cvta_generic_to_shared(smem + (blockDim.x >> 7) * (G * GB))
                           + (threadIdx.x >> 5) * (UNROLL * STAGE);   // LOADW 128: this warp's ring
+    unsigned char* scs = smem + (blockDim.x >> 7) * (G * GB + 4 * UNROLL * STAGE) + wg * (64 * G);   // its scales
     const unsigned desc_lo = (((unsigned)__cvta_generic_to_shared(bs) >> 4) & 0x3FFF) | ((NCOL * 16 >> 4) << 16);
     const unsigned desc_hi = 128 >> 4;
     // SPLIT: the CTA's warpgroups share an item, each a contiguous share of its steps (else an item each)
@@ -218,6 +228,13 @@ extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __g
         for (int i = 0; i < ND; ++i) acc[i] = 0.f;
         Step ring[UNROLL];
         Pend pend;   // (a step's sums taken while the next step's wgmmas run: ptxas serializes the wgmmas, C7513/C7514)
+        if (LOADW == 128) {   // the item's 64 x G scale bytes (contiguous) into this warpgroup's, one commit group
+            const unsigned dst = (unsigned)__cvta_generic_to_shared(scs);
+            for (int i = threadIdx.x & 127; i < 64 * G / 16; i += 128)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                             :: "r"(dst + i * 16), "l"(p.s + item * 64 * G + i * 16) : "memory");
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
             load_step(r0, r1, s0, s1, k0 + min(u, n - 1), ring[u], wrows, ring_s + u * STAGE, u < n);
@@ -227,11 +244,15 @@ extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __g
             asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");
             staged = true;
         }
+        if (LOADW == 128) {   // the scales' group (the oldest) complete, every warp's copies seen
+            asm volatile("cp.async.wait_group %0;" :: "n"(UNROLL) : "memory");
+            asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");
+        }
         for (int s = 0; s < n; s += UNROLL) {
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 if (s + u < n) {   // (uniform over the warpgroup)
-                    issue_step(ring[u], k0 + s + u, desc_lo, desc_hi, pend, ring_s + u * STAGE);
+                    issue_step(ring[u], k0 + s + u, desc_lo, desc_hi, pend, ring_s + u * STAGE, scs);
                     wait_all();
                     finish_step(pend, acc);
                 }
@@ -239,6 +260,8 @@ extern "C" __global__ void __launch_bounds__({{ 128 * wg }}) wgmma_fp4(const __g
                           s + u + UNROLL < n);
             }
         }
+        if (LOADW == 128)   // every warp done with the item's scales before the next item's replace them
+            asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");
         if (SPLIT > 1) {   // the other warpgroups' sums into warpgroup 0's
             __shared__ float red[SPLIT > 1 ? SPLIT - 1 : 1][128][ND];
             if (wg > 0)
@@ -387,9 +410,11 @@ def main(argv=None) -> int:
                 continue
             tag = (f"T {tokens}  unroll {unroll}  {ctas} CTAs of {wg} warpgroups an SM{' (split)' if split else ''}"
                    f"  loads {loads}  gps {gps}")
-            measure(tag, source(kb, unroll, loads, gps, wg, bool(split), ncol), "wgmma_fp4", ctas, 128 * wg,
-                    wg * (kb // 16 * 32 * ncol) + (wg * 4 * unroll * 256 * gps if loads == 128 else 0), layers, b, xs,
-                    y, tokens, ref, floor, producer)
+            smem = wg * (kb // 16 * 32 * ncol)   # B; with 128-bit loads each warp's ring and the item's scales
+            if loads == 128:
+                smem += wg * (4 * unroll * 256 * gps + 64 * (kb // 16))
+            measure(tag, source(kb, unroll, loads, gps, wg, bool(split), ncol), "wgmma_fp4", ctas, 128 * wg, smem,
+                    layers, b, xs, y, tokens, ref, floor, producer)
     return 0
 
 
