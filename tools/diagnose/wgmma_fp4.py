@@ -11,11 +11,10 @@ the H200's floor. Here a warpgroup of 4 warps takes an item of 64 weight rows: e
 e4m3 bytes (sign and magnitude moved by shifts: 5 integer instructions for 8 values, the values times 2^-6), and
 `wgmma.mma_async.m64n8k32.f32.e4m3.e4m3` with A from those registers computes one 32-value group a wgmma into a
 fresh accumulator, which one FFMA a value adds to the item's sum times the group's scale (2^(s - 127): one shift;
-the 2^6 goes with the token's scale). The
-activations are B, in shared memory: each token as two e4m3 terms (hi = e4m3(x / s_t), lo = e4m3(x / s_t - hi),
-s_t = max|x_t| / 448), a column each, so 4 tokens fill an n8 tile and 8 an n16 one; inside each group the K order is permuted the
-same way for A and B (thread q holds bytes 4q .. 4q + 3 of a group's 16, as values 2p and 2p + 1 at the fragment's
-k = p and 16 + p). `--loads 32`: each thread loads its 4 bytes of a group and row (LDG.32); `--loads 64`: 8 bytes
+the 2^6 goes with the token's scale). The activations are B, in shared memory: each token as two e4m3 terms (hi =
+e4m3(x / s_t), lo = e4m3(x / s_t - hi), s_t = max|x_t| / 448), a column each, so 4 tokens fill an n8 tile and 8 an
+n16 one; inside each group the K order is permuted the same way for A and B (thread q holds bytes 4q .. 4q + 3 of a
+group's 16, as values 2p and 2p + 1 at the fragment's k = p and 16 + p). `--loads 32`: each thread loads its 4 bytes of a group and row (LDG.32); `--loads 64`: 8 bytes
 (half a group) and one shuffle with the lane beside it gives each its 4 bytes of two groups; `--loads 128`: each warp
 copies its rows' steps by 16-byte cp.async into a ring of `--unroll` slots in shared memory (no registers held by
 the bytes in flight), ldmatrix hands each thread its words of two groups and two rows at once, and the item's
