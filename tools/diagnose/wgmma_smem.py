@@ -12,11 +12,12 @@ f16 a pair), with up to 16 tokens a tile: more tokens an expert read its weights
 item of 64 weight rows; each 128-byte K block of them (8 KiB: 128 e4m3 values, one scale of the checkpoint's 128 x
 128 blocks, or 64 bf16 values) and of the activations goes by 16-byte cp.async into one of `--stages` slots, and
 `wgmma.mma_async` (m64nNk32 e4m3 or m64nNk16 bf16) reads both from shared memory (no swizzle: core matrices of 8
-rows x 16 bytes) into a fresh sum a block, which one FFMA a value adds times the block's scale (1 for bf16). bf16t:
-the bf16 weights stored transposed ([K, rows], as transformers keeps gpt-oss's and Llama-4's experts), their 64-row
-item read M-major (wgmma's transposed A). e4m3: the activations are two e4m3 terms a token (hi = e4m3(x / s_t), lo =
-e4m3(x / s_t - hi), s_t = max|x_t| / 448), a column each, N = 2T rounded up to 8 (at most 64); bf16: the activations
-as they are, N = T rounded up to 8. Each configuration is checked against an fp32 reference that dequantizes the
+rows x 16 bytes): e4m3 into a fresh sum a block, which one FFMA a value adds times the block's scale; bf16 into one
+running sum, a block's wgmmas running while the next block's are issued. bf16t: the bf16 weights stored transposed
+([K, rows], as transformers keeps gpt-oss's and Llama-4's experts), their 64-row item read M-major (wgmma's
+transposed A). e4m3: the activations are two e4m3 terms a token (hi = e4m3(x / s_t), lo = e4m3(x / s_t - hi), s_t =
+max|x_t| / 448), a column each, N = 2T rounded up to 8 (at most 64); bf16: the activations as they are, N = T
+rounded up to 8. Each configuration is checked against an fp32 reference that dequantizes the
 weights itself (relative error printed), then timed in a CUDA graph after a producer kernel with `--layers` copies
 cycled, as µs and % of the floor (weight + scale bytes at tools.bench's streaming-read bandwidth). Needs a GPU with
 sm_90a; `source(...)` renders and compiles with NVRTC anywhere.
@@ -43,6 +44,7 @@ constexpr int KB = RB / 128;               // 128-byte blocks along K (e4m3: the
 constexpr int NCOL = $NCOL;                // B's columns
 constexpr int TERMS = $TERMS;              // B's columns a token (e4m3: hi and lo; bf16: the row as it is)
 constexpr int MN = $MN;                    // 1: the weights stored transposed, [K][rows] (bf16t), A read M-major
+constexpr int SCALED = $SCALED;            // 1 (e4m3): a fresh sum a block times its scale; 0: one running sum
 constexpr int ND = NCOL / 2;               // a thread's sums of an m64nNCOL tile
 constexpr int STAGES = $STAGES;            // ring slots (K blocks in flight)
 constexpr int A_BYTES = 64 * 128;          // a slot's weights: [8 chunks][64 rows][16 bytes]
@@ -50,7 +52,7 @@ constexpr int B_BYTES = NCOL * 128;        // a slot's activations: [8 chunks][N
 constexpr int SLOT = A_BYTES + B_BYTES;
 static_assert(RB % 128 == 0, "a row: a multiple of 128 bytes");
 static_assert(NCOL % 8 == 0 && NCOL >= 8 && NCOL <= 64, "B's columns: 8 to 64, a multiple of 8");
-static_assert(STAGES >= 2, "at least two slots");
+static_assert(STAGES >= 3 || (SCALED && STAGES >= 2), "at least two slots (three for one running sum)");
 
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
@@ -102,6 +104,22 @@ __device__ __forceinline__ void load_block(const P& p, long long item, unsigned 
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
+// The four wgmmas of the K block in slot `s` (32 bytes of K each: k32 e4m3, k16 bf16; chunks 2kk, 2kk + 1) into d,
+// the first a fresh sum where `fresh`, then committed as one group.
+__device__ __forceinline__ void block_wgmmas(unsigned s, float d[ND], bool fresh) {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        // (K-major: core matrices 1024 bytes apart along K, 128 along M; M-major: 8 along M contiguous, 1024 bytes
+        // apart along K)
+        const unsigned long long da = desc(s + 2 * kk * 1024, MN ? 128 : 1024, MN ? 1024 : 128);
+        const unsigned long long db = desc(s + A_BYTES + 2 * kk * NCOL * 16, NCOL * 16, 128);
+        if (kk == 0 && fresh) wgmma_fresh(d, da, db);
+        else wgmma_acc(d, da, db);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
 extern "C" __global__ void __launch_bounds__(128) wgmma_smem(const __grid_constant__ P p) {
     extern __shared__ __align__(128) unsigned char smem[];
     const unsigned ring = (unsigned)__cvta_generic_to_shared(smem);
@@ -112,32 +130,37 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_smem(const __grid_consta
         float acc[ND];
 #pragma unroll
         for (int i = 0; i < ND; ++i) acc[i] = 0.f;
+        if (SCALED) {   // block kb's wgmmas waited for in its own iteration: its slot refilled at the next
 #pragma unroll
-        for (int kb = 0; kb < STAGES - 1; ++kb) load_block(p, item, ring + kb * SLOT, kb);
-        for (int kb = 0; kb < KB; ++kb) {
-            asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2) : "memory");
-            __syncthreads();   // block kb in every thread's view; every warp done with block kb - 1's slot
-            load_block(p, item, ring + ((kb + STAGES - 1) % STAGES) * SLOT, kb + STAGES - 1);
-            const unsigned s = ring + (kb % STAGES) * SLOT;
-            const float f = __ldg(ws + kb);
-            float d[ND];
-            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+            for (int kb = 0; kb < STAGES - 1; ++kb) load_block(p, item, ring + kb * SLOT, kb);
+            for (int kb = 0; kb < KB; ++kb) {
+                asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2) : "memory");
+                __syncthreads();   // block kb in every thread's view; every warp done with block kb - 1's slot
+                load_block(p, item, ring + ((kb + STAGES - 1) % STAGES) * SLOT, kb + STAGES - 1);
+                const float f = __ldg(ws + kb);
+                float d[ND];
+                block_wgmmas(ring + (kb % STAGES) * SLOT, d, true);
+                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {   // 32 bytes of K (k32 e4m3, k16 bf16): chunks 2kk, 2kk + 1
-                // (K-major: core matrices 1024 bytes apart along K, 128 along M; M-major: 8 along M contiguous,
-                // 1024 bytes apart along K)
-                const unsigned long long da = desc(s + 2 * kk * 1024, MN ? 128 : 1024, MN ? 1024 : 128);
-                const unsigned long long db = desc(s + A_BYTES + 2 * kk * NCOL * 16, NCOL * 16, 128);
-                if (kk == 0) wgmma_fresh(d, da, db);
-                else wgmma_acc(d, da, db);
+                for (int i = 0; i < ND; ++i) {
+                    fence_operand(d[i]);
+                    acc[i] = fmaf(d[i], f, acc[i]);
+                }
             }
-            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        } else {        // one running sum in the wgmmas' accumulators: block kb's wgmmas run while block kb + 1's are
+                        // issued; a slot is refilled once the wgmmas of two blocks back are done
+#pragma unroll
+            for (int kb = 0; kb < STAGES - 2; ++kb) load_block(p, item, ring + kb * SLOT, kb);
+            for (int kb = 0; kb < KB; ++kb) {
+                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 3 > 0 ? STAGES - 3 : 0) : "memory");
+                __syncthreads();   // block kb in every thread's view; every warp done with block kb - 2's slot
+                load_block(p, item, ring + ((kb + STAGES - 2) % STAGES) * SLOT, kb + STAGES - 2);
+                block_wgmmas(ring + (kb % STAGES) * SLOT, acc, kb == 0);
+            }
             asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
-            for (int i = 0; i < ND; ++i) {
-                fence_operand(d[i]);
-                acc[i] = fmaf(d[i], f, acc[i]);
-            }
+            for (int i = 0; i < ND; ++i) fence_operand(acc[i]);
         }
         asm volatile("cp.async.wait_group 0;" ::: "memory");
         __syncthreads();   // the ring free for the next item
@@ -196,7 +219,8 @@ def source(k: int, ncol: int, stages: int, swap: bool = False, dtype: str = "e4m
                         ("$DINOUTS", ", ".join(f'"+f"(d[{i}])' for i in range(nd))),
                         ("$DA", str(nd)), ("$DB", str(nd + 1)), ("$KSHAPE", shape), ("$TRANS", trans),
                         ("$NCOL", str(ncol)), ("$RB", str(k * size)), ("$STAGES", str(stages)),
-                        ("$TERMS", str(terms)), ("$SWAP", str(int(swap))), ("$MN", str(int(dtype == "bf16t")))):
+                        ("$TERMS", str(terms)), ("$SWAP", str(int(swap))), ("$MN", str(int(dtype == "bf16t"))),
+                        ("$SCALED", str(int(dtype == "e4m3")))):
         out = out.replace(name, value)
     return out
 
