@@ -51,43 +51,33 @@ def time_checked(tag: str, launch, layers, y, ref, floor: float, producer) -> No
           f" (after timing {errs[1]:.2e})")
 
 
-def build(tag: str, source: str, name: str, ctas: int, block: int, fmt: str, smem: int):
-    """The probe kernel bound at `ctas` CTAs an SM (tools.bench.lib.probe_kernel), or None with the reason printed;
-    ptxas's wgmma serialization notes printed too."""
-    from ..bench.lib import probe_kernel
-    try:
-        k, log = probe_kernel(source, name, ctas, block, fmt, smem=smem)
-    except Exception as e:   # noqa: BLE001 (a diagnostic: report and go on)
-        print(f"{tag}: build failed: {e}")
-        return None
-    if "serialized" in log:
-        print(f"{tag}: {log.strip()}")
-    return k
-
-
 def start(command: str):
-    """After the GPU check (one line and exit 2 without one): (torch, device, current_stream, a producer kernel, a
-    seeded CUDA generator)."""
+    """After the GPU check (one line and exit 2 without one): (torch, a producer kernel, a seeded CUDA generator)."""
     from ..bench.lib import require_gpu
     require_gpu(command)
     import torch
 
-    from kerngen.launch import current_stream
     from kerngen.timing import elementwise_producer
-    return (torch, torch.cuda.current_device(), current_stream, elementwise_producer(),
-            torch.Generator(device="cuda").manual_seed(0))
+    return torch, elementwise_producer(), torch.Generator(device="cuda").manual_seed(0)
 
 
 def measure(tag: str, source: str, name: str, ctas: int, block: int, smem: int, layers, b, xs, y, tokens: int, ref,
             floor: float, producer) -> None:
     """Build one configuration of a probe whose parameters are (weights, their scales, B, token scales, y, rows,
-    tokens) and time_checked() it, each layer a (weights, scales) pair; a build that fails is reported and skipped."""
+    tokens) at `ctas` CTAs an SM (tools.bench.lib.probe_kernel; a build that fails is reported and skipped, ptxas's
+    wgmma serialization notes printed) and time_checked() it, each layer a (weights, scales) pair."""
     import torch
 
     from kerngen.launch import current_stream
-    k = build(tag, source, name, ctas, block, "QQQQQqi4x", smem)
-    if k is None:
+
+    from ..bench.lib import probe_kernel
+    try:
+        k, log = probe_kernel(source, name, ctas, block, "QQQQQqi4x", smem=smem)
+    except Exception as e:   # noqa: BLE001 (a diagnostic: report and go on)
+        print(f"{tag}: build failed: {e}")
         return
+    if "serialized" in log:
+        print(f"{tag}: {log.strip()}")
     dev, rows = torch.cuda.current_device(), ref.shape[1]
     time_checked(tag, lambda layer: k(current_stream(dev), layer[0].data_ptr(), layer[1].data_ptr(), b.data_ptr(),
                                       xs.data_ptr(), y.data_ptr(), rows, tokens), layers, y, ref, floor, producer)

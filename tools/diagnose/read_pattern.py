@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import itertools
 
+from .probe import ints
+
 SRC = r"""
 struct P { const unsigned char* w; unsigned* sink; long long rows; int row_bytes; };
 constexpr int CHUNK = {{ chunk }}, UNROLL = {{ unroll }}, SPIN = {{ spin }}, WARPS = {{ warps }}, V = CHUNK / 16;
@@ -71,10 +73,6 @@ def source(chunk: int, unroll: int, spin: int, warps: int = 4) -> str:
     if chunk % 16 or chunk <= 0:
         raise ValueError(f"--chunk: multiples of 16 bytes, got {chunk}")
     return jinja2.Template(SRC).render(chunk=chunk, unroll=unroll, spin=spin, warps=warps)
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
 
 
 def main(argv=None) -> int:

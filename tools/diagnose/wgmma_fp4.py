@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.rows % 64 or a.k % 32:
         ap.error("--rows must be a multiple of 64 and --k of 32")
-    torch, _, _, producer, g = start("python3 -m tools.diagnose.wgmma_fp4")
+    torch, producer, g = start("python3 -m tools.diagnose.wgmma_fp4")
     kb = a.k // 2
     layers = [(torch.randint(0, 256, (a.rows, kb), dtype=torch.uint8, device="cuda", generator=g),
                torch.randint(118, 128, (a.rows, a.k // 32), dtype=torch.uint8, device="cuda", generator=g))

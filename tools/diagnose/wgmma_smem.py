@@ -301,7 +301,7 @@ def main(argv=None) -> int:
     dtypes = a.dtype.split(",")
     if not set(dtypes) <= set(DTYPES):
         ap.error(f"--dtype: {', '.join(sorted(DTYPES))}")
-    torch, _, _, producer, g = start("python3 -m tools.diagnose.wgmma_smem")
+    torch, producer, g = start("python3 -m tools.diagnose.wgmma_smem")
     for dtype in dtypes:
         layers = [weights(a.rows, a.k, dtype, torch, "cuda", g) for _ in range(a.layers)]
         nbytes = layers[0][0].numel() + (layers[0][1].numel() * 4 if dtype == "e4m3" else 0)
