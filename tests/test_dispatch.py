@@ -72,9 +72,11 @@ def test_buckets_pick_what_the_table_picks(name):
         assert dp.spec(T) == plan(tbl, "permute", {"num_experts": m.num_experts, "top_k": m.top_k,
                                                    "tokens": max(T, 1)}, *tag_perm, "sm_90a"), (name, T)
         if m.intermediate:
-            tile = experts.tile_for(m.hidden, m.intermediate, m.activation, T, -1)
-            want = [r for r in tbl.rules if r.op == "experts" and r.matches({"hidden": m.hidden, "tokens": max(T, 1),
-                                                                             "arch": "sm_90a"})]
+            tile = experts.tile_for(m.hidden, m.intermediate, m.activation, T, -1, experts=m.num_experts,
+                                    top_k=m.top_k)
+            want = [r for r in tbl.rules if r.op == "experts" and r.matches(
+                {"hidden": m.hidden, "tokens": max(T, 1), "arch": "sm_90a", "num_experts": m.num_experts,
+                 "top_k": m.top_k})]
             assert tile == (want[0].params["tile"] if want else None), (name, T)
 
 
@@ -86,9 +88,11 @@ def test_the_experts_tile_is_the_rules():
         lo, hi = r.ranges["tokens"]
         f = r.formats[0] if r.formats else "bf16"
         fmt, a8 = ("fp8", True) if f == "w8a8" else (f, False)
+        E, K = r.ranges.get("num_experts", (0, 256))[1], r.ranges.get("top_k", (8,))[0]   # (256 / 8: none keyed)
         for T in (lo, hi):
-            assert experts.tile_for(7168, 2048, "silu", T, -1, fmt, "nk", a8) == r.params["tile"], (r, T)
-            s = experts.dispatch(-1, H=7168, I=2048, activation="silu", fmt=fmt, layout="nk", a8=a8).spec(T)
+            assert experts.tile_for(7168, 2048, "silu", T, -1, fmt, "nk", a8, E, K) == r.params["tile"], (r, T)
+            s = experts.dispatch(-1, H=7168, I=2048, activation="silu", fmt=fmt, layout="nk", a8=a8, experts=E,
+                                 top_k=K).spec(T)
             assert dict(s.constants)["TILE"] == r.params["tile"] and "tile" not in dict(s.params)
 
 
@@ -412,7 +416,7 @@ def test_what_calls_without_workspace_keep_is_bounded(stub_gpu):
     for T in (2, 3, 16, 4):
         x = torch.randn(T, H, generator=g).bfloat16()
         kerngen.experts(x, kerngen.route(torch.randn(T, E), top_k=2, method="softmax_topk", tile=8), w13, w2)
-    d = experts.dispatch(-1, H=H, I=I, activation="silu")
+    d = experts.dispatch(-1, H=H, I=I, activation="silu", experts=E, top_k=2)
     assert {id(d.kernel(T)) for T in (2, 3, 16, 4)} == {id(d.kernel(2))}   # one launch object for the bucket
     assert len(d.kernel(2)._act) == 1 and len(d.kernel(2)._sync) <= 1
 
@@ -461,7 +465,7 @@ def test_experts_take_the_callers_scratch_and_keep_none(stub_gpu):
     w13, w2 = torch.randn(E, 2 * I, H, generator=g).bfloat16(), torch.randn(E, H, I, generator=g).bfloat16()
     r = kerngen.route(torch.randn(T, E, generator=g), top_k=K, method="softmax_topk", tile=8)
     rows = r.permuted_to_token.shape[0]
-    k = experts.dispatch(x.get_device(), H=H, I=I, activation="silu").kernel(T)
+    k = experts.dispatch(x.get_device(), H=H, I=I, activation="silu", experts=E, top_k=K).kernel(T)
     kerngen.experts(x, r, w13, w2, scratch=torch.empty(rows, I, dtype=torch.bfloat16))
     assert k._act == {} and stub_gpu.count("experts_gemm1") + stub_gpu.count("experts_gemm12") == 1
     kerngen.experts(x, r, w13, w2)

@@ -301,3 +301,31 @@ def test_rules_marked_contiguous_only_leave_transposed_weights_to_grouped_mm():
     with pytest.raises(kerngen.TierError, match="transposed = false"):
         ex.spec(2880, 2880, None, "gpt_oss", 64, "sm_90a", layout="kn")
     assert "transposed" not in dict(ex.spec(2880, 2880, None, "gpt_oss", 64, "sm_90a").params)
+
+
+def test_tiles_of_32_where_an_experts_rows_fill_them():
+    """The rule keyed on num_experts and top_k: top-k 8 of 128 experts (qwen3) at 224-256 tokens takes tiles of 32
+    rows; fewer rows an expert (top-k 4, 256 experts), fewer tokens, or experts / top-k unknown keep tiles of 16.
+    Warmup builds the tile-32 kernels for the models the rule serves, and `explain` names them."""
+    for E, K, T, tile in ((128, 8, 256, 32), (128, 8, 224, 32), (128, 8, 223, 16), (128, 4, 256, 16),
+                          (256, 8, 256, 16), (0, 0, 256, 16)):
+        assert ex.tile_for(2048, 768, "silu", T, -1, experts=E, top_k=K) == tile, (E, K, T)
+    t = tiers.load()
+    tiles = lambda m: {ex.tile_of(s) for s in ex.model_specs(t.model(m), t, "sm_90a")}  # noqa: E731
+    assert 32 in tiles("qwen3-30b-a3b") and 32 in tiles("qwen3-235b-a22b")
+    assert 32 not in tiles("gpt-oss-120b") and 32 not in tiles("deepseek-v3")
+    shape = dict(hidden=2048, tokens=256, intermediate=768)
+    assert ex.tile_of(ex.explain_spec(t, "sm_90a", experts=128, top_k=8, **shape)) == 32
+    assert ex.tile_of(ex.explain_spec(t, "sm_90a", experts=128, top_k=4, **shape)) == 16
+
+
+def test_gemm1_blocks_sizes_only_the_first_gemms_grid():
+    """gemm1_blocks: experts_gemm1's CTAs an SM (its registers hold fewer than GEMM2's), GEMM2 keeps blocks_per_sm;
+    with one_launch (one kernel for both) it is a TierError."""
+    rule = tiers.Rule("experts", "mma", {}, dict(tile=32, warps=4, unroll=2, blocks_per_sm=8, gemm1_blocks=5))
+    launches = ex.Kernels.persistent(ex.rule_spec(rule, 2048, 768, "silu", "sm_90a"))
+    assert launches["experts_gemm1"].per_sm == 5 and launches["experts_gemm2"].per_sm == 8
+    one = tiers.Rule("experts", "mma", {}, dict(tile=8, warps=8, unroll=2, blocks_per_sm=4, one_launch=True,
+                                                gemm1_blocks=2))
+    with pytest.raises(kerngen.TierError, match="gemm1_blocks with one_launch"):
+        ex.rule_spec(one, 2048, 768, "silu", "sm_90a")

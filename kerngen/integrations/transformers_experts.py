@@ -54,8 +54,9 @@ class BlockState:
         self._rows: torch.Tensor | None = None
         self.routing: kerngen.Routing | None = None   # set by the router, taken by the experts
 
-    def tile(self, experts: nn.Module | None, x: torch.Tensor) -> int:
-        """The permutation's tile: kerngen.experts' (its rule's) where its kernels serve these tokens, else TILE."""
+    def tile(self, experts: nn.Module | None, x: torch.Tensor, top_k: int) -> int:
+        """The permutation's tile: kerngen.experts' (its rule's, for these tokens, the module's experts and top_k)
+        where its kernels serve these tokens, else TILE."""
         if self.activation is None or not x.is_cuda or x.dtype != torch.bfloat16:
             return TILE
         shape = self._shape
@@ -66,9 +67,9 @@ class BlockState:
             if w.dtype not in _ex.FORMATS or H % 8:
                 return TILE
             shape = self._shape = dict(H=H, I=w.shape[1] // 2, activation=self.activation, fmt=_ex.FORMATS[w.dtype],
-                                       layout=self.layout)
+                                       layout=self.layout, experts=w.shape[0])
         # the dispatch object looked up, not kept: kerngen.clear() forgets it with what it holds
-        s = _ex.dispatch(x.get_device(), **shape).spec(x.shape[0])
+        s = _ex.dispatch(x.get_device(), **shape, top_k=top_k).spec(x.shape[0])
         return TILE if s is None else _ex.tile_of(s)
 
     def workspace(self, T: int, E: int, K: int, tile: int, weights_dtype: torch.dtype, device: torch.device):
@@ -337,7 +338,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     if r is not None and r.topk_ids is top_k_index:   # the router's permutation, built at these tokens' tile
         st.routing, tile = None, r.tile
     else:
-        tile = st.tile(self, hidden_states)
+        tile = st.tile(self, hidden_states, top_k_index.shape[1])
         r = _permutation(self, st, top_k_index, tile)
     # kerngen.experts' kernels (gather, both projections and the gate in two launches) where they serve these
     # tokens; quantized weights (fp8, MXFP4) take kerngen.experts at every size (its kernels, else its per-expert

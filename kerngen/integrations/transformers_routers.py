@@ -155,7 +155,7 @@ def _router_forward(router: nn.Module, spec: Router, kw: dict, experts: nn.Modul
                                              kw.get("renormalize", True))
             return logits, w.to(weights(logits, x)), ids
         st = state(experts, experts)
-        r = _route(logits, kw, spec.bias(router, args), weights(logits, x), st.tile(experts, x), st)
+        r = _route(logits, kw, spec.bias(router, args), weights(logits, x), st.tile(experts, x, kw["top_k"]), st)
         st.routing = r   # the experts take this permutation when they get these very ids
         return logits, r.topk_weights, r.topk_ids
 
@@ -179,7 +179,7 @@ def _llama4_forward(block: nn.Module):
         x = hidden_states.reshape(-1, block.hidden_dim)
         logits = nn.Linear.forward(block.router, x)
         st = state(block, ex)
-        tile = st.tile(ex, x)   # kerngen.experts' tile where its kernels serve these tokens (weights read in place)
+        tile = st.tile(ex, x, 1)   # kerngen.experts' tile where its kernels serve these tokens (weights read in place)
         r = _route(logits, kw, None, logits.dtype, tile, st)
         if tile != TILE:   # the weight scales each token's row before the GEMM (input_weights), as transformers does
             g = kerngen.experts(x, r, *kx.expert_weights(ex), activation=st.activation,

@@ -38,7 +38,7 @@ from .experts_reference import (activate, dequantize, fp8_round_trip, quantize_f
 
 OP = "experts"
 VARIANTS = ("mma",)
-MMA_MAX_TILE = 16   # rows of a tile the kernels take (two 8-row n-blocks of mma accumulators)
+MMA_MAX_TILE = 32   # rows of a tile the kernels take (up to four 8-row n-blocks of mma accumulators)
 # struct Params of templates/experts/mma.cu.j2 (both kernels)
 PARAMS = Params(("x", "ptr"), ("w13", "ptr"), ("b13", "ptr"), ("inw", "ptr"), ("w2", "ptr"), ("b2", "ptr"),
                 ("p2t", "ptr"), ("t2e", "ptr"), ("nrows", "ptr"), ("act", "ptr"), ("out", "ptr"), ("tokens", "int"),
@@ -106,6 +106,9 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
                                      or params.get("stage_act")):
         raise TierError(f"{where} sets one_launch, which builds without quantizing launches take (bf16 activations, "
                         "or f16x with fused_x and act_f16 = false), without early_l2 and stage_act")
+    if params.get("one_launch") and "gemm1_blocks" in params:
+        raise TierError(f"{where} sets gemm1_blocks with one_launch: both GEMMs then run in one launch, of "
+                        "blocks_per_sm CTAs an SM")
     if not params.get("act_f16", True) and params.get("mtiles", 1) != 1:
         raise TierError(f"{where} sets act_f16 = false with mtiles: GEMM2 on the bf16 intermediate takes one m16 "
                         "tile of weight rows an item")
@@ -125,14 +128,22 @@ def rule_format(fmt: str, a8: bool) -> str:
 
 
 def spec(H: int, I: int, tile: int | None, activation: str, tokens: int, arch_: str,
-         tbl: tiers.Table | None = None, fmt: str = "bf16", layout: str = "nk", a8: bool = False) -> plan_mod.KernelSpec:
+         tbl: tiers.Table | None = None, fmt: str = "bf16", layout: str = "nk", a8: bool = False,
+         experts: int = 0, top_k: int = 0) -> plan_mod.KernelSpec:
     """The kernel the tier table gives this shape at `tokens` (tools and tests; calls go through dispatch), built
-    for routing tile `tile` (None: the rule's own)."""
-    rule = (tbl or table()).rule(OP, {"hidden": H, "tokens": max(tokens, 1), "arch": arch_,
-                                      "format": rule_format(fmt, a8)})
+    for routing tile `tile` (None: the rule's own); experts / top_k as dispatch takes them."""
+    rule = (tbl or table()).rule(OP, {**rule_shape(H, fmt, a8, experts, top_k), "tokens": max(tokens, 1),
+                                      "arch": arch_})
     if tile is not None:
         rule = dataclasses.replace(rule, params={**rule.params, "tile": tile})
     return rule_spec(rule, H, I, activation, arch_, fmt, layout, a8)
+
+
+def rule_shape(H: int, fmt: str, a8: bool, experts: int, top_k: int) -> dict:
+    """The shape the experts rules match (besides tokens and arch): num_experts and top_k, which together say how
+    many rows an expert's tiles hold at T tokens (T * top_k / num_experts on average); 0 where not known, which no
+    rule keyed on them matches."""
+    return {"hidden": H, "format": rule_format(fmt, a8), "num_experts": experts, "top_k": top_k}
 
 
 def tile_of(s: plan_mod.KernelSpec) -> int:
@@ -183,9 +194,11 @@ class Kernels:
     def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
         """Each kernel's CTA (32 * warps threads; dynamic shared memory only for fused_x and stage_act rows,
         dynamic_smem) and the CTAs an SM its rule asks for; with fp8 or f16 activations also the quantizing
-        kernels' (8 warps, a warp a group, grids striding over the groups with up to QUANT_CTAS CTAs an SM)."""
+        kernels' (8 warps, a warp a group, grids striding over the groups with up to QUANT_CTAS CTAs an SM);
+        gemm1_blocks, where given, is experts_gemm1's CTAs an SM (its registers may hold fewer than GEMM2's)."""
         p = dict(s.params)
-        out = {name: Launch(32 * p["warps"], dyn, p.get("blocks_per_sm", 4)) for name, dyn in dynamic_smem(s).items()}
+        per_sm = lambda name: p.get("gemm1_blocks" if name == "experts_gemm1" else "", p.get("blocks_per_sm", 4))  # noqa: E731
+        out = {name: Launch(32 * p["warps"], dyn, per_sm(name)) for name, dyn in dynamic_smem(s).items()}
         out.update(dict.fromkeys(quant_kernels(s), Launch(256, 0, QUANT_CTAS)))
         return out
 
@@ -385,25 +398,27 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Kernels:
 
 
 def dispatch(device: int, *, H: int, I: int, activation: str, fmt: str = "bf16", layout: str = "nk",
-             a8: bool = False) -> Dispatch:
+             a8: bool = False, experts: int = 0, top_k: int = 0) -> Dispatch:
     """The experts kernels of this shape, weight format and layout on `device` (a8: fp8 activations, fp8 weights'
     rules), per token bucket (None where no rule serves: torch._grouped_mm for bf16, the per-expert reference for
-    fp8)."""
+    fp8). experts: the experts whose weights the call holds (w13.shape[0]), top_k: the routing's K; 0 where not
+    known (rules keyed on them then do not match)."""
     def build() -> Dispatch:
         a = arch(device)
-        return Dispatch(OP, {"hidden": H, "format": rule_format(fmt, a8)},
+        return Dispatch(OP, rule_shape(H, fmt, a8, experts, top_k),
                         lambda rule: rule_spec(rule, H, I, activation, a, fmt, layout, a8),
                         kernel, device, arch=a, per_token=False)
 
-    return lookup((OP, H, I, activation, device, fmt, layout) + (("a8",) if a8 else ()), build)
+    return lookup((OP, H, I, activation, device, fmt, layout, experts, top_k) + (("a8",) if a8 else ()), build)
 
 
 def tile_for(H: int, I: int, activation: str, tokens: int, device: int, fmt: str = "bf16",
-             layout: str = "nk", a8: bool = False) -> int | None:
-    """The routing tile kerngen.experts' kernels (for weights in `fmt` and `layout`; a8: fp8 activations) take at
-    this token count (the rule's `tile`), or None where no rule serves these tokens (torch._grouped_mm needs no
-    tile)."""
-    s = dispatch(device, H=H, I=I, activation=activation, fmt=fmt, layout=layout, a8=a8).spec(tokens)
+             layout: str = "nk", a8: bool = False, experts: int = 0, top_k: int = 0) -> int | None:
+    """The routing tile kerngen.experts' kernels (for weights in `fmt` and `layout`; a8: fp8 activations; experts
+    and top_k as dispatch takes them) take at this token count (the rule's `tile`), or None where no rule serves
+    these tokens (torch._grouped_mm needs no tile)."""
+    s = dispatch(device, H=H, I=I, activation=activation, fmt=fmt, layout=layout, a8=a8, experts=experts,
+                 top_k=top_k).spec(tokens)
     return None if s is None else tile_of(s)
 
 
@@ -413,7 +428,6 @@ def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_m
     (`experts_format`; fp8 also with fp8 activations, the w8a8 rules)."""
     if not model.intermediate:
         return []
-    shape = {"hidden": model.hidden, "arch": arch_}
     out: list[plan_mod.KernelSpec] = []
     builds = dict.fromkeys((("bf16", "nk", False), ("bf16", model.experts_layout, False),
                             (model.experts_format, "nk", False), (model.experts_format, "nk", True)))
@@ -422,7 +436,8 @@ def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_m
             continue
         for lo, _ in tiers.token_pieces(tbl.rules, OP, model.tokens):
             try:
-                rule = tbl.rule(OP, {**shape, "tokens": lo, "format": rule_format(fmt, a8)})
+                rule = tbl.rule(OP, {**rule_shape(model.hidden, fmt, a8, model.num_experts, model.top_k),
+                                     "tokens": lo, "arch": arch_})
                 s = rule_spec(rule, model.hidden, model.intermediate, model.activation, arch_, fmt, layout, a8)
             except TierError:
                 continue   # these tokens run torch._grouped_mm
@@ -434,15 +449,15 @@ def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_m
 def explain_spec(tbl: tiers.Table, arch_: str, *, hidden: int, tokens: int, intermediate: int = 0,
                  activation: str = "silu", model: str | None = None, **_shape) -> plan_mod.KernelSpec:
     """The experts kernel `kerngen explain --op experts` names (intermediate, activation and weight format from
-    `model`, else given, bf16); other shape keywords (experts, top_k) do not apply."""
+    `model`, else given, bf16; experts and top_k, where given, as dispatch takes them)."""
     m = tbl.model(model) if model else None
     I, act = (m.intermediate, m.activation) if m else (intermediate, activation)
     if not I:
         raise InputError(OP, "intermediate", "the experts' intermediate size (a model with `intermediate`, or "
                          "--intermediate)", repr(I))
     fmt = m.experts_format if m else "bf16"   # a model's: the format its checkpoints ship in
-    return rule_spec(tbl.rule(OP, {"hidden": hidden, "tokens": max(tokens, 1), "arch": arch_, "format": fmt}), hidden,
-                     I, act, arch_, fmt)
+    shape = rule_shape(hidden, fmt, False, _shape.get("experts") or 0, _shape.get("top_k") or 0)
+    return rule_spec(tbl.rule(OP, {**shape, "tokens": max(tokens, 1), "arch": arch_}), hidden, I, act, arch_, fmt)
 
 
 def _grouped(xs, routing, w13, w2, b13, b2, tile, I, act) -> torch.Tensor:
@@ -564,7 +579,8 @@ def _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weight
     dev = x.get_device()
     k = None
     if tile <= MMA_MAX_TILE and routing.tile_to_expert.shape[0]:
-        d = dispatch(dev, H=H, I=I, activation=activation, fmt=fmt, layout=layout, a8=fp8_activations)
+        d = dispatch(dev, H=H, I=I, activation=activation, fmt=fmt, layout=layout, a8=fp8_activations,
+                     experts=w13.shape[0], top_k=routing.topk_ids.shape[1])
         k = d.kernel(x.shape[0])
         if k is not None and k.tile != tile:   # a routing built with another tile: the same rule at that tile
             k = _at_tile(d, k.spec, tile)

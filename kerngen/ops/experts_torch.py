@@ -28,7 +28,7 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     E, T = w13.shape[0], x.shape[0]
     ids = _ids(topk_ids, "topk_ids")
     _check_weights(topk_weights, ids, x)
-    tile = _tile(x, w13, w2, activation, fp8_activations)
+    tile = _tile(x, w13, w2, activation, fp8_activations, ids.shape[1])
     ws = _pm.RoutingWorkspace(max(T, 1), E, ids.shape[1], tile, device=x.device, separate=True)
     r = _pm.permute(ids, num_experts=E, tile=tile, workspace=ws)
     rows = r.permuted_to_token.shape[0]
@@ -63,15 +63,15 @@ def _weights(w: Tensor) -> Tensor:
     return (w if w.dtype in (torch.float32, torch.bfloat16) else w.float()).contiguous()
 
 
-def _tile(x: Tensor, w13: Tensor, w2: Tensor, activation: str, a8: bool = False) -> int:
-    """The tile of the experts kernels' rule for these tokens and weights (1 where none serves them)."""
+def _tile(x: Tensor, w13: Tensor, w2: Tensor, activation: str, a8: bool = False, top_k: int = 0) -> int:
+    """The tile of the experts kernels' rule for these tokens, weights and top-k (1 where none serves them)."""
     if w13.dtype not in _ex.FORMATS or x.device.type not in _common.KERNEL_DEVICES:
         return 1
     a8 = a8 is True and _ex.FORMATS[w13.dtype] == "fp8"   # anything else is experts()' error to raise
     I = w13.shape[1] // 2   # w13 [E, 2I, ...] in every format (w2's last dims are I/32, 16 for MXFP4)
     fmt = _ex.FORMATS[w13.dtype]
     return _ex.tile_for(x.shape[1], I, activation, x.shape[0], x.get_device(), fmt,
-                        _ex.weights_layout(w13, w2, fmt), a8) or 1
+                        _ex.weights_layout(w13, w2, fmt), a8, w13.shape[0], top_k) or 1
 
 
 @moe_experts.register_kernel("cpu")

@@ -69,7 +69,8 @@ def repeated(fmt, T):
         kerngen.experts(x, r, *w, out=out, **s)
         check_rows(out, ex.reference(x, r, *w, **s), r)
     I = w[1].shape[-2] * 32 if fmt == "mxfp4" else w[1].shape[-1]   # (MXFP4 w2: [E, H, I / 32, 16] bytes)
-    return ex.dispatch(x.get_device(), H=x.shape[1], I=I, activation="silu", fmt=fmt).kernel(T)
+    return ex.dispatch(x.get_device(), H=x.shape[1], I=I, activation="silu", fmt=fmt, experts=w[0].shape[0],
+                       top_k=4).kernel(T)
 
 
 def test_inside_a_graph_torch_captures(graphs_on):

@@ -106,11 +106,11 @@ PARAM_CASES = [dict(warps=1, unroll=1, blocks_per_sm=1), dict(warps=1, unroll=2,
 
 
 @pytest.mark.parametrize("params", PARAM_CASES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
-@pytest.mark.parametrize("T,tile", [(1, 8), (5, 8), (16, 16), (40, 16), (3, 1), (12, 4)])
+@pytest.mark.parametrize("T,tile", [(1, 8), (5, 8), (16, 16), (40, 16), (3, 1), (12, 4), (80, 32), (200, 32)])
 @pytest.mark.parametrize("H,I,act", [(1024, 256, "silu"), (2880, 2880, "gpt_oss"), (1000, 200, "situglu"),
                                      (64, 16, "gelu")])
 def test_every_launch_shape_against_the_reference(params, T, tile, H, I, act):
-    """The kernels straight from a rule with these params: K not a multiple of 64 (1000, 200), tiles of 1..16."""
+    """The kernels straight from a rule with these params: K not a multiple of 64 (1000, 200), tiles of 1..32."""
     E, K = 24, 4
     x, logits, w13, w2, b13, b2 = make(T, K, E, H, I, bias=act == "gpt_oss", seed=T)
     r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=tile)
@@ -124,11 +124,14 @@ def test_every_launch_shape_against_the_reference(params, T, tile, H, I, act):
     ref = ex.reference(x, r, w13, w2, activation=act, interleaved=act == "gpt_oss", b13=b13, b2=b2,
                        linear_beta=2.0 if act == "situglu" else 0.0)
     rows = r.permuted_to_token >= 0
-    torch.testing.assert_close(out[rows].float(), ref[rows].float(), rtol=2e-2, atol=2e-2)
+    # An intermediate value one bf16 step away (another fp32 sum order) moves an output by up to about 5e-4 of the
+    # largest (gpt_oss at T = 200: 0.030 of 57.5, at tiles of 16 and 32 alike): atol at least 1e-3 of it.
+    atol = max(2e-2, 1e-3 * ref[rows].float().abs().max().item())
+    torch.testing.assert_close(out[rows].float(), ref[rows].float(), rtol=2e-2, atol=atol)
 
 
 @pytest.mark.parametrize("params", PARAM_CASES[1::2], ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
-@pytest.mark.parametrize("T,tile", [(1, 8), (16, 16), (40, 16), (3, 1), (12, 4)])
+@pytest.mark.parametrize("T,tile", [(1, 8), (16, 16), (40, 16), (3, 1), (12, 4), (200, 32)])
 @pytest.mark.parametrize("H,I,act", [(1024, 256, "silu"), (2880, 2880, "gpt_oss"), (1000, 200, "situglu"),
                                      (64, 16, "gelu"), (520, 136, "silu")])
 def test_transposed_weights_give_the_bits_of_contiguous_ones(params, T, tile, H, I, act):
@@ -196,3 +199,17 @@ def test_transposed_weights_past_their_rules_run_grouped_mm():
     ref = ex.reference(x, r, w13, w2)
     rows = r.permuted_to_token >= 0
     torch.testing.assert_close(got[rows].float(), ref[rows].float(), rtol=2e-2, atol=2 * 2 ** -8 * ref.abs().max().item())
+
+
+def test_the_torch_op_takes_tiles_of_32_where_the_rule_gives_them():
+    """torch.ops.kerngen.moe_experts at 256 tokens, top-k 8 of 128 experts: the tile-32 rule's kernels (about 16
+    rows an expert, some experts two tiles), against the reference's weighted sum."""
+    T, E, K, H, I = 256, 128, 8, 512, 256
+    x, logits, w13, w2, _, _ = make(T, K, E, H, I, seed=5)
+    assert ex.tile_for(H, I, "silu", T, 0, experts=E, top_k=K) == 32
+    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=32)
+    got = torch.ops.kerngen.moe_experts(x, r.topk_ids, r.topk_weights, w13, w2, "silu")
+    rows = ex.reference(x, r, w13, w2).float()
+    e2p = r.expanded_to_permuted.long()
+    ref = (rows[e2p] * r.topk_weights.float().unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)

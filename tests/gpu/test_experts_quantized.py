@@ -235,14 +235,15 @@ def test_gpt_oss_and_kimi_shapes(fmt, T):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("params", [dict(prefetch=False), dict(prefetch_x=True), dict(unroll=2, prefetch_x=True),
-                                    dict(warps=8, unroll=2), dict(tile=16), dict(tile=16, prefetch_x=True)])
+                                    dict(warps=8, unroll=2), dict(tile=16), dict(tile=16, prefetch_x=True),
+                                    dict(tile=32), dict(tile=32, f16x=True, mtiles=2)])
 def test_launch_shapes_the_sweep_tries(fmt, params):
     """The quantized loop's variants (no prefetch, activations prefetched too, two steps a load batch, 8 warps, tiles
-    of 8 and 16 rows) give the reference's rows: the tier rules may pick any of them."""
-    H, I, T = 2880 if fmt == "mxfp4" else 3584, 2048, 6
-    x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=11)
+    of 8, 16 and 32 rows) give the reference's rows: the tier rules may pick any of them."""
     p = dict(params)
     tile = p.pop("tile", 8)
+    H, I, T = 2880 if fmt == "mxfp4" else 3584, 2048, 60 if tile == 32 else 6   # (tiles of 32: about 15 rows each)
+    x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=11)
     r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=tile)
     out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
     shape_kernels(fmt, H, I, tile, **p)(x, r, *w, out, w13_scale=s["w13_scale"], w2_scale=s["w2_scale"])

@@ -108,8 +108,8 @@ def fit_layers(want: int, free: int, H: int, I: int, E: int, fmt: str) -> int:
 
 def tile_at(name: str, T: int, fmt: str) -> int:
     """The routing tile of kerngen.experts' rule for `fmt` weights at T (16 past the rules)."""
-    H, I, _, _, act, _ = SHAPES[name]
-    return ex.tile_for(H, I, act, T, 0, fmt) or 16
+    H, I, E, K, act, _ = SHAPES[name]
+    return ex.tile_for(H, I, act, T, 0, fmt, experts=E, top_k=K) or 16
 
 
 def _build(spec):
@@ -260,17 +260,17 @@ def case(name, T, bw, args, kernels_of, bf16_kernel):
     gstep = lambda: grouped_step(x, r1[next(it) % calls], w13, w2, b13, b2, act)  # noqa: E731
     grouped_us = timed(gstep, producer, args.chained)
     bf16_us = None
-    if bf is not None and (k16 := bf16_kernel(H, I, tile, act_name, T)) is not None:
+    if bf is not None and (k16 := bf16_kernel(H, I, tile, act_name, T, E, K)) is not None:
         bf16_us = kerngen_us("bf16 " + k16[0], k16[1], [(a, b, {}) for a, b in bf])
     peer = (peer_fp8 if fmt == "fp8" else peer_bf16)(args, x, r1, quant, K, act, producer, calls, b13, b2, ref_tk)
     peer_us, peer_cfg = peer or (None, None)
     ws = [(q[0], q[1], dict(w13_scale=q[2], w2_scale=q[3]) if fmt != "bf16" else {}) for q in quant]
     a8_us = None
     if fmt == "fp8" and args.fp8_activations:   # the w8a8 rule, at the routing's tile
-        s8 = ex.spec(H, I, tile, act_name, T, target_arch(0), fmt="fp8", a8=True)
+        s8 = ex.spec(H, I, tile, act_name, T, target_arch(0), fmt="fp8", a8=True, experts=E, top_k=K)
         a8_us = kerngen_us("w8a8", ex.Kernels(s8, 0), ws, check_a8)
     rows = []
-    for label, k in kernels_of(H, I, tile, act_name, T, rt[0].tile_to_expert.shape[0]):
+    for label, k in kernels_of(H, I, tile, act_name, T, E, K):
         rows.append(dict(model=name, T=T, tile=tile, kernel=label, us=kerngen_us(label, k, ws), grouped_us=grouped_us,
                          floor_us=floor, active=active, format=fmt, layers=layers, layout=args.layout,
                          peer_us=peer_us, bf16_us=bf16_us, peer_cfg=peer_cfg, a8_us=a8_us))
@@ -494,10 +494,10 @@ def main(argv=None) -> int:
         with ProcessPoolExecutor(max(1, (os.cpu_count() or 2) - 1)) as pool:
             list(pool.map(_build, list(dict.fromkeys(specs))))
 
-    def kernels_of(H, I, tile, act, T, tiles):
+    def kernels_of(H, I, tile, act, T, E, K):
         if not args.sweep:   # the tier table's rule (beside --rule's params: the same inputs, the same process)
             try:
-                s = ex.spec(H, I, tile, act, T, arch, fmt=args.format, layout=args.layout)
+                s = ex.spec(H, I, tile, act, T, arch, fmt=args.format, layout=args.layout, experts=E, top_k=K)
             except TierError:
                 if not args.rule:
                     raise
@@ -507,10 +507,10 @@ def main(argv=None) -> int:
             for label, s in cand_specs(H, I, tile, act):
                 yield label, ex.Kernels(s, dev)
 
-    def bf16_kernel(H, I, tile, act, T):
+    def bf16_kernel(H, I, tile, act, T, E, K):
         """(label, kernels) of the tier table's bf16 rule at T, built for `tile`; None where no bf16 rule serves T."""
         try:
-            s = ex.spec(H, I, tile, act, T, arch, fmt="bf16")
+            s = ex.spec(H, I, tile, act, T, arch, fmt="bf16", experts=E, top_k=K)
         except TierError:
             return None
         return "tiers.toml: " + ",".join(f"{k}={v}" for k, v in s.params), ex.Kernels(s, dev)

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
             k(x, r, q13, q2, out, interleaved=gpt, b13=b13, b2=b2,
               a0=1.702 if act == "gpt_oss" else 1.0, a1=7.0 if act == "gpt_oss" else 0.0, **scales)
     else:
-        spec = ex.spec(H, I, tile, act, a.tokens, target_arch(), fmt=a.format)
+        spec = ex.spec(H, I, tile, act, a.tokens, target_arch(), fmt=a.format, experts=E, top_k=K)
         for _ in range(a.calls):
             out = kerngen.experts(x, r, q13, q2, activation=act, interleaved=gpt, b13=b13, b2=b2, **scales)
     torch.cuda.synchronize()
