@@ -93,8 +93,10 @@ __device__ __forceinline__ void load_block(const P& p, long long item, unsigned 
                 const int i = t + 128 * j, k = i >> 3, mc = i & 7;
                 cp16(s + ((k >> 3) * 8 + mc) * 128 + (k & 7) * 16,
                      p.w + (long long)(kb * 64 + k) * (p.rows * 2) + item * 128 + mc * 16);
-            } else {    // chunk c of row r: consecutive threads, consecutive rows of one chunk
-                const int c = 2 * j + (t >> 6), r = t & 63;
+            } else {    // chunk c of row r: a warp takes chunks 4h .. 4h + 3 (64 bytes, two whole sectors) of 8
+                        // consecutive rows, so every global sector is read whole by one instruction and each
+                        // 128-byte wavefront of shared-memory writes (one chunk of the 8 rows) meets no conflict
+                const int i = t + 128 * j, c = (i >> 8) * 4 + (i & 3), r = (i >> 2) & 63;
                 cp16(s + c * 1024 + r * 16, p.w + (item * 64 + r) * RB + kb * 128 + c * 16);
             }
         }
