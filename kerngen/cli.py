@@ -218,9 +218,13 @@ def cmd_explain(args) -> int:
 
 def _explain_one(args, tbl: tiers.Table, arch: str, store: cache_mod.DiskCache, op: str) -> None:
     spec, shape = _shape_spec("explain", args, tbl, arch, op)
-    known = {"num_experts": shape["experts"], "top_k": shape["top_k"], "hidden": shape["hidden"],
-             "tokens": shape["tokens"], "arch": arch}
-    rule = tbl.rule(op, {k: v for k, v in known.items() if v})   # a range without a value holds
+    own = getattr(warmup.op_module(op), "explain_rule", None)   # an op whose rules match more than these keys
+    if own is not None:
+        rule = own(tbl, arch, **shape)
+    else:
+        known = {"num_experts": shape["experts"], "top_k": shape["top_k"], "hidden": shape["hidden"],
+                 "tokens": shape["tokens"], "arch": arch}
+        rule = tbl.rule(op, {k: v for k, v in known.items() if v})   # a range without a value holds
     key = jit.key_of(spec)
     files = store.get(key, (tiers.BACKENDS[spec.backend].artifact,))
     print(f"op        {op}\ntier      {rule.source}\nvariant   {spec.variant} ({spec.backend})\n"

@@ -31,6 +31,23 @@ def test_explain_names_tier_variant_key_and_cache_state(tmp_path):
     assert "key       finalize-large_batch-H3584-K16-bf16-wf32-sm_90a-" in out
 
 
+@pytest.mark.parametrize("args", [("--model", "qwen3-30b-a3b", "--tokens", "256"),
+                                  ("--model", "deepseek-v3", "--tokens", "64"),
+                                  ("--hidden", "2048", "--intermediate", "768", "--tokens", "256"),
+                                  ("--hidden", "2048", "--intermediate", "768", "--experts", "128", "--topk", "8",
+                                   "--tokens", "256")])
+def test_explain_names_the_experts_rule_whose_kernel_it_prints(tmp_path, args):
+    """The tier line is the rule the printed params come from: the weight format a model ships (deepseek-v3: fp8),
+    and the rules keyed on num_experts / top_k only where both are known."""
+    from kerngen import tiers
+    out = kerngen("explain", "--op", "experts", *args, cache=tmp_path).stdout
+    source = next(line.split(None, 1)[1] for line in out.splitlines() if line.startswith("tier "))
+    rule = next(r for r in tiers.load().rules if r.source == source)
+    params = {k: v for k, v in rule.params.items() if k not in ("tile", "backend", "transposed")}   # (nk weights)
+    assert f"params    {dict(sorted(params.items()))}" in out
+    assert f"-t{rule.params['tile']}-" in out
+
+
 def test_top_k_is_spelled_either_way(tmp_path):
     """--top-k (the name of the top_k argument everywhere else) is --topk's other spelling: the same kernel."""
     args = ("explain", "--op", "finalize", "--hidden", "3584", "--tokens", "8")

@@ -446,18 +446,27 @@ def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_m
     return out
 
 
+def explain_rule(tbl: tiers.Table, arch_: str, *, hidden: int, tokens: int, model: str | None = None,
+                 experts: int | None = None, top_k: int | None = None, **_shape) -> tiers.Rule:
+    """The experts rule `kerngen explain --op experts` names: for the weight format `model` ships (else bf16),
+    experts and top_k as dispatch takes them (None: not known)."""
+    fmt = tbl.model(model).experts_format if model else "bf16"
+    return tbl.rule(OP, {**rule_shape(hidden, fmt, False, experts or 0, top_k or 0), "tokens": max(tokens, 1),
+                         "arch": arch_})
+
+
 def explain_spec(tbl: tiers.Table, arch_: str, *, hidden: int, tokens: int, intermediate: int = 0,
-                 activation: str = "silu", model: str | None = None, **_shape) -> plan_mod.KernelSpec:
+                 activation: str = "silu", model: str | None = None, **shape) -> plan_mod.KernelSpec:
     """The experts kernel `kerngen explain --op experts` names (intermediate, activation and weight format from
-    `model`, else given, bf16; experts and top_k, where given, as dispatch takes them)."""
+    `model`, else given, bf16; experts and top_k, where given, as dispatch takes them): explain_rule's."""
     m = tbl.model(model) if model else None
     I, act = (m.intermediate, m.activation) if m else (intermediate, activation)
     if not I:
         raise InputError(OP, "intermediate", "the experts' intermediate size (a model with `intermediate`, or "
                          "--intermediate)", repr(I))
     fmt = m.experts_format if m else "bf16"   # a model's: the format its checkpoints ship in
-    shape = rule_shape(hidden, fmt, False, _shape.get("experts") or 0, _shape.get("top_k") or 0)
-    return rule_spec(tbl.rule(OP, {**shape, "tokens": max(tokens, 1), "arch": arch_}), hidden, I, act, arch_, fmt)
+    return rule_spec(explain_rule(tbl, arch_, hidden=hidden, tokens=tokens, model=model, **shape), hidden, I, act,
+                     arch_, fmt)
 
 
 def _grouped(xs, routing, w13, w2, b13, b2, tile, I, act) -> torch.Tensor:
