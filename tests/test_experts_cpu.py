@@ -329,3 +329,29 @@ def test_gemm1_blocks_sizes_only_the_first_gemms_grid():
                                                 gemm1_blocks=2))
     with pytest.raises(kerngen.TierError, match="gemm1_blocks with one_launch"):
         ex.rule_spec(one, 2048, 768, "silu", "sm_90a")
+
+
+@pytest.mark.parametrize("tile,mtiles,unroll", [(16, 2, 1), (16, 2, 2), (32, 2, 1), (8, 2, 2)])
+def test_bf16_items_of_several_weight_tiles_compile_without_spills_and_size_the_grid(tile, mtiles, unroll, tmp_path,
+                                                                                     monkeypatch):
+    """mtiles on bf16 weights: an item's `mtiles` m16 tiles of weight rows share each activation load, so an item
+    covers 8 mtiles intermediate / 16 mtiles output columns and the grids size from that; no spills."""
+    from tests.test_experts_quantized_cpu import stub_launches
+    H, I = 2048, 768
+    rule = tiers.Rule("experts", "mma", {}, dict(tile=tile, warps=4, unroll=unroll, blocks_per_sm=4, pdl=True,
+                                                 mtiles=mtiles))
+    s = ex.rule_spec(rule, H, I, "silu", "sm_90a")
+    assert_no_spills(jit.build(s, store=DiskCache(tmp_path)).files)
+    stub_launches(monkeypatch)
+    gemm1, gemm2 = ex.Kernels(s, -1).launchers(3)
+    cap = 4 * tiers.SMS
+    assert gemm1.grid[0] == min(3 * -(-I // (8 * mtiles)), cap) and gemm2.grid[0] == min(3 * -(-H // (16 * mtiles)), cap)
+
+
+@pytest.mark.parametrize("fmt,layout,params,match", [("bf16", "kn", {}, "stored transposed"),
+                                                    ("fp8", "nk", {}, "without f16x"),
+                                                    ("mxfp4", "nk", {}, "without f16x")])
+def test_mtiles_where_no_build_takes_it_is_a_tier_error(fmt, layout, params, match):
+    rule = tiers.Rule("experts", "mma", {}, {**dict(tile=8, warps=4, unroll=1, mtiles=2), **params})
+    with pytest.raises(kerngen.TierError, match=match):
+        ex.rule_spec(rule, 2048, 768, "silu", "sm_90a", fmt, layout)

@@ -187,7 +187,7 @@ register(Op("experts", {
             "prefetch": FLAG,   # quantized builds: the next steps' weight loads issued first (default)
             "prefetch_x": FLAG,   # quantized builds with prefetch: the next steps' activations too
             "f16x": FLAG,   # fp8 / MXFP4 weights: activations carried as f16 (power-of-two scales)
-            "mtiles": _n(1, 2),   # with f16x: m16 tiles of weight rows an item takes (default 1)
+            "mtiles": _n(1, 2),   # bf16 [E, N, K] or f16x: m16 tiles of weight rows an item takes (default 1)
             "pingpong": FLAG,   # with f16x and prefetch: two weight buffers take turns (no copies)
             "fused_x": _n(1, 16),   # with f16x: gemm1 quantizes x itself, calls of at most so many tokens
             "act_f16": FLAG,   # with f16x: gemm2 on the intermediate as f16 (default) or bf16 (false)

@@ -112,9 +112,10 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
     if not params.get("act_f16", True) and params.get("mtiles", 1) != 1:
         raise TierError(f"{where} sets act_f16 = false with mtiles: GEMM2 on the bf16 intermediate takes one m16 "
                         "tile of weight rows an item")
-    if params.get("mtiles", 1) != 1 and not params.get("f16x"):
-        raise TierError(f"{where} sets mtiles without f16x: only the f16-activation builds take more than one tile "
-                        "of weight rows an item")
+    if params.get("mtiles", 1) != 1 and not params.get("f16x") and (fmt != "bf16" or layout == "kn"):
+        raise TierError(f"{where} sets mtiles, which bf16 weights stored [E, N, K] and the f16-activation builds "
+                        f"(f16x) take (not {rule_format(fmt, a8)} weights{' stored transposed' if layout == 'kn' else ''}"
+                        f"{'' if fmt == 'bf16' else ' without f16x'})")
     if not params.pop("transposed", True) and layout == "kn":
         raise TierError(f"{where} serves contiguous weights only (transposed = false): transposed ones run "
                         "torch._grouped_mm there")
@@ -172,7 +173,7 @@ class Kernels:
         self._no_q = (0,) * 4 if quantizes_activations(s) and not self.qx else ()   # the struct's buffer fields, unused
         self.fused_x = p.get("fused_x", 0) if self.x16 else 0   # gemm1 quantizes x itself: at most so many tokens
         self._warps, self._H, self._I = p["warps"], c["H"], c["I"]
-        mt = p.get("mtiles", 1) if self.x16 else 1   # m16 tiles of weight rows an item takes
+        mt = p.get("mtiles", 1) if self.x16 or not self.scaled else 1   # m16 tiles of weight rows an item takes
         self._cols = (16, 32) if c.get("KN") else (8 * mt, 16 * mt)   # an item's columns: GEMM1, GEMM2
         self._per_tile = (-(-self._I // self._cols[0]), -(-self._H // self._cols[1]))   # items a tile: GEMM1, GEMM2
         self.one = one_launch(s)   # both GEMMs in one launch, whose tickets and counts live in _sync (per stream)
