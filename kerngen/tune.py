@@ -156,14 +156,17 @@ def experts_candidates(fmt: str = "bf16"):
     with early_l2, and for 1-2 (or up to 8) tokens x quantized by the first GEMM itself (fused_x, act_f16, stage_act;
     also at 32 warps an SM, 64 registers without prefetch); the K loop's whole steps with no bound checks (lean);
     MXFP4 at 1-2 tokens with each 32-value group's own mma columns (gcol, also with two groups a lane: wide, and
-    both GEMMs in one launch); w8a8 with early_l2. bf16 also the shipped rules' shapes as one launch (one_launch) and
-    tiles of 32 rows (GEMM1 at 5 CTAs an SM, GEMM2 at 8)."""
+    both GEMMs in one launch); w8a8 with early_l2. bf16 also the shipped rules' shapes as one launch (one_launch),
+    tiles of 32 rows (GEMM1 at 5 CTAs an SM, GEMM2 at 8) and items of two m16 tiles of weight rows (mtiles)."""
     if fmt == "bf16":
         for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
             yield "mma", dict(tile=tile, warps=warps, unroll=unroll, blocks_per_sm=bps, pdl=True)
         yield "mma", dict(tile=8, warps=8, unroll=2, blocks_per_sm=4, one_launch=True)
         yield "mma", dict(tile=16, warps=4, unroll=2, blocks_per_sm=8, pdl=True, one_launch=True)
         yield "mma", dict(tile=32, warps=4, unroll=2, blocks_per_sm=8, gemm1_blocks=5, pdl=True)
+        for tile, unroll in ((16, 1), (16, 2), (32, 1)):   # two m16 tiles an item share the activations
+            yield "mma", dict(tile=tile, warps=4, unroll=unroll, blocks_per_sm=5 if tile == 16 else 4, mtiles=2,
+                              pdl=True)
         return
     for tile, unroll, bps, px in itertools.product((8, 16), (1, 2), (4, 5, 6), (False, True)):
         base = dict(tile=tile, warps=4, unroll=unroll, blocks_per_sm=bps, pdl=True, prefetch_x=px)

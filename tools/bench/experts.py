@@ -71,9 +71,10 @@ def _candidates(fmt: str) -> list[dict]:
     """The launch shapes --sweep times for weights in `fmt`. Quantized builds take a 128-wide K step a warp: unroll is
     the K steps whose weight loads a lane issues before converting them; min_blocks (absent: no bound) is the
     __launch_bounds__ minimum of CTAs an SM, a register bound, tried at blocks_per_sm."""
-    if fmt == "bf16":
+    if fmt == "bf16":   # (and items of two m16 tiles of weight rows: mtiles)
         return [dict(warps=w, unroll=u, blocks_per_sm=b, pdl=d) for w, u, b, d in
-                itertools.product((4, 8), (2, 4), (4, 8), (False, True))]
+                itertools.product((4, 8), (2, 4), (4, 8), (False, True))] + \
+               [dict(warps=4, unroll=u, blocks_per_sm=b, mtiles=2, pdl=True) for u, b in itertools.product((1, 2), (4, 5))]
     unrolls = {"fp8": (1, 2, 4), "mxfp4": (2, 4, 8)}[fmt]
     return [dict(warps=w, unroll=u, blocks_per_sm=b, **({"min_blocks": b} if bound else {}), pdl=True)
             for w, u, b, bound in itertools.product((4, 8), unrolls, (2, 3, 4), (False, True))]
