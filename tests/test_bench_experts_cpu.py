@@ -18,9 +18,17 @@ def _one_thread():
         yield
 
 
-def test_bf16_candidates_are_unchanged():
-    assert bench.CANDIDATES["bf16"] == [dict(warps=w, unroll=u, blocks_per_sm=b, pdl=d) for w, u, b, d in
-                                        itertools.product((4, 8), (2, 4), (4, 8), (False, True))]
+def test_bf16_candidates_are_the_grid_and_two_tile_items():
+    """The warps x unroll x CTAs x pdl grid, then items of two m16 weight tiles (mtiles), each a valid rule."""
+    from kerngen import tiers
+    from kerngen.ops import experts as ex
+    grid = [dict(warps=w, unroll=u, blocks_per_sm=b, pdl=d) for w, u, b, d in
+            itertools.product((4, 8), (2, 4), (4, 8), (False, True))]
+    cands = bench.CANDIDATES["bf16"]
+    assert cands[:len(grid)] == grid and all(c.get("mtiles") == 2 for c in cands[len(grid):])
+    assert len(cands) > len(grid)
+    for c in cands:
+        ex.rule_spec(tiers.Rule("experts", "mma", {}, {"tile": 16, **c}), 2048, 768, "silu", "sm_90a")
 
 
 @pytest.mark.parametrize("fmt, unrolls", [("fp8", {1, 2, 4}), ("mxfp4", {2, 4, 8})])
