@@ -105,13 +105,15 @@ PARAM_CASES = [dict(warps=1, unroll=1, blocks_per_sm=1), dict(warps=1, unroll=2,
                dict(warps=8, unroll=2, blocks_per_sm=4, pdl=True, early_l2=True)]
 
 
-# bf16 items of two m16 tiles of weight rows sharing each activation load (mtiles; with one_launch too)
-MT_CASES = [dict(warps=4, unroll=1, blocks_per_sm=4, mtiles=2), dict(warps=2, unroll=2, blocks_per_sm=4, mtiles=2,
-                                                                     pdl=True),
-            dict(warps=8, unroll=2, blocks_per_sm=4, mtiles=2, one_launch=True)]
+# bf16 items of two m16 tiles of weight rows sharing each activation load (mtiles; with one_launch too), and GEMM1 on
+# a grid of its own size (gemm1_blocks)
+MORE_CASES = [dict(warps=4, unroll=1, blocks_per_sm=4, mtiles=2), dict(warps=2, unroll=2, blocks_per_sm=4, mtiles=2,
+                                                                       pdl=True),
+              dict(warps=8, unroll=2, blocks_per_sm=4, mtiles=2, one_launch=True),
+              dict(warps=4, unroll=2, blocks_per_sm=8, gemm1_blocks=3, pdl=True)]
 
 
-@pytest.mark.parametrize("params", PARAM_CASES + MT_CASES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+@pytest.mark.parametrize("params", PARAM_CASES + MORE_CASES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
 @pytest.mark.parametrize("T,tile", [(1, 8), (5, 8), (16, 16), (40, 16), (3, 1), (12, 4), (80, 32), (200, 32)])
 @pytest.mark.parametrize("H,I,act", [(1024, 256, "silu"), (2880, 2880, "gpt_oss"), (1000, 200, "situglu"),
                                      (64, 16, "gelu")])

@@ -114,3 +114,20 @@ def test_greedy_generate_gives_the_same_ids_on_gpu(case):
         kt.enable(model)
         out = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref)
+
+
+def test_top_k_8_blocks_take_tiles_of_32_where_the_rule_gives_them(monkeypatch):
+    """A Qwen3-MoE block of 16 experts, top-k 8, at 240 tokens (about 120 rows an expert): the router's permutation is
+    built at the tile-32 rule's tile (num_experts and top_k passed down), the kernels read it, the output is
+    transformers' eager block's."""
+    tiles = []
+    real = kerngen.route
+    monkeypatch.setattr(kerngen, "route", lambda *a, **kw: tiles.append(kw.get("tile")) or real(*a, **kw))
+    model = tiny("qwen3_moe", num_experts=16, num_experts_per_tok=8).to("cuda", torch.bfloat16)
+    block = moe_blocks(model)[0]
+    x = inputs(model, 240, torch.bfloat16).cuda()
+    ref = run_block(block, x)
+    kt.enable(model)
+    out = run_block(block, x)
+    kt.disable(model)
+    assert tiles == [32] and rel_err(out, ref) <= TOL_FUSED
