@@ -84,7 +84,7 @@ def main():
             calls = 20
             gen = torch.Generator(device="cuda").manual_seed(T)
             x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16) * 0.1
-            tile = ex.tile_for(H, I, act, T, dev, fmt)
+            tile = ex.tile_for(H, I, act, T, dev, fmt, experts=E, top_k=K)
             rt = [kerngen.route(torch.randn(T, E, device="cuda", generator=gen), top_k=K, method="softmax_topk",
                                 tile=tile) for _ in range(calls)]
             active = sum(int(torch.unique(r.topk_ids).numel()) for r in rt) / calls
@@ -92,7 +92,7 @@ def main():
             outs = [torch.empty(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda") for r in rt]
             acts = [torch.empty(r.tile_to_expert.shape[0] * tile, I, dtype=torch.bfloat16, device="cuda") for r in rt]
             prod = elementwise_producer()
-            rule = ex.spec(H, I, tile, act, T, arch, fmt=fmt, a8=a8)
+            rule = ex.spec(H, I, tile, act, T, arch, fmt=fmt, a8=a8, experts=E, top_k=K)
             build = lambda p: ex.rule_spec(tiers.Rule("experts", "mma",  # noqa: E731
                                                       {"tokens": (1, p["fused_x"])} if p.get("fused_x") else {},
                                                       {**p, "tile": tile}), H, I, act, arch, fmt, "nk", a8)
