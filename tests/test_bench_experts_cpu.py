@@ -108,6 +108,8 @@ def test_arguments():
     assert a.rule == dict(warps=4, unroll=2, blocks_per_sm=3, min_blocks=3, pdl=True)
     assert bench.parse_args(["--rule", "warps=8,unroll=2,blocks_per_sm=4"]).rule == \
         dict(warps=8, unroll=2, blocks_per_sm=4)
+    assert bench.parse_args(["--rule", "tile=32,warps=4,unroll=1,mtiles=2"]).rule == \
+        dict(tile=32, warps=4, unroll=1, mtiles=2)   # its kernels read routings of their own tile
 
 
 @pytest.mark.parametrize("argv", [
@@ -121,7 +123,7 @@ def test_arguments():
     ["--rule", "warps=4,unroll=2,no_such_param=1"],
     ["--rule", "unroll=2"],   # warps is required
     ["--rule", "warps=4,unroll=2,min_blocks=0"],
-    ["--rule", "tile=8,warps=4,unroll=2"],
+    ["--rule", "tile=64,warps=4,unroll=2"],   # tiles of at most 32 rows
 ])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as e:

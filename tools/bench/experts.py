@@ -217,39 +217,49 @@ def case(name, T, bw, args, kernels_of, bf16_kernel):
     floor = floor_us(active, H, I, fmt, bw)
     producer = elementwise_producer()   # a 4 MB write, no early trigger
 
-    ref = ex.reference(x, rt[0], w13, w2, **kw)
-    ref_tk = ref[rt[0].expanded_to_permuted.flatten().long()]   # the reference rows in (token, slot) order
-    ok_rows = rt[0].permuted_to_token >= 0
-    outs = [torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda") for r in rt]
-    acts = [torch.empty(r.tile_to_expert.shape[0] * tile, I, dtype=torch.bfloat16, device="cuda") for r in rt]
+    sets = {}
 
-    def check(got, what):
-        err = (got[ok_rows].float() - ref[ok_rows].float()).abs().max().item()
-        scale = ref[ok_rows].float().abs().max().item()
+    def routed(t):
+        """The routings of the steps' logits at tile t, their output and intermediate buffers, routing 0's
+        reference rows and which rows hold one (kept per tile)."""
+        if t not in sets:
+            r = rt if t == tile else [kerngen.route(lg, top_k=K, method="softmax_topk", tile=t) for lg in logits]
+            sets[t] = (r, [torch.zeros(q.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda") for q in r],
+                       [torch.empty(q.tile_to_expert.shape[0] * t, I, dtype=torch.bfloat16, device="cuda") for q in r],
+                       ex.reference(x, r[0], w13, w2, **kw), r[0].permuted_to_token >= 0)
+        return sets[t]
+
+    ref = routed(tile)[3]
+    ref_tk = ref[rt[0].expanded_to_permuted.flatten().long()]   # the reference rows in (token, slot) order
+
+    def check(got, what, r0, want, ok):
+        err = (got[ok].float() - want[ok].float()).abs().max().item()
+        scale = want[ok].float().abs().max().item()
         if not err <= 2e-2 * max(scale, 1.0):
             raise SystemExit(f"{name} T={T} {what}: max error {err} against the reference (scale {scale})")
 
-    def check_a8(got, what):   # fp8 activations: against the reference quantizing them the same way
-        want = ex.reference(x, rt[0], quant[0][0], quant[0][1], w13_scale=quant[0][2], w2_scale=quant[0][3],
-                            fp8_activations=True, **kw)[ok_rows].float()
-        g = got[ok_rows].float()
+    def check_a8(got, what, r0, _want, ok):   # fp8 activations: against the reference quantizing them the same way
+        want = ex.reference(x, r0, quant[0][0], quant[0][1], w13_scale=quant[0][2], w2_scale=quant[0][3],
+                            fp8_activations=True, **kw)[ok].float()
+        g = got[ok].float()
         rel, worst = ((g - want).norm() / want.norm()).item(), ((g - want).abs().max() / want.abs().max()).item()
         if not (rel < 1e-2 and worst < 5e-2):
             raise SystemExit(f"{name} T={T} {what}: error {rel} (norm), {worst} (max) against the fp8 reference")
 
-    def kerngen_us(label, k, ws, checker=check):
-        """kerngen.experts' kernels `k` checked on layer 0, routing 0, then timed over the layers' weights ws
-        ((w13, w2, scale keywords) a layer) and the routings, each step on the next of both."""
+    def kerngen_us(label, k, ws, checker=check, t=tile):
+        """kerngen.experts' kernels `k` (built for routing tile t) checked on layer 0, routing 0, then timed over
+        the layers' weights ws ((w13, w2, scale keywords) a layer) and the routings, each step on the next of both."""
+        rts, outs, acts, want, ok = routed(t)
         outs[0].zero_()
-        k(x, rt[0], ws[0][0], ws[0][1], outs[0], acts[0], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1, **ws[0][2])
+        k(x, rts[0], ws[0][0], ws[0][1], outs[0], acts[0], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1, **ws[0][2])
         torch.cuda.synchronize()
-        checker(outs[0], label)
+        checker(outs[0], label, rts[0], want, ok)
         it = iter(range(10 ** 9))
 
         def step():
             n = next(it)
             i, (a, b, skw) = n % calls, ws[n % len(ws)]
-            k(x, rt[i], a, b, outs[i], acts[i], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1, **skw)
+            k(x, rts[i], a, b, outs[i], acts[i], interleaved=gpt, b13=b13, b2=b2, a0=a0, a1=a1, **skw)
         return timed(step, producer, args.chained)
 
     g0 = grouped_step(x, r1[0], w13, w2, b13, b2, act)
@@ -272,7 +282,8 @@ def case(name, T, bw, args, kernels_of, bf16_kernel):
         a8_us = kerngen_us("w8a8", ex.Kernels(s8, 0), ws, check_a8)
     rows = []
     for label, k in kernels_of(H, I, tile, act_name, T, E, K):
-        rows.append(dict(model=name, T=T, tile=tile, kernel=label, us=kerngen_us(label, k, ws), grouped_us=grouped_us,
+        rows.append(dict(model=name, T=T, tile=k.tile, kernel=label, us=kerngen_us(label, k, ws, t=k.tile),
+                         grouped_us=grouped_us,
                          floor_us=floor, active=active, format=fmt, layers=layers, layout=args.layout,
                          peer_us=peer_us, bf16_us=bf16_us, peer_cfg=peer_cfg, a8_us=a8_us))
     return rows
@@ -400,14 +411,13 @@ def peer_fp8(args, x, r1, quant, K, act, producer, calls, b13, b2, ref_tk):
 
 def parse_rule(text: str) -> dict:
     """--rule's launch params, e.g. "warps=4,unroll=2,blocks_per_sm=4,min_blocks=4,pdl=true", checked against the
-    experts mma params (the tile is the routing's, from the tier table). ValueError or TierError if they do not fit."""
+    experts mma params (the tile is the routing's, from the tier table, unless the rule names one: then its kernels
+    read routings of the same logits at that tile). ValueError or TierError if they do not fit."""
     try:
         rule = {k: (v == "true" if v in ("true", "false") else int(v))
                 for k, v in (kv.split("=") for kv in text.split(","))}
     except ValueError:
         raise ValueError(f"--rule {text!r}: expected comma-separated name=integer or name=true|false") from None
-    if "tile" in rule:
-        raise ValueError("--rule: leave out 'tile' (the routing's tile at each T comes from the tier table)")
     check_params("--rule", "experts", "mma", {"tile": 16, **rule})
     return rule
 
@@ -420,7 +430,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sweep", action="store_true", help="time every candidate of the format, not only the tier "
                                                          "table's rule")
     ap.add_argument("--rule", default=None, help="time these params at every T, e.g. warps=4,unroll=2,blocks_per_sm=8 "
-                                                 "(quantized builds also min_blocks=N)")
+                                                 "(quantized builds also min_blocks=N; tile=N: routings of that tile)")
     ap.add_argument("--chained", action="store_true", help="back to back, no producer kernel between steps")
     ap.add_argument("--json", default=None)
     ap.add_argument("--format", default="bf16", choices=FORMATS, help="the expert weights' format")
@@ -484,10 +494,14 @@ def main(argv=None) -> int:
     models, tokens = args.models, args.tokens
 
     def cand_specs(H, I, tile, act):
-        tag, consts = ex.tag_constants(H, I, tile, act, args.format, args.layout)
-        cands = CANDIDATES[args.format] if args.sweep else [args.rule]
-        return [(",".join(f"{k}={x}" for k, x in c.items()),
-                 spec_for(Rule(op="experts", variant="mma", ranges={}, params=c), tag, consts, arch)) for c in cands]
+        """(label, spec) of each candidate at the routing's tile (a --rule naming its own tile: at that one)."""
+        out = []
+        for c in CANDIDATES[args.format] if args.sweep else [args.rule]:
+            p = {k: v for k, v in c.items() if k != "tile"}
+            tag, consts = ex.tag_constants(H, I, c.get("tile", tile), act, args.format, args.layout)
+            out.append((",".join(f"{k}={x}" for k, x in c.items()),
+                        spec_for(Rule(op="experts", variant="mma", ranges={}, params=p), tag, consts, arch)))
+        return out
 
     if args.sweep:   # compile every candidate first, in parallel
         specs = [s for m in models for T in tokens for _, s in
