@@ -198,8 +198,9 @@ class Kernels:
         kernels' (8 warps, a warp a group, grids striding over the groups with up to QUANT_CTAS CTAs an SM);
         gemm1_blocks, where given, is experts_gemm1's CTAs an SM (its registers may hold fewer than GEMM2's)."""
         p = dict(s.params)
-        per_sm = lambda name: p.get("gemm1_blocks" if name == "experts_gemm1" else "", p.get("blocks_per_sm", 4))  # noqa: E731
-        out = {name: Launch(32 * p["warps"], dyn, per_sm(name)) for name, dyn in dynamic_smem(s).items()}
+        bps = p.get("blocks_per_sm", 4)
+        out = {name: Launch(32 * p["warps"], dyn, p.get("gemm1_blocks", bps) if name == "experts_gemm1" else bps)
+               for name, dyn in dynamic_smem(s).items()}
         out.update(dict.fromkeys(quant_kernels(s), Launch(256, 0, QUANT_CTAS)))
         return out
 
