@@ -56,10 +56,10 @@ static_assert(STAGES >= 3 || (SCALED && STAGES >= 2), "at least two slots (three
 
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// A K-major, no-swizzle operand at shared address `a`: core matrices 16 bytes apart along K by `lbo`, 8 rows apart
-// by `sbo`.
+// A no-swizzle operand at shared address `a`: adjacent core matrices `lbo` bytes apart along K (the leading
+// dimension byte offset) and `sbo` bytes apart along M or N (the stride dimension byte offset), K-major or M-major
+// alike (the K-major reading measured right: the exchanged one faults).
 __device__ __forceinline__ unsigned long long desc(unsigned a, unsigned lbo, unsigned sbo) {
-    if ($SWAP) { const unsigned t = lbo; lbo = sbo; sbo = t; }   // --swap: the two offsets' fields exchanged
     return (unsigned long long)((a >> 4) & 0x3FFF) | (unsigned long long)((lbo >> 4) & 0x3FFF) << 16
          | (unsigned long long)((sbo >> 4) & 0x3FFF) << 32;
 }
@@ -112,9 +112,9 @@ __device__ __forceinline__ void block_wgmmas(unsigned s, float d[ND], bool fresh
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-        // (K-major: core matrices 1024 bytes apart along K, 128 along M; M-major: 8 along M contiguous, 1024 bytes
-        // apart along K)
-        const unsigned long long da = desc(s + 2 * kk * 1024, MN ? 128 : 1024, MN ? 1024 : 128);
+        // (core matrices 1024 bytes apart along K, 128 along M, in both layouts: K-major, 8 rows of 16 bytes of K;
+        // M-major, 8 K rows of 16 bytes of M; --swap: A's two offsets exchanged)
+        const unsigned long long da = $SWAP ? desc(s + 2 * kk * 1024, 128, 1024) : desc(s + 2 * kk * 1024, 1024, 128);
         const unsigned long long db = desc(s + A_BYTES + 2 * kk * NCOL * 16, NCOL * 16, 128);
         if (kk == 0 && fresh) wgmma_fresh(d, da, db);
         else wgmma_acc(d, da, db);
@@ -206,7 +206,7 @@ def columns(tokens: int, dtype: str = "e4m3") -> int:
 
 def source(k: int, ncol: int, stages: int, swap: bool = False, dtype: str = "e4m3") -> str:
     """The CUDA C++ of one configuration: rows of `k` values of `dtype` (e4m3 or bf16), B of `ncol` columns, `stages`
-    ring slots (`swap`: the descriptors' leading and stride offsets exchanged, a check of their reading)."""
+    ring slots (`swap`: A's leading and stride offsets exchanged, a check of their reading)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype: one of {sorted(DTYPES)}, got {dtype!r}")
     size, terms, shape, trans = DTYPES[dtype]
@@ -296,7 +296,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--stages", default="3,4,6")
     ap.add_argument("--ctas", default="1,2", help="CTAs (warpgroups) an SM")
-    ap.add_argument("--swap", default="0", help="1: the descriptors' two offsets exchanged (0,1: both)")
+    ap.add_argument("--swap", default="0", help="1: A's descriptor offsets exchanged (0,1: both; a wrong reading "
+                    "may fault: one process each)")
     a = ap.parse_args(argv)
     if a.rows % 128 or a.k % 128:
         ap.error("--rows and --k must be multiples of 128")
