@@ -64,6 +64,23 @@ def test_input_weights_llama4():
     check(x, r, w13, w2, input_weights=r.topk_weights[:, 0].contiguous())
 
 
+@pytest.mark.parametrize("tile", [1, 8])
+def test_two_tile_items_scale_llama4_rows_by_their_input_weight(tile):
+    """mtiles = 2 on bf16 with input weights (each gathered row times its weight before the GEMM, SCALE)."""
+    T, K, E, H, I = 7, 1, 16, 512, 128
+    x, logits, w13, w2, _, _ = make(T, K, E, H, I, seed=4)
+    r = kerngen.route(logits, top_k=1, method="top1_sigmoid", tile=tile)
+    tag, consts = ex.tag_constants(H, I, tile, "silu")
+    k = ex.Kernels(spec_for(Rule(op="experts", variant="mma", ranges={}, params=dict(warps=4, unroll=1, mtiles=2)),
+                            tag, consts, target_arch()), torch.cuda.current_device())
+    out = torch.full((r.permuted_to_token.shape[0], H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    iw = r.topk_weights[:, 0].contiguous()
+    k(x, r, w13, w2, out, input_weights=iw)
+    ref = ex.reference(x, r, w13, w2, input_weights=iw)
+    rows = r.permuted_to_token >= 0
+    torch.testing.assert_close(out[rows].float(), ref[rows].float(), rtol=2e-2, atol=2e-2)
+
+
 def test_beyond_the_rules_uses_grouped_mm():
     """Past the rules torch._grouped_mm runs: it rounds h (gate and up) to bf16 before the activation, one more
     rounding point than the reference, so 2 bf16 ulps of the output's scale are allowed."""
