@@ -10,7 +10,8 @@ sees them).
 The experts kernels (templates/experts/mma.cu.j2) hold each lane's weights in registers for mma.sync (fp8 widened to
 f16 a pair), with up to 16 tokens a tile: more tokens an expert read its weights again. Here a warpgroup takes an
 item of 64 weight rows; each 128-byte K block of them (8 KiB: 128 e4m3 values, one scale of the checkpoint's 128 x
-128 blocks, or 64 bf16 values) and of the activations goes by 16-byte cp.async into one of `--stages` slots, and
+128 blocks, or 64 bf16 values) and of the activations goes by 16-byte cp.async into one of `--stages` slots (a
+CTA's items one stream of blocks: the next item's first blocks load while an item ends), and
 `wgmma.mma_async` (m64nNk32 e4m3 or m64nNk16 bf16) reads both from shared memory (no swizzle: core matrices of 8
 rows x 16 bytes): e4m3 into a fresh sum a block, which one FFMA a value adds times the block's scale; bf16 into one
 running sum, a block's wgmmas running while the next block's are issued. bf16t: the bf16 weights stored transposed
@@ -122,72 +123,91 @@ __device__ __forceinline__ void block_wgmmas(unsigned s, float d[ND], bool fresh
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
 
-extern "C" __global__ void __launch_bounds__(128) wgmma_smem(const __grid_constant__ P p) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    const unsigned ring = (unsigned)__cvta_generic_to_shared(smem);
+// The item's sums into y (d[4c + i]: columns 8c + 2q, +1 of rows row0, row1).
+__device__ __forceinline__ void store_item(const P& p, long long item, const float acc[ND]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, w = threadIdx.x >> 5;
-    const long long items = p.rows / 64;
-    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-        const float* ws = p.ws + (item * 64 / 128) * KB;
-        float acc[ND];
+    const long long row0 = item * 64 + w * 16 + g, row1 = row0 + 8;
 #pragma unroll
-        for (int i = 0; i < ND; ++i) acc[i] = 0.f;
-        if (SCALED) {   // block kb's wgmmas waited for in its own iteration: its slot refilled at the next
-#pragma unroll
-            for (int kb = 0; kb < STAGES - 1; ++kb) load_block(p, item, ring + kb * SLOT, kb);
-            for (int kb = 0; kb < KB; ++kb) {
-                asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2) : "memory");
-                __syncthreads();   // block kb in every thread's view; every warp done with block kb - 1's slot
-                load_block(p, item, ring + ((kb + STAGES - 1) % STAGES) * SLOT, kb + STAGES - 1);
-                const float f = __ldg(ws + kb);
-                float d[ND];
-                block_wgmmas(ring + (kb % STAGES) * SLOT, d, true);
-                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-                for (int i = 0; i < ND; ++i) {
-                    fence_operand(d[i]);
-                    acc[i] = fmaf(d[i], f, acc[i]);
-                }
+    for (int c = 0; c < NCOL / 8; ++c) {
+        if (TERMS == 2) {                  // token 4c + q's two terms
+            const int t = 4 * c + q;
+            if (t < p.tokens) {
+                const float s_t = p.xs[t];
+                p.y[(long long)t * p.rows + row0] = (acc[4 * c] + acc[4 * c + 1]) * s_t;
+                p.y[(long long)t * p.rows + row1] = (acc[4 * c + 2] + acc[4 * c + 3]) * s_t;
             }
-        } else {        // one running sum in the wgmmas' accumulators: block kb's wgmmas run while block kb + 1's are
-                        // issued; a slot is refilled once the wgmmas of two blocks back are done
+        } else {
 #pragma unroll
-            for (int kb = 0; kb < STAGES - 2; ++kb) load_block(p, item, ring + kb * SLOT, kb);
-            for (int kb = 0; kb < KB; ++kb) {
-                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-                asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 3 > 0 ? STAGES - 3 : 0) : "memory");
-                __syncthreads();   // block kb in every thread's view; every warp done with block kb - 2's slot
-                load_block(p, item, ring + ((kb + STAGES - 2) % STAGES) * SLOT, kb + STAGES - 2);
-                block_wgmmas(ring + (kb % STAGES) * SLOT, acc, kb == 0);
-            }
-            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-            for (int i = 0; i < ND; ++i) fence_operand(acc[i]);
-        }
-        asm volatile("cp.async.wait_group 0;" ::: "memory");
-        __syncthreads();   // the ring free for the next item
-        const long long row0 = item * 64 + w * 16 + g, row1 = row0 + 8;
-#pragma unroll
-        for (int c = 0; c < NCOL / 8; ++c) {   // d[4c + i]: columns 8c + 2q, +1
-            if (TERMS == 2) {                  // token 4c + q's two terms
-                const int t = 4 * c + q;
+            for (int i = 0; i < 2; ++i) {  // tokens 8c + 2q + i
+                const int t = 8 * c + 2 * q + i;
                 if (t < p.tokens) {
-                    const float s_t = p.xs[t];
-                    p.y[(long long)t * p.rows + row0] = (acc[4 * c] + acc[4 * c + 1]) * s_t;
-                    p.y[(long long)t * p.rows + row1] = (acc[4 * c + 2] + acc[4 * c + 3]) * s_t;
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {  // tokens 8c + 2q + i
-                    const int t = 8 * c + 2 * q + i;
-                    if (t < p.tokens) {
-                        p.y[(long long)t * p.rows + row0] = acc[4 * c + i] * p.xs[t];
-                        p.y[(long long)t * p.rows + row1] = acc[4 * c + 2 + i] * p.xs[t];
-                    }
+                    p.y[(long long)t * p.rows + row0] = acc[4 * c + i] * p.xs[t];
+                    p.y[(long long)t * p.rows + row1] = acc[4 * c + 2 + i] * p.xs[t];
                 }
             }
         }
     }
+}
+
+// The CTA's items (blockIdx.x, + gridDim.x, ...) as one stream of K blocks, block n = item (n / KB)'s block n % KB
+// in ring slot n % STAGES, so the next item's first blocks are in flight while an item ends (no drain between items).
+extern "C" __global__ void __launch_bounds__(128) wgmma_smem(const __grid_constant__ P p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const unsigned ring = (unsigned)__cvta_generic_to_shared(smem);
+    const long long items = p.rows / 64;
+    const long long mine = blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    const long long blocks = mine * KB;
+    auto item_of = [&](long long n) { return (long long)blockIdx.x + (n / KB) * gridDim.x; };
+    auto load = [&](long long n) {   // stream block n into its slot (past the last: an empty commit group)
+        load_block(p, n < blocks ? item_of(n) : 0, ring + (unsigned)(n % STAGES) * SLOT, n < blocks ? (int)(n % KB) : KB);
+    };
+    float acc[ND];
+    if (SCALED) {   // block n's wgmmas waited for in its own iteration: its slot refilled at the next
+#pragma unroll
+        for (int n = 0; n < STAGES - 1; ++n) load(n);
+        for (long long n = 0; n < blocks; ++n) {
+            const int kb = (int)(n % KB);
+            const long long item = item_of(n);
+            if (kb == 0) {
+#pragma unroll
+                for (int i = 0; i < ND; ++i) acc[i] = 0.f;
+            }
+            asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2) : "memory");
+            __syncthreads();   // block n in every thread's view; every warp done with block n - 1's slot
+            load(n + STAGES - 1);
+            const float f = __ldg(p.ws + (item * 64 / 128) * KB + kb);
+            float d[ND];
+            block_wgmmas(ring + (unsigned)(n % STAGES) * SLOT, d, true);
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+            for (int i = 0; i < ND; ++i) {
+                fence_operand(d[i]);
+                acc[i] = fmaf(d[i], f, acc[i]);
+            }
+            if (kb == KB - 1) store_item(p, item, acc);
+        }
+    } else {        // one running sum in the wgmmas' accumulators: block n's wgmmas run while block n + 1's are
+                    // issued; a slot is refilled once the wgmmas of two blocks back are done
+#pragma unroll
+        for (int n = 0; n < STAGES - 2; ++n) load(n);
+#pragma unroll
+        for (int i = 0; i < ND; ++i) acc[i] = 0.f;
+        for (long long n = 0; n < blocks; ++n) {
+            const int kb = (int)(n % KB);
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 3 > 0 ? STAGES - 3 : 0) : "memory");
+            __syncthreads();   // block n in every thread's view; every warp done with block n - 2's slot
+            load(n + STAGES - 2);
+            block_wgmmas(ring + (unsigned)(n % STAGES) * SLOT, acc, kb == 0);
+            if (kb == KB - 1) {   // the item's sums complete: stored before the next item's first (fresh) wgmmas
+                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+                for (int i = 0; i < ND; ++i) fence_operand(acc[i]);
+                store_item(p, item_of(n), acc);
+            }
+        }
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 """
 
