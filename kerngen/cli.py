@@ -251,12 +251,16 @@ def _explain_usage(spec, files, model: str | None = None) -> None:
 def cmd_tune(args) -> int:
     from . import tune
     from .ops._common import require_gpu
-    require_gpu("kerngen tune")   # it times candidates on this GPU
+    names = [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = [o for o in names if o not in op_registry.tunable()]
+    if unknown or not names:
+        raise InputError("tune", "--ops", "a comma separated subset of " + ",".join(op_registry.tunable()),
+                         args.ops if not unknown else ",".join(unknown))
     _model(tiers.load(), args.model)
-    ops = args.ops.split(",")
+    require_gpu("kerngen tune")   # it times candidates on this GPU
     tokens = args.tokens or tune.DEFAULT_TOKENS
     out = args.out or (str(env.user_tiers()) if env.user_tiers() else f"kerngen-tuned-{args.model}.toml")
-    rules = tune.tune(args.model, ops, tokens, progress=not args.quiet)
+    rules = tune.tune(args.model, names, tokens, progress=not args.quiet)
     tune.write(out, args.model, rules)
     for r in rules:
         print(f"  {r.op:9s} tokens {r.ranges['tokens'][0]}..{r.ranges['tokens'][1]:<6d} {r.variant:12s} {r.params}"
@@ -383,7 +387,7 @@ def parser() -> argparse.ArgumentParser:
     u = sub.add_parser("tune", help="time candidate kernels on this GPU and write the winners to a tiers file")
     u.add_argument("--model", required=True, help="model name from the tier table")
     u.add_argument("--ops", default="routing,finalize,tail",
-                   help="comma separated subset of routing,finalize,tail,experts,latent_tail")
+                   help="comma separated subset of " + ",".join(op_registry.tunable()) + " (default: %(default)s)")
     u.add_argument("--tokens", type=_token_list, help="comma separated token buckets")
     u.add_argument("--out", help="tiers file to write (default: KERNGEN_TIERS or kerngen-tuned-MODEL.toml)")
     u.add_argument("--quiet", action="store_true", help="no progress bar (there is one only on a terminal)")

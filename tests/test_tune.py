@@ -249,3 +249,20 @@ def test_a_fused_x_winner_serves_no_more_tokens_than_it_quantizes(monkeypatch):
     assert fused and rules[0].params.get("fused_x") and not rules[-1].params.get("fused_x")
     assert all(r.ranges["tokens"][1] <= r.params["fused_x"] for r in fused)
     assert [r.ranges["tokens"][0] for r in rules[1:]] == [r.ranges["tokens"][1] + 1 for r in rules[:-1]]
+
+
+def test_the_registry_names_the_tunable_ops_and_the_cli_reads_it(tmp_path):
+    """`kerngen tune --ops` takes the ops the registry marks tunable (those the tuner has candidates and a timer
+    for): a name outside them is an InputError naming --ops, before any GPU or model is looked at."""
+    import os
+    import subprocess
+    import sys
+    from kerngen import ops
+    assert set(ops.tunable()) == set(tune.TUNERS) and set(ops.tunable()) <= set(ops.OPS)
+    env_ = {**os.environ, "KERNGEN_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "kerngen", "tune", "--model", "no-such-model", "--ops", "routing,permute"],
+                       capture_output=True, text=True, env=env_, cwd=tmp_path)
+    assert r.returncode == 2 and "'--ops'" in r.stderr and "got permute" in r.stderr and "Traceback" not in r.stderr
+    h = subprocess.run([sys.executable, "-m", "kerngen", "tune", "--help"], capture_output=True, text=True, env=env_,
+                       cwd=tmp_path)
+    assert ",".join(ops.tunable()) in " ".join(h.stdout.split())

@@ -77,6 +77,7 @@ class Op:
     torch: tuple[str, ...] = ()   # its torch.ops.kerngen ops, defined in <module>_torch
     shape: tuple[str, ...] = ("top_k", "hidden")   # the shape its explain_spec needs (`kerngen explain` checks it)
     module: str = ""   # its module (default kerngen.ops.<name>), with the seam when it has kernels
+    tunable: bool = False   # `kerngen tune` has candidates and a timer for it (kerngen.tune.TUNERS)
 
     @property
     def kernels(self) -> bool:
@@ -134,6 +135,11 @@ def op_module(op: str):
     return import_module(_REGISTRY[op].module_name)
 
 
+def tunable() -> tuple[str, ...]:
+    """The registered ops `kerngen tune` times candidates for, in order."""
+    return tuple(o.name for o in _REGISTRY.values() if o.tunable)
+
+
 def public() -> dict[str, str]:
     """The public names the registered ops give kerngen: name -> "module.attribute" under kerngen.ops."""
     return {name: path for o in _REGISTRY.values() for name, path in o.public.items()}
@@ -155,7 +161,7 @@ register(Op("routing", {
     "topk": {"backend": NVRTC, "warps": _n(1, 32, required=True), "warps_per_token": _n(1, 32, required=True),
              "early_trigger": FLAG}},
     between=_routing, public={"route": "routing.route", "PreRouting": "prerouting.PreRouting"},
-    torch=("route", "route_permute"), shape=("experts", "top_k")))
+    torch=("route", "route_permute"), shape=("experts", "top_k"), tunable=True))
 
 register(Op("permute", {
     "onepass": {"backend": NVRTC, "threads": _n(32, 1024, step=32), "ctas": _n(1, SMS)},
@@ -170,13 +176,13 @@ register(Op("finalize", {
     "large_batch": {"backend": NVRTC, "vectors_per_thread": _n(1, 1024, required=True),
                     "unroll": _n(1, 64, required=True), "early_read": NEEDED_FLAG, "pdl": FLAG},
     "cute": {"backend": CUTE, "ctas": _n(1, 1024), "threads": _n(32, 1024), "max_loads": _n(1, 64), "pdl": FLAG}},
-    public={"finalize": "finalize.finalize", "finalize_prepare": "finalize.prepare"}, torch=("finalize",)))
+    public={"finalize": "finalize.finalize", "finalize_prepare": "finalize.prepare"}, torch=("finalize",), tunable=True))
 
 register(Op("tail", {
     "tail": {"backend": CUTE, "threads": _n(32, 1024, required=True), "cluster": _n(1, 16), "max_loads": _n(1, 64),
              "branch_free": FLAG, "pdl": FLAG,
              "async_reduce": FLAG}},   # clusters: the partial sums by st.async, no second cluster barrier
-    public={"moe_tail": "tail.moe_tail"}, torch=("moe_tail",)))
+    public={"moe_tail": "tail.moe_tail"}, torch=("moe_tail",), tunable=True))
 
 register(Op("experts", {
     "mma": {"backend": NVRTC, "tile": _n(1, 32, required=True), "warps": _n(1, 16, required=True),
@@ -197,7 +203,7 @@ register(Op("experts", {
             "wide": FLAG,   # with gcol: a lane reads 32 contiguous bytes of a row a step (two groups, 256-wide steps)
             "one_launch": FLAG,   # both GEMMs in one launch: tickets, GEMM2's items waiting on their tile's GEMM1
             "early_l2": FLAG}},   # the first item's first weight bytes to L2 before the wait
-    public={"experts": "experts.experts"}, torch=("moe_experts",), shape=("hidden", "intermediate")))
+    public={"experts": "experts.experts"}, torch=("moe_experts",), shape=("hidden", "intermediate"), tunable=True))
 
 
 def _latent_tail(variant: str, p: dict) -> str | None:
@@ -232,7 +238,7 @@ register(Op("latent_tail", {
                   "addmm": FLAG},   # with gemm_bf16: the norm kernel writes shared + residual, the GEMM adds it
     "unfused": {}},   # kerngen.finalize + torch (host code)
     host=("unfused",), between=_latent_tail, public={"latent_tail": "latent_tail.latent_tail"},
-    torch=("latent_tail",)))
+    torch=("latent_tail",), tunable=True))
 
 
 def _tail_tp(variant: str, p: dict) -> str | None:
