@@ -10,22 +10,20 @@ Padding rows (token -1) of `out` are left unwritten by the kernel (zero in the r
 them. Shapes an "experts" tier rule serves with a tile of at most MMA_MAX_TILE rows run templates/experts/mma.cu.j2
 (tensor cores, a persistent grid); any other shape runs torch._grouped_mm (bf16 weights) or the per-expert reference
 (fp8, MXFP4). CUDA tensors only, as every op that launches kernels: on the CPU, torch.ops.kerngen.moe_experts or
-`reference`. This module plans and launches; the reference is experts_reference.py's, the input checks
-experts_checks.py's (both re-exported here).
+`reference`. This module launches; which kernel a shape takes and what it builds is experts_plan.py's, the
+reference experts_reference.py's, the input checks experts_checks.py's (all re-exported here).
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 
 import torch
 
 from .. import plan as plan_mod
 from .. import tiers
-from ..errors import InputError, TierError
+from ..errors import InputError
 from .. import env
-from ..launch import EagerGraphs, Launcher, Params, current_stream
+from ..launch import EagerGraphs, Launcher, current_stream
 from ..occupancy import Launch
 from ..dispatch import Dispatch, calls, lookup
 from . import _common
@@ -35,120 +33,18 @@ from .experts_checks import (ACTIVATIONS, E2M1, FORMATS, FP8, LAYOUTS, MX_GROUP,
                              _check_act_params, _check_scales, check, check_args, infer_tile, weights_layout)
 from .experts_reference import (activate, dequantize, fp8_round_trip, quantize_f16, quantize_fp8,  # noqa: F401
                                 reference)
+from .experts_plan import (FUSED_SMEM, MMA_MAX_TILE, PARAMS, PARAMS_A8, PARAMS_SCALED, QUANT_CTAS,  # noqa: F401
+                           SYNC_LINE, dynamic_smem, explain_rule, explain_spec, fused_smem, gemm_kernels,
+                           model_specs, one_launch, params_struct, quant_kernels, quant_launches,
+                           quantizes_activations, rule_format, rule_shape, rule_spec, spec, sync_ints, tag_constants,
+                           tile_of)
 
 OP = "experts"
 VARIANTS = ("mma",)
-MMA_MAX_TILE = 32   # rows of a tile the kernels take (up to four 8-row n-blocks of mma accumulators)
-# struct Params of templates/experts/mma.cu.j2 (both kernels)
-PARAMS = Params(("x", "ptr"), ("w13", "ptr"), ("b13", "ptr"), ("inw", "ptr"), ("w2", "ptr"), ("b2", "ptr"),
-                ("p2t", "ptr"), ("t2e", "ptr"), ("nrows", "ptr"), ("act", "ptr"), ("out", "ptr"), ("tokens", "int"),
-                ("experts", "int"), ("interleaved", "int"), ("tiles", "int"), ("a0", "float"), ("a1", "float"))
 # KERNGEN_EAGER_GRAPHS unset: eager calls of at most so many tokens replay repeated launches from a CUDA graph (one
 # driver call where two to four cost the host ~5 us each; past decode sizes the GPU's work hides the launches and the
 # graph would only lose the early start of programmatic dependent launch)
 EAGER_GRAPH_TOKENS = 4
-# the quantized builds' struct Params (fp8, mxfp4): the bf16 one, then the scales of w13 and w2
-PARAMS_SCALED = Params(*PARAMS.fields, ("s13", "ptr"), ("s2", "ptr"))
-# fp8 activations (fp8_activations=True): then x and the intermediate quantized, with their scales
-QUANT_CTAS = 8   # fp8 activations: CTAs an SM of the quantizing kernels (8 warps each: a full SM)
-PARAMS_A8 = Params(*PARAMS_SCALED.fields, ("xq", "ptr"), ("xsc", "ptr"), ("aq", "ptr"), ("asc", "ptr"))
-
-
-def tag_constants(H: int, I: int, tile: int, activation: str, fmt: str = "bf16",
-                  layout: str = "nk", a8: bool = False) -> tuple[str, dict]:
-    """The cache tag and the template constants of one experts build (fmt: the weights' format, bf16, fp8 or
-    mxfp4; layout: LAYOUTS, the "kn" builds marked KN, the "nk" ones as they always were; a8: fp8 weights with fp8
-    activations, marked A8)."""
-    kn = {"KN": 1} if layout == "kn" else {}
-    if a8 and fmt != "fp8":
-        raise InputError(OP, "fp8_activations", "True only with fp8 weights", f"True with {fmt} weights")
-    a8c = {"A8": 1} if a8 else {}
-    return (f"H{H}-I{I}-t{tile}-{activation}-{fmt}" + ("-kn" if kn else "") + ("-a8" if a8 else ""),
-            {"H": H, "I": I, "TILE": tile, "ACT": activation, "FORMAT": fmt, **kn, **a8c})
-
-
-def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt: str = "bf16",
-              layout: str = "nk", a8: bool = False) -> plan_mod.KernelSpec:
-    """The kernel of an experts rule at this shape: the rule's `tile` param is the TILE constant (the routing
-    tile its kernels take), its other params the launch shape. A rule with `transposed = false` serves
-    contiguous weights only: for "kn" ones it is a TierError (torch._grouped_mm runs those tokens)."""
-    params = dict(rule.params)
-    tile = params.pop("tile")
-    where = f"the experts rule for tokens {list(rule.ranges.get('tokens', ()))}"
-    if params.get("f16x") and (fmt not in ("fp8", "mxfp4") or a8):
-        raise TierError(f"{where} sets f16x, which only fp8 and MXFP4 weights with bf16 activations take (not "
-                        f"{rule_format(fmt, a8)})")
-    if params.get("lean") and (fmt == "bf16" or a8 or layout == "kn" or params.get("prefetch", True)):
-        raise TierError(f"{where} sets lean, which fp8 and MXFP4 weights with bf16 or f16 activations take with "
-                        "prefetch = false")
-    if params.get("pingpong") and not (params.get("f16x") and params.get("prefetch", True)):
-        raise TierError(f"{where} sets pingpong without f16x and prefetch: only the f16-activation builds that load "
-                        "the next steps ahead take it")
-    fused = params.get("fused_x", 0)
-    if (fused or not params.get("act_f16", True)) and not params.get("f16x"):
-        raise TierError(f"{where} sets fused_x or act_f16, which only the f16-activation builds (f16x) take")
-    if fused and (type(fused) is not int or rule.ranges.get("tokens", (1, 1 << 30))[1] > fused
-                  or fused_smem(fused, max(H, I)) > FUSED_SMEM):
-        raise TierError(f"{where} sets fused_x = {fused!r}: the most tokens its experts_gemm1 quantizes itself, at "
-                        f"least the rule's last token count, and fused_x rows of {max(H, I)} f16 values in "
-                        f"{FUSED_SMEM // 1024} KiB of shared memory")
-    if params.get("stage_act") and not (fused and params.get("act_f16", True)):
-        raise TierError(f"{where} sets stage_act without fused_x (its slots: a tile's rows at most) or with "
-                        "act_f16 = false")
-    if params.get("gcol") and not (fmt == "mxfp4" and 0 < fused <= 2 and params.get("lean") and tile >= 2
-                                   and not params.get("act_f16", True) and params.get("mtiles", 1) == 1
-                                   and not params.get("stage_act")):
-        raise TierError(f"{where} sets gcol, which MXFP4 weights take with fused_x = 1 or 2, lean, act_f16 = false, "
-                        "one m16 tile of weight rows an item (mtiles = 1) and tiles of 2 rows or more")
-    if params.get("wide") and not params.get("gcol"):
-        raise TierError(f"{where} sets wide without gcol: only gcol's experts_gemm1 reads two groups a lane a step")
-    if params.get("one_launch") and (a8 or quant_launches(params, a8) or params.get("early_l2")
-                                     or params.get("stage_act")):
-        raise TierError(f"{where} sets one_launch, which builds without quantizing launches take (bf16 activations, "
-                        "or f16x with fused_x and act_f16 = false), without early_l2 and stage_act")
-    if params.get("one_launch") and "gemm1_blocks" in params:
-        raise TierError(f"{where} sets gemm1_blocks with one_launch: both GEMMs then run in one launch, of "
-                        "blocks_per_sm CTAs an SM")
-    if not params.get("act_f16", True) and params.get("mtiles", 1) != 1:
-        raise TierError(f"{where} sets act_f16 = false with mtiles: GEMM2 on the bf16 intermediate takes one m16 "
-                        "tile of weight rows an item")
-    if params.get("mtiles", 1) != 1 and not params.get("f16x") and (fmt != "bf16" or layout == "kn"):
-        raise TierError(f"{where} sets mtiles, which bf16 weights stored [E, N, K] and the f16-activation builds "
-                        f"(f16x) take (not {rule_format(fmt, a8)} weights{' stored transposed' if layout == 'kn' else ''}"
-                        f"{'' if fmt == 'bf16' else ' without f16x'})")
-    if not params.pop("transposed", True) and layout == "kn":
-        raise TierError(f"{where} serves contiguous weights only (transposed = false): transposed ones run "
-                        "torch._grouped_mm there")
-    return plan_mod.spec_for(dataclasses.replace(rule, params=params),
-                             *tag_constants(H, I, tile, activation, fmt, layout, a8), arch_)
-
-
-def rule_format(fmt: str, a8: bool) -> str:
-    """The `formats` entry of the tier rules serving these weights: their format, or w8a8 for fp8 activations."""
-    return "w8a8" if a8 else fmt
-
-
-def spec(H: int, I: int, tile: int | None, activation: str, tokens: int, arch_: str,
-         tbl: tiers.Table | None = None, fmt: str = "bf16", layout: str = "nk", a8: bool = False,
-         experts: int = 0, top_k: int = 0) -> plan_mod.KernelSpec:
-    """The kernel the tier table gives this shape at `tokens` (tools and tests; calls go through dispatch), built
-    for routing tile `tile` (None: the rule's own); experts / top_k as dispatch takes them."""
-    rule = (tbl or table()).rule(OP, {**rule_shape(H, fmt, a8, experts, top_k), "tokens": max(tokens, 1),
-                                      "arch": arch_})
-    if tile is not None:
-        rule = dataclasses.replace(rule, params={**rule.params, "tile": tile})
-    return rule_spec(rule, H, I, activation, arch_, fmt, layout, a8)
-
-
-def rule_shape(H: int, fmt: str, a8: bool, experts: int, top_k: int) -> dict:
-    """The shape the experts rules match (besides tokens and arch): num_experts and top_k, which together say how
-    many rows an expert's tiles hold at T tokens (T * top_k / num_experts on average); 0 where not known, which no
-    rule keyed on them matches."""
-    return {"hidden": H, "format": rule_format(fmt, a8), "num_experts": experts, "top_k": top_k}
-
-
-def tile_of(s: plan_mod.KernelSpec) -> int:
-    return dict(s.constants)["TILE"]
 
 
 class Kernels:
@@ -317,81 +213,9 @@ class Kernels:
 persistent = Kernels.persistent   # the ops' seam (kerngen.ops): what explain, warmup and the tests size from
 
 
-def quantizes_activations(s: plan_mod.KernelSpec) -> bool:
-    """Does spec `s` take its activations quantized by two launches of its own: fp8 (A8) or f16 (the rule's f16x)?"""
-    return bool(dict(s.constants).get("A8") or dict(s.params).get("f16x"))
-
-
-SYNC_LINE = 32   # one_launch: int32 counters a 128-byte line (templates/experts/mma.cu.j2's SYNC_LINE)
-FUSED_SMEM = 200 * 1024   # the most dynamic shared memory fused_x / stage_act rows may take a CTA (an SM: 227 KiB)
-
-
-def fused_smem(rows: int, cols: int) -> int:
-    """Bytes of dynamic shared memory for `rows` f16 rows of `cols` values and their fp32 scales per 128 columns."""
-    return rows * (2 * cols + 4 * -(-cols // QBLOCK))
-
-
-def dynamic_smem(s: plan_mod.KernelSpec) -> dict[str, int]:
-    """Each GEMM's dynamic shared memory: fused_x rows of x (experts_gemm1), with stage_act rows of the intermediate
-    (experts_gemm2); none otherwise. one_launch: experts_gemm12's, GEMM1's."""
-    p, c = dict(s.params), dict(s.constants)
-    fx = p.get("fused_x", 0) if p.get("f16x") else 0
-    if one_launch(s):
-        return {"experts_gemm12": fused_smem(fx, c["H"])}
-    return {"experts_gemm1": fused_smem(fx, c["H"]),
-            "experts_gemm2": fused_smem(fx, c["I"]) if fx and p.get("stage_act") and p.get("act_f16", True) else 0}
-
-
-def quant_kernels(s: plan_mod.KernelSpec) -> tuple[str, ...]:
-    """The quantizing launches of spec `s`: with quantized activations experts_quant_x, unless experts_gemm1
-    quantizes x itself (the rule's fused_x), and experts_quant_act, unless experts_gemm2 reads the bf16 intermediate
-    (act_f16 = false); fp8 activations (A8) take both."""
-    return quant_launches(dict(s.params), bool(dict(s.constants).get("A8")))
-
-
-def quant_launches(p: dict, a8: bool) -> tuple[str, ...]:
-    """quant_kernels of a rule's params `p` (a8: fp8 activations)."""
-    if not (a8 or p.get("f16x")):
-        return ()
-    return ((("experts_quant_x",) if a8 or not p.get("fused_x") else ())
-            + (("experts_quant_act",) if a8 or p.get("act_f16", True) else ()))
-
-
-def one_launch(s: plan_mod.KernelSpec) -> bool:
-    """Does spec `s` run both GEMMs as one launch (experts_gemm12)? Its rule's one_launch, for contiguous weights
-    whose intermediate rows are whole 128-byte lines (I % 64 == 0); otherwise the two launches."""
-    c = dict(s.constants)
-    return bool(dict(s.params).get("one_launch")) and not c.get("KN") and c["I"] % 64 == 0
-
-
-def sync_ints(tiles: int) -> int:
-    """one_launch's counters for this many tiles, in int32: tickets, CTAs done, then each tile's, a line each."""
-    return SYNC_LINE * (2 + tiles)
-
-
 def new_sync(tiles: int, device) -> torch.Tensor:
     """Zeroed one_launch counters for this many tiles."""
     return torch.zeros(sync_ints(tiles), dtype=torch.int32, device=device)
-
-
-def gemm_kernels(s: plan_mod.KernelSpec) -> tuple[str, ...]:
-    """The GEMM kernels spec `s` builds and launches (dynamic_smem's): experts_gemm12 where one_launch(s), else
-    experts_gemm1 and experts_gemm2."""
-    return tuple(dynamic_smem(s))
-
-
-def params_struct(s: plan_mod.KernelSpec) -> Params:
-    """The launch fields of spec `s`'s struct Params: bf16 weights PARAMS, quantized ones their scales too
-    (PARAMS_SCALED), and with quantized activations (A8, f16x) their buffers (PARAMS_A8)."""
-    base = (PARAMS_A8 if quantizes_activations(s)
-            else PARAMS_SCALED if dict(s.constants).get("FORMAT", "bf16") != "bf16" else PARAMS)
-    return _with_sync(base) if one_launch(s) else base
-
-
-@functools.cache
-def _with_sync(base: Params) -> Params:
-    """one_launch's struct Params: `base`, then the tickets buffer (one struct, and launcher code, per base)."""
-    return Params(*base.fields, ("sync", "ptr"))
 
 
 def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Kernels:
@@ -422,53 +246,6 @@ def tile_for(H: int, I: int, activation: str, tokens: int, device: int, fmt: str
     s = dispatch(device, H=H, I=I, activation=activation, fmt=fmt, layout=layout, a8=a8, experts=experts,
                  top_k=top_k).spec(tokens)
     return None if s is None else tile_of(s)
-
-
-def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_mod.KernelSpec]:
-    """Every experts kernel `model` can dispatch to over its token range (models with an intermediate size), for
-    bf16 weights (also read transposed where `experts_layout` is "kn") and for the format its checkpoints ship in
-    (`experts_format`; fp8 also with fp8 activations, the w8a8 rules)."""
-    if not model.intermediate:
-        return []
-    out: list[plan_mod.KernelSpec] = []
-    builds = dict.fromkeys((("bf16", "nk", False), ("bf16", model.experts_layout, False),
-                            (model.experts_format, "nk", False), (model.experts_format, "nk", True)))
-    for fmt, layout, a8 in builds:   # bf16 (both layouts where the model's are transposed), the format it ships in
-        if a8 and fmt != "fp8":      # (fp8: with fp8 activations too)
-            continue
-        for lo, _ in tiers.token_pieces(tbl.rules, OP, model.tokens):
-            try:
-                rule = tbl.rule(OP, {**rule_shape(model.hidden, fmt, a8, model.num_experts, model.top_k),
-                                     "tokens": lo, "arch": arch_})
-                s = rule_spec(rule, model.hidden, model.intermediate, model.activation, arch_, fmt, layout, a8)
-            except TierError:
-                continue   # these tokens run torch._grouped_mm
-            if s not in out:
-                out.append(s)
-    return out
-
-
-def explain_rule(tbl: tiers.Table, arch_: str, *, hidden: int, tokens: int, model: str | None = None,
-                 experts: int | None = None, top_k: int | None = None, **_shape) -> tiers.Rule:
-    """The experts rule `kerngen explain --op experts` names: for the weight format `model` ships (else bf16),
-    experts and top_k as dispatch takes them (None: not known)."""
-    fmt = tbl.model(model).experts_format if model else "bf16"
-    return tbl.rule(OP, {**rule_shape(hidden, fmt, False, experts or 0, top_k or 0), "tokens": max(tokens, 1),
-                         "arch": arch_})
-
-
-def explain_spec(tbl: tiers.Table, arch_: str, *, hidden: int, tokens: int, intermediate: int = 0,
-                 activation: str = "silu", model: str | None = None, **shape) -> plan_mod.KernelSpec:
-    """The experts kernel `kerngen explain --op experts` names (intermediate, activation and weight format from
-    `model`, else given, bf16; experts and top_k, where given, as dispatch takes them): explain_rule's."""
-    m = tbl.model(model) if model else None
-    I, act = (m.intermediate, m.activation) if m else (intermediate, activation)
-    if not I:
-        raise InputError(OP, "intermediate", "the experts' intermediate size (a model with `intermediate`, or "
-                         "--intermediate)", repr(I))
-    fmt = m.experts_format if m else "bf16"   # a model's: the format its checkpoints ship in
-    return rule_spec(explain_rule(tbl, arch_, hidden=hidden, tokens=tokens, model=model, **shape), hidden, I, act,
-                     arch_, fmt)
 
 
 def _grouped(xs, routing, w13, w2, b13, b2, tile, I, act) -> torch.Tensor:
