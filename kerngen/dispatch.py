@@ -6,16 +6,18 @@ KernelSpec then. A call picks the bucket of its token count with a bisect and ta
 that count (built on first use: compile or cache load, then kept). After the first call of a token count
 nothing on the path reads the filesystem, reloads the table or scans rules.
 
-Where state lives: all dispatch objects in one registry (`lookup`), keyed by the op's static key (never the token
-count); each holds its launch objects and what the shape's calls reuse (`kept`: scratch buffers, the TP tails'
-symmetric buffers and identity rows, kernels built for another tile). Each op's resolved calls live in one `Calls`
-of this module (`calls(op)`): a call whose input signature was seen skips the checks and the lookup and launches
-what they found. `clear()` forgets them all, and `tiers.reload()` calls it; no op keeps a cache of its own. The one
+Where state lives: each op has one `OpDispatch` (the op module's `dispatch`), the only cache an op keeps. It holds
+the op's dispatch objects, one per static key (the op's build keywords, never the token count): each with its
+launch objects and what the shape's calls reuse (`kept`: scratch buffers, the TP tails' symmetric buffers and
+identity rows, kernels built for another tile); and the op's resolved calls (`calls`): a call whose input signature
+was seen skips the checks and the lookup and launches what they found. Every op's is called the same way,
+`dispatch(device, **static) -> Dispatch`. `clear()` forgets them all, and `tiers.reload()` calls it. The one
 per-process store outside them is the loaded kernels (`launch.resolve`), keyed by KernelSpec: a spec is one binary
 whatever shape or table asked for it.
 """
 from __future__ import annotations
 
+import inspect
 from bisect import bisect_right
 from typing import Any, Callable
 
@@ -100,15 +102,13 @@ class Dispatch:
         return f"Dispatch({self.op} on {self.arch}, device {self.device}; {buckets})"
 
 
-_registry: dict[tuple, Dispatch] = {}
-
 MAX_SIGNATURES = 4096   # input signatures an op remembers before it forgets them all (bounded memory)
 
 
 class Calls(dict):
     """The calls of one op resolved so far: input signature (every property its checks establish) -> what the
     checks and the dispatch object found for it (the launch object and the values a launch needs). A dict, so a
-    call's lookup is one `get`; bounded by MAX_SIGNATURES; one per op (`calls`), cleared by `clear()`."""
+    call's lookup is one `get`; bounded by MAX_SIGNATURES; one per op (its OpDispatch's), cleared by `clear()`."""
     __slots__ = ("op",)
 
     def __init__(self, op: str):
@@ -124,24 +124,60 @@ class Calls(dict):
         return hit
 
 
-_calls: dict[str, Calls] = {}
+class OpDispatch:
+    """One op's dispatch state: its dispatch objects by static key, built once each by the op's
+    `build(device, *, <static keywords>)`, and its resolved calls (`calls`). `op_dispatch(device, **static)` is the
+    shape's Dispatch: the same call for every op, its keywords (and their defaults) those of `build`."""
+
+    def __init__(self, op: str, build: Callable[..., Dispatch]):
+        sig = inspect.signature(build)
+        ps = list(sig.parameters.values())
+        if not ps or ps[0].name != "device" or any(p.kind is not p.KEYWORD_ONLY for p in ps[1:]):
+            raise TypeError(f"{op}: a dispatch build takes (device, *, <static keywords>), not {sig}")
+        self.op, self.build, self.calls = op, build, Calls(op)
+        self.fields = tuple(p.name for p in ps[1:])
+        self.defaults = {p.name: p.default for p in ps[1:] if p.default is not p.empty}
+        self.shapes: dict[tuple, Dispatch] = {}   # (device, every static value in `fields` order) -> Dispatch
+        self._seen: dict[tuple, Dispatch] = {}    # (device, the keywords as a call gave them) -> Dispatch
+        self.__signature__, self.__doc__ = sig, build.__doc__
+        _ops[op] = self
+
+    def __call__(self, device: int, **static) -> Dispatch:
+        seen = (device, *static.items())
+        d = self._seen.get(seen)
+        if d is None:
+            d = self._seen[seen] = self._shape(device, static)
+        return d
+
+    def _shape(self, device: int, static: dict) -> Dispatch:
+        unknown = [k for k in static if k not in self.fields]
+        missing = [f for f in self.fields if f not in static and f not in self.defaults]
+        if unknown or missing:
+            raise TypeError(f"kerngen.ops.{self.op}.dispatch takes (device, *, {', '.join(self.fields)})"
+                            + (f"; unknown: {', '.join(unknown)}" if unknown else "")
+                            + (f"; missing: {', '.join(missing)}" if missing else ""))
+        key = (device, *(static[f] if f in static else self.defaults[f] for f in self.fields))
+        d = self.shapes.get(key)
+        if d is None:
+            check_env()
+            d = self.shapes[key] = self.build(device, **static)
+        return d
+
+    def clear(self) -> None:
+        self.shapes.clear()
+        self._seen.clear()
+        self.calls.clear()
+
+    def __repr__(self) -> str:
+        return f"OpDispatch({self.op}: {len(self.shapes)} shapes, {len(self.calls)} call signatures)"
+
+
+_ops: dict[str, OpDispatch] = {}
 
 
 def calls(op: str) -> Calls:
-    """The resolved calls of `op` (the one per-op cache beside its dispatch objects)."""
-    c = _calls.get(op)
-    if c is None:
-        c = _calls[op] = Calls(op)
-    return c
-
-
-def lookup(key: tuple, build: Callable[[], Dispatch]) -> Dispatch:
-    """The dispatch object of `key` (the op's name and static key, hashable), built by `build()` once."""
-    d = _registry.get(key)
-    if d is None:
-        check_env()
-        d = _registry[key] = build()
-    return d
+    """The resolved calls of `op` (its OpDispatch's)."""
+    return _ops[op].calls
 
 
 def check_env() -> None:
@@ -159,14 +195,13 @@ def rule_spec(tag_constants: tuple[str, dict], arch: str) -> Callable[[tiers.Rul
 def clear() -> None:
     """Forget every dispatch object (with what it keeps) and every op's cached signatures (after the tier table or
     the cache changed); the next call of each shape resolves again."""
-    _registry.clear()
-    for c in _calls.values():
-        c.clear()
+    for o in _ops.values():
+        o.clear()
 
 
 def registry() -> dict[tuple, Dispatch]:
-    """The dispatch objects built so far (read-only use: tests, explain)."""
-    return dict(_registry)
+    """The dispatch objects built so far, keyed (op, device, static values...) (read-only use: tests, explain)."""
+    return {(o.op, *key): d for o in _ops.values() for key, d in o.shapes.items()}
 
 
 tiers.on_reload(clear)

@@ -27,7 +27,8 @@ def test_the_registry_lists_every_op_with_kernels_and_each_has_the_seam():
         assert all(callable(getattr(torch.ops.kerngen, n)) for n in ops.declared(op).torch), op   # its torch ops
         params = list(inspect.signature(mod.dispatch).parameters.values())   # dispatch(device, *, static shape)
         assert params[0].name == "device" and all(p.kind is p.KEYWORD_ONLY for p in params[1:]), op
-        assert dispatch.calls(op) is dispatch.calls(op) and dispatch.calls(op).op == op   # its resolved calls
+        assert isinstance(mod.dispatch, dispatch.OpDispatch) and mod.dispatch.op == op   # the op's one cache:
+        assert dispatch.calls(op) is mod.dispatch.calls and dispatch.calls(op).op == op   # its resolved calls too
         assert not any(isinstance(v, dict) and k.startswith("_fast") for k, v in vars(mod).items())
     params = list(inspect.signature(tail_tp.dispatch).parameters.values())   # tail_tp's too (no kernels, no seam)
     assert params[0].name == "device" and all(p.kind is p.KEYWORD_ONLY for p in params[1:])
@@ -35,6 +36,25 @@ def test_the_registry_lists_every_op_with_kernels_and_each_has_the_seam():
         op_module("tail_tp")
     registered = {o for o in dir(torch.ops.kerngen) if not o.startswith("_") and o != "name"}
     assert registered == {n for o in ops.registered() for n in o.torch}   # every torch op belongs to an op
+
+
+def test_every_ops_dispatch_is_called_the_same_way_and_keyed_by_its_static_values():
+    """dispatch(device, **static): one dispatch object per (device, static values), whichever order or defaults the
+    keywords come in; a keyword the op's build does not take, or one it needs left out, is a TypeError naming its
+    keywords; clear() forgets the objects."""
+    shape = dict(H=256, I=128, activation="silu")
+    d = experts.dispatch(-1, **shape)
+    assert experts.dispatch(-1, activation="silu", I=128, H=256, fmt="bf16", top_k=0) is d
+    assert experts.dispatch(-1, **shape, top_k=8) is not d and experts.dispatch(0, **shape) is not d
+    assert ("experts", -1, 256, 128, "silu", "bf16", "nk", False, 0, 0) in dispatch.registry()
+    with pytest.raises(TypeError, match=r"\(device, \*, hidden, top_k, dtype, weights_dtype\); unknown: K"):
+        finalize.dispatch(-1, hidden=256, K=4, dtype="bfloat16", weights_dtype="float32", top_k=4)
+    with pytest.raises(TypeError, match="missing: weights_dtype"):
+        finalize.dispatch(-1, hidden=256, top_k=4, dtype="bfloat16")
+    with pytest.raises(TypeError, match="a dispatch build takes"):
+        dispatch.OpDispatch("bad", lambda device, hidden: None)
+    kerngen.clear()
+    assert experts.dispatch(-1, **shape) is not d
 
 
 @pytest.mark.parametrize("op", OPS)

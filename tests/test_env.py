@@ -76,13 +76,14 @@ def test_a_bad_strict_flag_is_an_error_on_the_cpu_route_and_at_a_shapes_first_di
 
     import kerngen.torch_ops  # noqa: F401  (registers torch.ops.kerngen.*)
     from kerngen import dispatch
+    never_built = dispatch.OpDispatch("test-op", lambda device, *, shape: pytest.fail("built despite the bad flag"))
     monkeypatch.setenv("KERNGEN_STRICT", "maybe")
     ids = torch.tensor([[0, 1]], dtype=torch.int32)
     calls = [lambda: torch.ops.kerngen.route(torch.randn(2, 8), 2, "softmax_topk"),
              lambda: kerngen.select_experts(None, torch.randn(2, 8), 2, True),
              lambda: kerngen.adapters.moe_align_block_size(ids, 4, 2),
              lambda: torch.ops.kerngen.finalize(torch.zeros(2, 8, dtype=torch.bfloat16), ids, torch.ones(1, 2)),
-             lambda: dispatch.lookup(("test-op", "never-built"), lambda: pytest.fail("built despite the bad flag"))]
+             lambda: never_built(-1, shape=1)]
     for call in calls:
         with pytest.raises(EnvError, match="KERNGEN_STRICT"):
             call()

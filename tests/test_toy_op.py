@@ -5,6 +5,7 @@ import pytest
 
 import kerngen
 from kerngen import cli, env, ops, render, tiers, warmup
+from kerngen.dispatch import Dispatch, OpDispatch
 from kerngen.plan import spec_for
 
 TEMPLATE = '''// toy: out[i] = in[i] * {{ factor }} over H = {{ H }} floats
@@ -51,8 +52,12 @@ def kernel(spec, tokens, device):
     return None
 
 
-def dispatch(device, **shape):
-    return None
+def _dispatch(device, *, hidden):
+    return Dispatch("toy", {"hidden": hidden}, lambda rule: spec_for(rule, f"H{hidden}", {"H": hidden}, "sm_90a"),
+                    kernel, device, arch="sm_90a")
+
+
+dispatch = OpDispatch("toy", _dispatch)   # its kernels per static shape and its resolved calls, as every op's
 
 
 @pytest.fixture
@@ -90,6 +95,10 @@ def test_a_toy_op_is_parsed_built_and_explained_through_the_registry(toy, capsys
     out = capsys.readouterr().out
     assert "op        toy" in out and "variant   scale" in out and "cached    yes" in out, out
     assert cli._ops("toy") == ("toy",) and ops.OPS[-1] == "toy" and warmup.registry.OPS[-1] == "toy"
+    d = dispatch(-1, hidden=256)   # the rules read once into the shape's dispatch object, kept until clear()
+    assert d is dispatch(-1, hidden=256) and d.spec(4) == specs[0] and ("toy", -1, 256) in kerngen.dispatch.registry()
+    kerngen.clear()
+    assert dispatch(-1, hidden=256) is not d and not dispatch.calls
     with pytest.raises(kerngen.TierError, match=r"param 'factor' of toy variant 'scale' must be an integer in \["):
         tiers.check_params("t.toml", "toy", "scale", {"backend": "nvrtc", "factor": 17})   # [1, 16]
 

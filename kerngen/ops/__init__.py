@@ -11,9 +11,10 @@ tuner and the tests iterate over:
     model_specs(model, table, arch) -> [KernelSpec]   every kernel a model can dispatch to
     explain_spec(table, arch, *, experts, top_k, hidden, tokens, model=None, ...) -> KernelSpec
     kernel(spec, tokens, device)                       the launch object of one spec
-    dispatch(device, **static shape) -> Dispatch       the shape's kernels, resolved once (keywords after device)
-and keeps the calls it resolved in kerngen.dispatch.calls(op) (input signature -> launch object and arguments) and
-what its calls reuse (scratch buffers) in its dispatch objects (`Dispatch.kept`): no cache of its own, so
+    dispatch(device, **static shape) -> Dispatch       the shape's kernels, resolved once: an
+                                                       OpDispatch(op, build), build(device, *, <static keywords>)
+and keeps in that OpDispatch, its only cache, the calls it resolved (`dispatch.calls`: input signature -> launch
+object and arguments) beside its dispatch objects and what its calls reuse (scratch buffers, `Dispatch.kept`), so
 kerngen.clear() forgets it all; and optionally MAX_K, its largest top_k; the ops with persistent grids (experts,
 latent_tail) one more, which explain, warmup and the tests read:
     persistent(spec) -> {function: occupancy.Launch}   each kernel's CTA and the CTAs an SM its rule asks for

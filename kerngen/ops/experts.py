@@ -25,7 +25,7 @@ from ..errors import InputError
 from .. import env
 from ..launch import EagerGraphs, Launcher, current_stream
 from ..occupancy import Launch
-from ..dispatch import Dispatch, calls, lookup
+from ..dispatch import Dispatch, OpDispatch
 from . import _common
 from . import permute as permute_op
 from ._common import arch, check_tensor, resolve, sm_count, table
@@ -223,19 +223,19 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Kernels:
     return Kernels(s, device)
 
 
-def dispatch(device: int, *, H: int, I: int, activation: str, fmt: str = "bf16", layout: str = "nk",
-             a8: bool = False, experts: int = 0, top_k: int = 0) -> Dispatch:
+def _dispatch(device: int, *, H: int, I: int, activation: str, fmt: str = "bf16", layout: str = "nk",
+              a8: bool = False, experts: int = 0, top_k: int = 0) -> Dispatch:
     """The experts kernels of this shape, weight format and layout on `device` (a8: fp8 activations, fp8 weights'
     rules), per token bucket (None where no rule serves: torch._grouped_mm for bf16, the per-expert reference for
     fp8). experts: the experts whose weights the call holds (w13.shape[0]), top_k: the routing's K; 0 where not
     known (rules keyed on them then do not match)."""
-    def build() -> Dispatch:
-        a = arch(device)
-        return Dispatch(OP, rule_shape(H, fmt, a8, experts, top_k),
-                        lambda rule: rule_spec(rule, H, I, activation, a, fmt, layout, a8),
-                        kernel, device, arch=a, per_token=False)
+    a = arch(device)
+    return Dispatch(OP, rule_shape(H, fmt, a8, experts, top_k),
+                    lambda rule: rule_spec(rule, H, I, activation, a, fmt, layout, a8),
+                    kernel, device, arch=a, per_token=False)
 
-    return lookup((OP, H, I, activation, device, fmt, layout, experts, top_k) + (("a8",) if a8 else ()), build)
+
+dispatch = OpDispatch(OP, _dispatch)
 
 
 def tile_for(H: int, I: int, activation: str, tokens: int, device: int, fmt: str = "bf16",
@@ -352,7 +352,7 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
     return out
 
 
-_calls = calls(OP)   # input signature -> (kernels or None, tile, H, I, a0, a1, device, format, tiles,
+_calls = dispatch.calls   # input signature -> (kernels or None, tile, H, I, a0, a1, device, format, tiles,
 #                                      local experts)
 
 

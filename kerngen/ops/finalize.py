@@ -11,7 +11,7 @@ import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError
-from ..dispatch import Dispatch, calls, lookup, rule_spec
+from ..dispatch import Dispatch, OpDispatch, rule_spec
 from ..launch import Launcher, Params, current_stream
 from ..tiers import BACKENDS, Model, Table
 from ._common import SHORT, DTYPE_NAMES, arch, check_buffer, resolve, table
@@ -90,18 +90,15 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Launcher | _Cute
     return Launcher(resolve(s), f"{OP}_{s.variant}", device, grid, block, PARAMS, pdl=bool(p.get("pdl", False)))
 
 
-def dispatch(device: int, *, hidden: int, top_k: int, dtype: str, weights_dtype: str) -> Dispatch:
+def _dispatch(device: int, *, hidden: int, top_k: int, dtype: str, weights_dtype: str) -> Dispatch:
     """The finalize kernels of this shape and dtypes on `device`, per token bucket of the tier table."""
-    def build() -> Dispatch:
-        a = arch(device)
-        return Dispatch(
-            OP, {"hidden": hidden, "top_k": top_k},
-            rule_spec(tag_constants(hidden, top_k, dtype, weights_dtype), a), kernel, device, arch=a)
-
-    return lookup((OP, hidden, top_k, dtype, weights_dtype, device), build)
+    a = arch(device)
+    return Dispatch(OP, {"hidden": hidden, "top_k": top_k},
+                    rule_spec(tag_constants(hidden, top_k, dtype, weights_dtype), a), kernel, device, arch=a)
 
 
-_calls = calls(OP)   # full input signature -> (launcher, T, H, ld, rows, device)
+dispatch = OpDispatch(OP, _dispatch)
+_calls = dispatch.calls   # full input signature -> (launcher, T, H, ld, rows, device)
 
 
 def finalize(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_weights: torch.Tensor, *,

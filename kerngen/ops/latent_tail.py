@@ -42,7 +42,7 @@ import torch
 
 from .. import plan as plan_mod
 from .. import tiers
-from ..dispatch import Dispatch, calls, lookup
+from ..dispatch import Dispatch, OpDispatch
 from ..errors import InputError
 from ..launch import Launcher, Params, current_stream
 from ..occupancy import SM90, Launch
@@ -371,15 +371,15 @@ def run(k, g, e2p, w, nw, up, shared, residual, eps: float, out, fresh: bool = F
     return k.run(g, e2p, w, nw, up, shared, residual, eps, out, fresh)
 
 
-def dispatch(device: int, *, L: int, H: int, top_k: int, weights_dtype: str) -> Dispatch:
+def _dispatch(device: int, *, L: int, H: int, top_k: int, weights_dtype: str) -> Dispatch:
     """The latent_tail launch objects of this shape on `device`, per token bucket of the tier table."""
-    def build() -> Dispatch:
-        a = arch(device)   # the split and norm_gemm builds' scratch buffers, per stream: the shape's, in d.kept
-        d = Dispatch(OP, {"hidden": L, "top_k": top_k}, lambda rule: rule_spec(rule, L, H, top_k, weights_dtype, a),
-                     lambda s, tokens, dev: kernel(s, tokens, dev, d.kept), device, arch=a)
-        return d
+    a = arch(device)   # the split and norm_gemm builds' scratch buffers, per stream: the shape's, in d.kept
+    d = Dispatch(OP, {"hidden": L, "top_k": top_k}, lambda rule: rule_spec(rule, L, H, top_k, weights_dtype, a),
+                 lambda s, tokens, dev: kernel(s, tokens, dev, d.kept), device, arch=a)
+    return d
 
-    return lookup((OP, L, H, top_k, weights_dtype, device), build)
+
+dispatch = OpDispatch(OP, _dispatch)
 
 
 # ---------------------------------------------------------------------------------------------- the op
@@ -388,7 +388,7 @@ def _sig(t):
     return None if t is None else (t.dtype, t.shape, t.stride(), t.device)
 
 
-_calls = calls(OP)   # input signature -> (launch object, T, L, H, device)
+_calls = dispatch.calls   # input signature -> (launch object, T, L, H, device)
 
 
 def latent_tail(gemm2_out: torch.Tensor, expanded_to_permuted: torch.Tensor, topk_weights: torch.Tensor,

@@ -20,7 +20,7 @@ import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError, TierError
-from ..dispatch import Dispatch, calls, lookup, rule_spec
+from ..dispatch import Dispatch, OpDispatch, rule_spec
 from ..launch import Launcher, Params, current_stream
 from ..tiers import SMS, Model, Table
 from ._common import arch, check_tensor, resolve, table
@@ -118,18 +118,15 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Permute:
     return Permute(s, tokens, device)
 
 
-def dispatch(device: int, *, E: int, K: int, align: bool) -> Dispatch:
+def _dispatch(device: int, *, E: int, K: int, align: bool) -> Dispatch:
     """The permute launches of this shape on `device`, per token bucket of the tier table."""
-    def build() -> Dispatch:
-        a = arch(device)
-        return Dispatch(
-            OP, {"num_experts": E, "top_k": K}, rule_spec(with_align(f"E{E}-K{K}", {"E": E, "K": K}, align), a),
-            kernel, device, arch=a)
-
-    return lookup((OP, E, K, align, device), build)
+    a = arch(device)
+    return Dispatch(OP, {"num_experts": E, "top_k": K},
+                    rule_spec(with_align(f"E{E}-K{K}", {"E": E, "K": K}, align), a), kernel, device, arch=a)
 
 
-_calls = calls(OP)   # signature -> (launches, prototype of fresh buffers or None, T, K, ls, nl, device,
+dispatch = OpDispatch(OP, _dispatch)
+_calls = dispatch.calls   # signature -> (launches, prototype of fresh buffers or None, T, K, ls, nl, device,
 #                                [T, 0] weights)
 
 

@@ -31,7 +31,7 @@ import torch
 from .. import env
 from .. import plan as plan_mod
 from ..errors import InputError
-from ..dispatch import Dispatch, calls, lookup, rule_spec
+from ..dispatch import Dispatch, OpDispatch, rule_spec
 from ..launch import Launcher, Params, current_stream
 from ..tiers import SMS, Model, Table
 from . import permute as permute_op
@@ -164,23 +164,18 @@ def kernel(s: plan_mod.KernelSpec, tokens: int, device: int, *, permute: bool = 
     return Route(s, tokens, device, permute)
 
 
-def dispatch(device: int, *, E: int, K: int, method: str, n_group: int, topk_group: int, renormalize: bool,
-             ldtype: str, bdtype: str, wdtype: str, align: bool, permute: bool) -> Dispatch:
+def _dispatch(device: int, *, E: int, K: int, method: str, n_group: int, topk_group: int, renormalize: bool,
+              ldtype: str, bdtype: str, wdtype: str, align: bool, permute: bool) -> Dispatch:
     """The routing launches of this shape, method and dtypes on `device`, per token bucket of the tier table."""
-    key = (OP, E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype, align, permute, device)
-
-    def build() -> Dispatch:
-        a = arch(device)
-        return Dispatch(
-            OP, {"num_experts": E, "top_k": K, "permute": permute},
-            rule_spec(tag_constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype, align),
-                      a),
-            lambda s, T, dev: Route(s, T, dev, permute), device, arch=a)
-
-    return lookup(key, build)
+    a = arch(device)
+    return Dispatch(
+        OP, {"num_experts": E, "top_k": K, "permute": permute},
+        rule_spec(tag_constants(E, K, method, n_group, topk_group, renormalize, ldtype, bdtype, wdtype, align), a),
+        lambda s, T, dev: Route(s, T, dev, permute), device, arch=a)
 
 
-_calls = calls(OP)   # signature -> (Route, prototype of fresh buffers or None, T, tile, ls, nl, rsf, dev)
+dispatch = OpDispatch(OP, _dispatch)
+_calls = dispatch.calls   # signature -> (Route, prototype of fresh buffers or None, T, tile, ls, nl, rsf, dev)
 
 
 def route(logits: torch.Tensor, *, top_k: int | None = None, method: str | None = None,

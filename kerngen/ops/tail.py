@@ -29,7 +29,7 @@ import torch
 
 from .. import plan as plan_mod
 from ..errors import InputError
-from ..dispatch import Dispatch, calls, lookup
+from ..dispatch import Dispatch, OpDispatch
 from ..tiers import Model, Rule, Table
 from ._common import DTYPE_NAMES, SHORT, arch, check_aligned, check_buffer, check_eps, resolve, table
 # the reference and the checks live in modules of their own; re-exported here
@@ -93,7 +93,6 @@ def explain_spec(tbl: Table, arch_: str, *, hidden: int, top_k: int, tokens: int
     return spec(hidden, top_k, dtype, weights_dtype, dtype, (True, True, False), tokens, arch_, tbl)
 
 
-_calls = calls(OP)   # input signature -> (function, T, H, out dtype, g stand-in, device, fp8 blocks)
 
 
 def kernel(s: plan_mod.KernelSpec, tokens: int = 0, device: int | None = None):
@@ -102,18 +101,16 @@ def kernel(s: plan_mod.KernelSpec, tokens: int = 0, device: int | None = None):
     return resolve(s)
 
 
-def dispatch(device: int, *, hidden: int, top_k: int, dtype: str, weights_dtype: str, out_dtype: str,
-             flags: tuple) -> Dispatch:
+def _dispatch(device: int, *, hidden: int, top_k: int, dtype: str, weights_dtype: str, out_dtype: str,
+              flags: tuple) -> Dispatch:
     """The tail kernels of this shape, dtypes and flags on `device`, per token bucket of the tier table."""
-    args = (hidden, top_k, dtype, weights_dtype, out_dtype, flags)
+    args, a = (hidden, top_k, dtype, weights_dtype, out_dtype, flags), arch(device)
+    return Dispatch(OP, {"hidden": hidden, "top_k": top_k}, lambda rule: rule_spec(rule, *args, a), kernel, device,
+                    arch=a, per_token=False)
 
-    def build() -> Dispatch:
-        a = arch(device)
-        return Dispatch(
-            OP, {"hidden": hidden, "top_k": top_k}, lambda rule: rule_spec(rule, *args, a), kernel, device,
-            arch=a, per_token=False)
 
-    return lookup((OP, *args, device), build)
+dispatch = OpDispatch(OP, _dispatch)
+_calls = dispatch.calls   # input signature -> (function, T, H, out dtype, g stand-in, device, fp8 blocks)
 
 
 def _sig(t):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import Dispatch, lookup
+from ..dispatch import Dispatch, OpDispatch
 from ..errors import InputError
 from ..tiers import Rule, Table
 from . import _common
@@ -62,14 +62,13 @@ def model_specs(model, tbl: Table, arch_: str) -> list:
     return []
 
 
-def dispatch(device: int, *, hidden: int, world_size: int) -> Dispatch:
+def _dispatch(device: int, *, hidden: int, world_size: int) -> Dispatch:
     """The tensor-parallel tail of this width and world size on `device`: the `tail_tp` rules per token bucket (each
     bucket's spec is its Rule), and `kept`, the symmetric buffers per (group, dtype) and the identity rows per T."""
-    def build() -> Dispatch:
-        return Dispatch(TP_OP, {"hidden": hidden, "world_size": world_size}, _checked, lambda rule, T, dev: rule,
-                        device)
+    return Dispatch(TP_OP, {"hidden": hidden, "world_size": world_size}, _checked, lambda rule, T, dev: rule, device)
 
-    return lookup((TP_OP, hidden, world_size, device), build)
+
+dispatch = OpDispatch(TP_OP, _dispatch)
 
 
 def _partial_buffer(d: Dispatch, group, p: dict, T: int, H: int, dtype, device) -> torch.Tensor:
