@@ -137,7 +137,8 @@ ROW = dict(model="deepseek-v3", T=8, tile=8, kernel="tiers.toml: blocks_per_sm=4
 
 
 def test_bf16_line_is_unchanged():
-    # the line the bench printed before quantized rows had their own (same row, the old f-string)
+    # the line the bench printed before quantized rows had their own (same row, the old f-string); the peer's
+    # configs at its end
     assert bench.summary(ROW) == (
         "deepseek-v3      T=  8 tile= 8 active=  57.5 floor  1181.2 µs | kerngen  1154.0 ( 102%) [tiers.toml: "
         "blocks_per_sm=4,unroll=2,warps=8] | grouped_mm  1764.9 (  67%) | 1.53x | bf16 nk x4 layers")
@@ -145,7 +146,13 @@ def test_bf16_line_is_unchanged():
     assert bench.summary(row) == (
         "deepseek-v3      T=  8 tile= 8 active=  57.5 floor  1181.2 µs | kerngen  1154.0 ( 102%) [tiers.toml: "
         "blocks_per_sm=4,unroll=2,warps=8] | grouped_mm  1764.9 (  67%) | 1.53x | bf16 nk x4 layers | triton  1203.4 "
-        "(  98%, 1.04x)")
+        "(  98%, 1.04x) [16,64,128,4,5;16,64,128,4,4]")
+    # the configs as tools.diagnose.experts_alone --peer-configs takes them (the peer alone under a profiler)
+    from tools.diagnose import experts_alone
+    assert experts_alone.peer_configs(bench.peer_configs(row["peer_cfg"])) == row["peer_cfg"]
+    for bad in ("16,64,128,4", "16,64,128,4,5", "a,b,c,d,e;1,2,3,4,5"):
+        with pytest.raises(Exception, match="two configs of 5 integers"):
+            experts_alone.peer_configs(bad)
 
 
 def test_quantized_line():

@@ -460,6 +460,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def peer_configs(cfgs) -> str:
+    """The bf16 peer's configs, GEMM1's then GEMM2's, as tools.diagnose.experts_alone --peer-configs takes them."""
+    return ";".join(",".join(map(str, c)) for c in cfgs)
+
+
 def summary(b: dict) -> str:
     """The printed line of a case (its fastest row `b`). Quantized formats: the floor, kerngen (% of the floor),
     kerngen's bf16 kernels on the same weights dequantized (kerngen's speedup over them), Triton (% of the floor,
@@ -472,7 +477,7 @@ def summary(b: dict) -> str:
         return (head + f"grouped_mm {b['grouped_us']:7.1f} ({100 * b['floor_us'] / b['grouped_us']:4.0f}%) | "
                 f"{b['grouped_us'] / b['us']:.2f}x | " + tail
                 + (f" | triton {b['peer_us']:7.1f} ({100 * b['floor_us'] / b['peer_us']:4.0f}%, "
-                   f"{b['peer_us'] / b['us']:.2f}x)" if b["peer_us"] else ""))
+                   f"{b['peer_us'] / b['us']:.2f}x) [{peer_configs(b['peer_cfg'])}]" if b["peer_us"] else ""))
     bf16 = "-" if b["bf16_us"] is None else f"{b['bf16_us']:7.1f} ({b['bf16_us'] / b['us']:.2f}x)"
     if b.get("a8_us"):
         a8 = b["a8_us"]
