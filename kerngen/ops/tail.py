@@ -93,8 +93,6 @@ def explain_spec(tbl: Table, arch_: str, *, hidden: int, top_k: int, tokens: int
     return spec(hidden, top_k, dtype, weights_dtype, dtype, (True, True, False), tokens, arch_, tbl)
 
 
-
-
 def kernel(s: plan_mod.KernelSpec, tokens: int = 0, device: int | None = None):
     """The CuTe DSL function of spec `s` (TVM-FFI, on tensors of any token count, torch's current stream);
     `tokens` and `device` complete the ops' common signature and change nothing here."""
