@@ -138,12 +138,12 @@ class OpDispatch:
         self.fields = tuple(p.name for p in ps[1:])
         self.defaults = {p.name: p.default for p in ps[1:] if p.default is not p.empty}
         self.shapes: dict[tuple, Dispatch] = {}   # (device, every static value in `fields` order) -> Dispatch
-        self._seen: dict[tuple, Dispatch] = {}    # (device, the keywords as a call gave them) -> Dispatch
+        self._seen: dict[tuple, Dispatch] = {}    # (device, the keywords as a call gave them, their values) -> Dispatch
         self.__signature__, self.__doc__ = sig, build.__doc__
         _ops[op] = self
 
     def __call__(self, device: int, **static) -> Dispatch:
-        seen = (device, *static.items())
+        seen = (device, *static, *static.values())   # the keywords, then their values (one flat tuple)
         d = self._seen.get(seen)
         if d is None:
             d = self._seen[seen] = self._shape(device, static)
