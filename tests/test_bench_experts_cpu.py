@@ -195,3 +195,17 @@ def test_the_fp8_peer_tolerance_passes_w8a8_and_fails_a_wrong_expert():
     assert 1e-2 < rel <= bench.PEER_FP8_TOL / 1.5, rel   # a few percent: w8a8, not bf16 rounding
     wrong = _w8a8(x, d13.roll(1, 0), d2, I).float()   # each row through its neighbour's gate/up
     assert ((wrong - ref).abs().max() / ref.abs().max()).item() > 2 * bench.PEER_FP8_TOL
+
+
+def test_launch_spec_is_kerngens_rule_spec_at_the_routings_tile_or_the_rules_own():
+    """The bench, the sweep and experts_alone build a candidate's spec one way: kerngen's rule_spec (its checks),
+    at the routing's tile unless the params name one, a fused_x rule serving at most fused_x tokens."""
+    from kerngen.tiers import Rule
+    p = dict(warps=4, unroll=1, blocks_per_sm=4, mtiles=2)
+    assert bench.launch_spec(p, 16, 2048, 768, "silu", "sm_90a") == \
+        ex.rule_spec(Rule("experts", "mma", {}, {**p, "tile": 16}), 2048, 768, "silu", "sm_90a")
+    assert ex.tile_of(bench.launch_spec({**p, "tile": 32}, 16, 2048, 768, "silu", "sm_90a")) == 32
+    with pytest.raises(tiers.TierError, match="sets mtiles"):
+        bench.launch_spec(p, 16, 7168, 2048, "silu", "sm_90a", "fp8")   # fp8 takes mtiles with f16x only
+    fused = dict(warps=4, unroll=1, blocks_per_sm=8, f16x=True, fused_x=2, prefetch=False)
+    assert dict(bench.launch_spec(fused, 8, 2880, 2880, "gpt_oss", "sm_90a", "mxfp4").params)["fused_x"] == 2

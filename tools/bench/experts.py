@@ -49,7 +49,7 @@ from .lib import elementwise_producer, graph_time_us, read_bandwidth_tbs, requir
 from kerngen import jit
 from kerngen.errors import TierError
 from kerngen.ops import experts as ex
-from kerngen.plan import spec_for, target_arch
+from kerngen.plan import target_arch
 from kerngen.tiers import Rule, check_params
 
 # name: (H, I, E, K, activation, interleaved gate/up and biases) at each model's intermediate size
@@ -409,6 +409,16 @@ def peer_fp8(args, x, r1, quant, K, act, producer, calls, b13, b2, ref_tk):
     return us, [cfg1, cfg2]
 
 
+def launch_spec(params: dict, tile: int, H: int, I: int, act: str, arch: str, fmt: str = "bf16", layout: str = "nk",
+                a8: bool = False):
+    """The experts spec of launch params `params` for routings of tile `tile` (params naming a tile: that one),
+    through kerngen's rule_spec and its checks; a fused_x rule serves at most fused_x tokens."""
+    p = dict(params)
+    t = p.pop("tile", tile)
+    ranges = {"tokens": (1, p["fused_x"])} if p.get("fused_x") else {}
+    return ex.rule_spec(Rule("experts", "mma", ranges, {**p, "tile": t}), H, I, act, arch, fmt, layout, a8)
+
+
 def parse_rule(text: str) -> dict:
     """--rule's launch params, e.g. "warps=4,unroll=2,blocks_per_sm=4,min_blocks=4,pdl=true", checked against the
     experts mma params (the tile is the routing's, from the tier table, unless the rule names one: then its kernels
@@ -500,13 +510,9 @@ def main(argv=None) -> int:
 
     def cand_specs(H, I, tile, act):
         """(label, spec) of each candidate at the routing's tile (a --rule naming its own tile: at that one)."""
-        out = []
-        for c in CANDIDATES[args.format] if args.sweep else [args.rule]:
-            p = {k: v for k, v in c.items() if k != "tile"}
-            tag, consts = ex.tag_constants(H, I, c.get("tile", tile), act, args.format, args.layout)
-            out.append((",".join(f"{k}={x}" for k, x in c.items()),
-                        spec_for(Rule(op="experts", variant="mma", ranges={}, params=p), tag, consts, arch)))
-        return out
+        return [(",".join(f"{k}={x}" for k, x in c.items()),
+                 launch_spec(c, tile, H, I, act, arch, args.format, args.layout))
+                for c in (CANDIDATES[args.format] if args.sweep else [args.rule])]
 
     if args.sweep:   # compile every candidate first, in parallel
         specs = [s for m in models for T in tokens for _, s in

@@ -7,7 +7,7 @@ the names experts_gemm1 / experts_gemm2).
     ncu --clock-control none -k regex:experts_gemm1 -c 1 --launch-skip 1 --section WarpStateStats \\
         --section SourceCounters -o prof python3 -m tools.diagnose.experts_alone --model gpt-oss-120b --tokens 8
 
-The tier table's rule for the shape (or --rule's launch params at the routing's tile), random weights in the format
+The tier table's rule for the shape (or --rule's launch params, at the routing's tile or the one the rule names), random weights in the format
 (tools.bench.experts' quantization), one routing; the first call builds the kernels (skip it: --launch-skip 1).
 Prints the kernels' params and checks the last call's rows against the reference.
 
@@ -25,14 +25,6 @@ import argparse
 import torch
 
 from ..bench.lib import require_gpu
-
-
-def rule_spec(rule: dict, tile: int, H: int, I: int, act: str, arch: str, fmt: str):
-    """The experts spec of --rule's params at the routing's tile (a fused_x rule serves at most fused_x tokens)."""
-    from kerngen import tiers
-    from kerngen.ops import experts as ex
-    ranges = {"tokens": (1, rule["fused_x"])} if rule.get("fused_x") else {}
-    return ex.rule_spec(tiers.Rule("experts", "mma", ranges, {**rule, "tile": tile}), H, I, act, arch, fmt)
 
 
 def peer_configs(text: str) -> list[tuple[int, ...]]:
@@ -99,14 +91,14 @@ def main(argv=None) -> int:
     q13, q2, s13, s2 = bench.layer_weights(w13, w2, H, I, E, a.format, 1, gen)[0]
     del w13, w2
     x = torch.randn(a.tokens, H, device="cuda", generator=gen).to(torch.bfloat16)
-    tile = bench.tile_at(a.model, a.tokens, a.format)
+    tile = (a.rule or {}).get("tile") or bench.tile_at(a.model, a.tokens, a.format)   # --rule's own tile, if named
     r = kerngen.route(torch.randn(a.tokens, E, device="cuda", generator=gen), top_k=K, method="softmax_topk",
                       tile=tile)
     scales = {} if a.format == "bf16" else dict(w13_scale=s13, w2_scale=s2)
     if a.peer:
         return run_peer(a, x, r, q13, q2, b13, b2, H, I, E, K, act, gpt)
     if a.rule:
-        spec = rule_spec(a.rule, tile, H, I, act, target_arch(), a.format)
+        spec = bench.launch_spec(a.rule, tile, H, I, act, target_arch(), a.format)
         k = ex.Kernels(spec, torch.cuda.current_device())
         out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
         for _ in range(a.calls):

@@ -29,11 +29,11 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import kerngen
-from kerngen import tiers
 from kerngen.launch import _drv
 from kerngen.ops import experts as ex
 from kerngen.plan import target_arch
 from kerngen.tune import random_expert_weights
+from tools.bench.experts import launch_spec
 from tools.bench.lib import elementwise_producer, read_bandwidth_tbs, require_gpu, timed
 
 SHAPES = {"deepseek-v3": (7168, 2048, 256, 8, "silu", False), "kimi-k2": (7168, 2048, 384, 8, "silu", False),
@@ -93,9 +93,7 @@ def main():
             acts = [torch.empty(r.tile_to_expert.shape[0] * tile, I, dtype=torch.bfloat16, device="cuda") for r in rt]
             prod = elementwise_producer()
             rule = ex.spec(H, I, tile, act, T, arch, fmt=fmt, a8=a8, experts=E, top_k=K)
-            build = lambda p: ex.rule_spec(tiers.Rule("experts", "mma",  # noqa: E731
-                                                      {"tokens": (1, p["fused_x"])} if p.get("fused_x") else {},
-                                                      {**p, "tile": tile}), H, I, act, arch, fmt, "nk", a8)
+            build = lambda p: launch_spec(p, tile, H, I, act, arch, fmt, "nk", a8)  # noqa: E731
             cands = [("rule", rule)]
             if a8:   # the weight-only rule beside it
                 cands.append(("bf16-act", ex.spec(H, I, tile, act, T, arch, fmt=fmt)))
