@@ -29,7 +29,7 @@ from ..dispatch import Dispatch, OpDispatch
 from . import _common
 from . import permute as permute_op
 from ._common import arch, check_tensor, resolve, sm_count, table
-from .experts_checks import (ACTIVATIONS, E2M1, FORMATS, FP8, LAYOUTS, MX_GROUP, QBLOCK, _BF16,  # noqa: F401
+from .experts_checks import (ACTIVATIONS, E2M1, FORMATS, FP8, LAYOUTS, MX_GROUP, OP, QBLOCK, _BF16,  # noqa: F401
                              _check_act_params, _check_scales, check, check_args, infer_tile, weights_layout)
 from .experts_reference import (activate, dequantize, fp8_round_trip, quantize_f16, quantize_fp8,  # noqa: F401
                                 reference)
@@ -39,7 +39,6 @@ from .experts_plan import (FUSED_SMEM, MMA_MAX_TILE, PARAMS, PARAMS_A8, PARAMS_S
                            quantizes_activations, rule_format, rule_shape, rule_spec, spec, sync_ints, tag_constants,
                            tile_of)
 
-OP = "experts"
 VARIANTS = ("mma",)
 # KERNGEN_EAGER_GRAPHS unset: eager calls of at most so many tokens replay repeated launches from a CUDA graph (one
 # driver call where two to four cost the host ~5 us each; past decode sizes the GPU's work hides the launches and the

@@ -47,13 +47,12 @@ from ..launch import Launcher, current_stream
 from . import _common
 from ._common import DTYPE_NAMES, arch, check_buffer, resolve
 from .finalize import finalize
-from .latent_tail_checks import MAX_K, _BF16, _W, check_args  # noqa: F401
+from .latent_tail_checks import MAX_K, OP, _BF16, _W, check_args  # noqa: F401
 from .latent_tail_reference import latent_sum, normalize, project, reference  # noqa: F401
 from .latent_tail_plan import (ADD, FUNCTION, MAX_FUSED_TOKENS, NORM, PARAMS, PARAMS_ADD, PARAMS_SPLIT,  # noqa: F401
                                PROJ, SMEM_PER_CTA, SPLIT_ONLY, even_rows, explain_spec, model_specs, n_global,
                                persistent, rule_spec, spec, split, tag_constants)
 
-OP = "latent_tail"
 VARIANTS = ("fused", "norm_gemm", "unfused")
 
 
