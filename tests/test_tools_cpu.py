@@ -185,10 +185,11 @@ def test_the_wgmma_smem_layouts_compute_the_dequantized_product(dtype):
 
 
 def test_experts_alone_builds_a_fused_x_rule_for_the_tokens_it_serves():
-    """--rule with fused_x (profiling the 1-2 token shapes): the spec serves at most fused_x tokens, as a tier rule
-    of that token range does; without it, any count."""
+    """--rule with fused_x (profiling the 1-2 token shapes): the spec (tools.bench.experts.launch_spec, which
+    experts_alone, the bench and the sweep share) serves at most fused_x tokens, as a tier rule of that token range
+    does; without it, any count."""
     from kerngen.ops import experts as ex
-    from tools.diagnose.experts_alone import rule_spec
+    from tools.bench.experts import launch_spec as rule_spec
     params = dict(warps=4, unroll=1, blocks_per_sm=8, min_blocks=8, pdl=True, prefetch=False, f16x=True, fused_x=2,
                   act_f16=False)
     s = rule_spec(params, 8, 2880, 2880, "gpt_oss", "sm_90a", "mxfp4")
