@@ -173,6 +173,7 @@ class OpDispatch:
 
 
 _ops: dict[str, OpDispatch] = {}
+_generation = [0]   # clear()s so far: what was built from the kernels resolved before (a CUDA graph) is stale
 
 
 def calls(op: str) -> Calls:
@@ -197,6 +198,13 @@ def clear() -> None:
     the cache changed); the next call of each shape resolves again."""
     for o in _ops.values():
         o.clear()
+    _generation[0] += 1
+
+
+def generation() -> int:
+    """How many times clear() ran: a graph captured from kerngen's launches before the count changed launches
+    kernels and buffers kerngen no longer keeps."""
+    return _generation[0]
 
 
 def registry() -> dict[tuple, Dispatch]:

@@ -97,6 +97,15 @@ def eager_graphs() -> bool | None:
     return _flag("KERNGEN_EAGER_GRAPHS")
 
 
+def block_graphs() -> bool | None:
+    """KERNGEN_BLOCK_GRAPHS: transformers MoE blocks that kerngen.integrations.transformers enabled replay their
+    eager inference forwards from CUDA graphs: True at every token count, False never, None (unset or empty) at
+    decode token counts only (kerngen.integrations.transformers_graphs.GRAPH_TOKENS)."""
+    if not os.environ.get("KERNGEN_BLOCK_GRAPHS", "").strip():
+        return None
+    return _flag("KERNGEN_BLOCK_GRAPHS")
+
+
 def racecheck() -> bool:
     """Build the routing kernels for compute-sanitizer's racecheck (their idle token groups meet their barriers)."""
     return _flag("KERNGEN_RACECHECK")

@@ -217,7 +217,8 @@ def test_routers_false_runs_any_dispatching_family_on_kerngen_experts():
     block = moe_blocks(model)[0]
     x = inputs(model, 13, torch.float32)
     ref = run_block(block, x)
-    assert kt.enable(model, routers=False) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert kt.enable(model, routers=False) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts",
+                                              "model.layers.0.mlp", "model.layers.1.mlp"]   # experts, graphed blocks
     assert rel_err(run_block(block, x), ref) <= TOL[torch.float32]
 
 
@@ -225,7 +226,8 @@ def test_enable_is_idempotent_and_disable_restores():
     model = tiny("qwen3_moe")
     assert kt.NAME in ALL_EXPERTS_FUNCTIONS   # registered on import: from_pretrained(experts_implementation=...)
     names = kt.enable(model)
-    assert names == [f"model.layers.{i}.mlp.{m}" for i in range(2) for m in ("experts", "gate")]
+    assert names == ([f"model.layers.{i}.mlp.{m}" for i in range(2) for m in ("experts", "gate")]
+                     + [f"model.layers.{i}.mlp" for i in range(2)])   # the blocks: graphed forwards
     forward = model.model.layers[0].mlp.gate.forward
     assert kt.enable(model) == names and model.model.layers[0].mlp.gate.forward is forward
     assert model.config._experts_implementation == "kerngen"

@@ -50,6 +50,7 @@ except ModuleNotFoundError as e:
 from kerngen.errors import KerngenError
 from kerngen.ops import permute as _pm
 from . import transformers_experts as _kx
+from . import transformers_graphs as _kg
 from .transformers_experts import (MXFP4_EXPERTS, NAME, TILE, BlockState, experts_forward, fp8_activation,
                                    kernel_activation, mxfp4_arguments, state)
 from .transformers_routers import (LLAMA4_BLOCK, REFUSED, ROUTERS, Router, _llama4_forward, _mxfp4_forward, _Refuse,
@@ -82,10 +83,11 @@ def _family(model: nn.Module, m: nn.Module) -> str:
     return getattr(cfg, "model_type", None) or type(model).__name__
 
 
-def _plan(model: nn.Module, routers: bool) -> list[tuple[str, nn.Module, str, object]]:
-    """(name, module, kind, payload) of every patch enable makes; raises before anything is patched (MXFP4 experts'
-    kerngen arguments are made here, so a checkpoint kerngen cannot read is refused first)."""
-    plan = []
+def _plan(model: nn.Module, routers: bool, graphs: bool) -> list[tuple[str, nn.Module, str, object]]:
+    """(name, module, kind, payload) of every patch enable makes (with graphs, each MoE block's graphed forward
+    last); raises before anything is patched (MXFP4 experts' kerngen arguments are made here, so a checkpoint
+    kerngen cannot read is refused first)."""
+    plan, blocks = [], []
     for name, block in model.named_modules():
         ex = getattr(block, "experts", None)
         if type(block).__name__ == LLAMA4_BLOCK:
@@ -94,6 +96,7 @@ def _plan(model: nn.Module, routers: bool) -> list[tuple[str, nn.Module, str, ob
                                             "kerngen's top1_sigmoid picks one expert, and ranking sigmoids "
                                             "(sigmoid_bias) ties where transformers' top-k of the logits does not")
             plan.append((name, block, "llama4", None))
+            blocks.append((name, block, "graph", None))
             continue
         if type(ex).__name__ == MXFP4_EXPERTS:
             if getattr(ex, "_is_hooked", False):
@@ -105,6 +108,7 @@ def _plan(model: nn.Module, routers: bool) -> list[tuple[str, nn.Module, str, ob
             continue
         else:
             plan.append((_join(name, "experts"), ex, "experts", None))
+        blocks.append((name, block, "graph", None))
         if not routers:
             continue
         rname, router = next(((n, c) for n, c in block.named_children() if n in ("gate", "router")), (None, None))
@@ -125,7 +129,7 @@ def _plan(model: nn.Module, routers: bool) -> list[tuple[str, nn.Module, str, ob
         raise UnsupportedModelError(_family(model, model), type(model).__name__,
                                     "no MoE block (experts dispatching through transformers' ExpertsInterface, "
                                     f"Llama4TextMoe, or {MXFP4_EXPERTS}) was found")
-    return plan
+    return plan + blocks if graphs else plan
 
 
 def _join(parent: str, child: str) -> str:
@@ -136,7 +140,7 @@ def _patched(m: nn.Module) -> bool:
     return getattr(m.__dict__.get("forward"), "_kerngen", False)
 
 
-def enable(model: nn.Module, *, routers: bool = True) -> list[str]:
+def enable(model: nn.Module, *, routers: bool = True, graphs: bool | None = None) -> list[str]:
     """Run every MoE block of `model` on kerngen; returns the qualified names of the patched modules.
 
     Experts get the "kerngen" experts implementation (set on their config); with routers=True (default) each
@@ -144,16 +148,25 @@ def enable(model: nn.Module, *, routers: bool = True) -> list[str]:
     UnsupportedModelError naming it and the reason (nothing is patched then). routers=False keeps
     transformers' routers (any family whose experts dispatch through ExpertsInterface). gpt-oss's MXFP4 blocks
     (Mxfp4GptOssMLP) get a forward of their own, named by the block; their experts' checkpoint is checked (an
-    InputError naming the module's attribute) and read back here. Calling it again changes nothing and returns the
-    same names.
+    InputError naming the module's attribute) and read back here. Each MoE block's eager inference forwards of
+    decode sizes replay from CUDA graphs (transformers_graphs: graphs=None reads KERNGEN_BLOCK_GRAPHS, unset
+    meaning at most GRAPH_TOKENS tokens; True every token count; False never). Calling it again changes nothing
+    and returns the same names.
     """
-    plan = _plan(model, routers)
+    bound = _kg.tokens_bound(graphs)
+    plan = _plan(model, routers, bound > 0)
     previous = {}   # experts of one model share a config: read every previous value before setting any
     for _, m, kind, _ in plan:
         if kind == "experts":
             previous.setdefault(id(m.config), m.config._experts_implementation)
     for _, m, kind, payload in plan:
-        if kind == "experts":
+        if kind == "graph":
+            current = m.__dict__.get("forward")
+            if getattr(current, "graphs", None) is None:   # (enable again: graphed already)
+                if current is not None and not getattr(current, "_kerngen", False):
+                    m._kerngen_forward = current   # one set on the instance before: kept, and graphed
+                m.forward = _kg.graphed(m, current if current is not None else type(m).forward.__get__(m), bound)
+        elif kind == "experts":
             if previous[id(m.config)] != NAME:
                 m._kerngen_previous = previous[id(m.config)]
             m.config._experts_implementation_internal = NAME   # this config only, as set_experts_implementation does
@@ -161,7 +174,7 @@ def enable(model: nn.Module, *, routers: bool = True) -> list[str]:
             if "forward" in m.__dict__:   # one set on the instance before (by transformers or the user): kept
                 m._kerngen_forward = m.__dict__["forward"]
             m.forward = _router_forward(m, *payload) if kind == "router" else _BLOCK_FORWARDS[kind](m)
-    return [name for name, *_ in plan]
+    return list(dict.fromkeys(name for name, *_ in plan))
 
 
 def disable(model: nn.Module) -> list[str]:

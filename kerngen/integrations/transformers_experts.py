@@ -35,7 +35,7 @@ class BlockState:
     """What one MoE block keeps between forwards, so a forward only launches: the activation of its experts'
     kernels (None: the grouped-GEMM path), kerngen.experts' arguments for quantized experts, their static shape, the
     router's workspaces (grown to the most tokens seen) and the permutation the router hands to the experts."""
-    __slots__ = ("activation", "gate", "layout", "quantized", "_shape", "_workspaces", "_rows", "routing")
+    __slots__ = ("activation", "gate", "layout", "quantized", "_shape", "_workspaces", "_rows", "_kept", "routing")
 
     def __init__(self, experts: nn.Module | None):
         # FP8Experts, Mxfp4GptOssExperts: kerngen.experts at every token count (its kernels, else its reference)
@@ -52,6 +52,7 @@ class BlockState:
         self._shape = None
         self._workspaces: dict[tuple, kerngen.RoutingWorkspace] = {}
         self._rows: torch.Tensor | None = None
+        self._kept: list = []   # workspaces and rows outgrown: kept (a CUDA graph captured before may use them)
         self.routing: kerngen.Routing | None = None   # set by the router, taken by the experts
 
     def tile(self, experts: nn.Module | None, x: torch.Tensor, top_k: int) -> int:
@@ -78,6 +79,8 @@ class BlockState:
         ws = self._workspaces.get(key)
         if ws is None or ws.max_tokens < T or ws.device != device:
             size = max(T, 1) if ws is None else max(T, 2 * ws.max_tokens)
+            if ws is not None:
+                self._kept.append(ws)
             ws = self._workspaces[key] = kerngen.RoutingWorkspace(size, E, K, tile, weights_dtype=weights_dtype,
                                                                   device=device)
         return ws
@@ -89,7 +92,10 @@ class BlockState:
         buf = self._rows
         if (buf is None or buf.shape[0] < n or buf.shape[1] != H or buf.dtype != like.dtype
                 or buf.get_device() != like.get_device()):
-            buf = self._rows = torch.empty((n, H), dtype=like.dtype, device=like.device)
+            if buf is not None:
+                self._kept.append(buf)
+            rows = n if buf is None else max(n, 2 * buf.shape[0])   # (doubling: a bounded number kept)
+            buf = self._rows = torch.empty((rows, H), dtype=like.dtype, device=like.device)
         return buf[:n]
 
 

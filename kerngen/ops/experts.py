@@ -52,7 +52,7 @@ class Kernels:
     the used tiles' items. The grid follows the routing's tile count, so the launchers are kept per tile count; the
     intermediate scratch (and one_launch's tickets) per stream."""
     __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "qx", "fused_x", "_mod", "_warps", "_pdl", "_ctas",
-                 "_H", "_I", "_grids", "_act", "_cols", "_q", "_quants", "_no_q", "graphs", "graph_tokens", "_per_tile",
+                 "_H", "_I", "_grids", "_act", "_kept", "_cols", "_q", "_quants", "_no_q", "graphs", "graph_tokens", "_per_tile",
                  "one", "_sync")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
@@ -79,6 +79,7 @@ class Kernels:
                       for name, launch in self.persistent(s).items()}
         self._grids: dict[int, tuple[Launcher, Launcher]] = {}
         self._act: dict[int, torch.Tensor] = {}
+        self._kept: list = []   # per-stream buffers outgrown: kept (a CUDA graph captured before may read them)
         self._q: dict[int, tuple] = {}
         # KERNGEN_EAGER_GRAPHS: repeated eager calls of at most graph_tokens tokens replay their launches from a CUDA
         # graph (unset: decode sizes, EAGER_GRAPH_TOKENS; device -1: stub launchers, never)
@@ -134,10 +135,18 @@ class Kernels:
         per stream, grown to the most tokens and tiles seen."""
         q = self._q.get(stream)
         if q is None or q[0][0].shape[0] < T or q[0][2].shape[0] < tiles * self.tile:
-            T = max(T, 0 if q is None else q[0][0].shape[0])
-            rows = max(tiles * self.tile, 0 if q is None else q[0][2].shape[0])
+            T = max(_pow2(T), 0 if q is None else q[0][0].shape[0])
+            rows = max(_pow2(tiles) * self.tile, 0 if q is None else q[0][2].shape[0])
+            self._outgrown(q)
             q = self._q[stream] = self.quant_buffers(T, rows, device)
         return q
+
+    def _outgrown(self, buf) -> None:
+        """Keep a per-stream buffer that a larger one replaces: a CUDA graph captured on that stream (the caller's,
+        or kerngen's block graphs') launches with its pointers. Sizes grow by powers of two, so what is kept is at
+        most as large as what is in use."""
+        if buf is not None:
+            self._kept.append(buf)
 
     def quant_buffers(self, T: int, rows: int, device: torch.device) -> tuple[tuple, tuple]:
         """New buffers for x [T, H] and the intermediate [rows, I] quantized (e4m3 bytes or f16) and their scales
@@ -157,7 +166,9 @@ class Kernels:
         reused call after call on it and grown to the most tiles seen."""
         act = self._act.get(stream)
         if act is None or act.shape[0] < tiles * self.tile:
-            act = self._act[stream] = torch.empty((tiles * self.tile, self._I), dtype=torch.bfloat16, device=device)
+            self._outgrown(act)
+            act = self._act[stream] = torch.empty((_pow2(tiles) * self.tile, self._I), dtype=torch.bfloat16,
+                                                  device=device)
         return act
 
     def sync(self, stream: int, tiles: int, device: torch.device) -> torch.Tensor:
@@ -166,7 +177,8 @@ class Kernels:
         tiles seen."""
         sync = self._sync.get(stream)
         if sync is None or sync.shape[0] < sync_ints(tiles):
-            sync = self._sync[stream] = new_sync(tiles, device)
+            self._outgrown(sync)
+            sync = self._sync[stream] = new_sync(_pow2(tiles), device)
         return sync
 
     def __call__(self, x, routing, w13, w2, out, act=None, *, interleaved=False, b13=None, b2=None,
@@ -210,6 +222,11 @@ class Kernels:
 
 
 persistent = Kernels.persistent   # the ops' seam (kerngen.ops): what explain, warmup and the tests size from
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= n (1 for 0): the sizes per-stream buffers grow through."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def new_sync(tiles: int, device) -> torch.Tensor:

@@ -103,6 +103,8 @@ class Split:
         """n's buffer on `stream`: [rows, L] bf16, rows the most max_tokens of the shape's split rules seen."""
         n = self._scratch.get(stream)
         if n is None or n.shape[0] < self._rows:
+            if n is not None:   # kept: a CUDA graph captured on the stream before may launch with it
+                self._scratch.setdefault("outgrown", []).append(n)
             n = self._scratch[stream] = torch.empty((self._rows, self._L), dtype=torch.bfloat16, device=device)
         return n
 
@@ -148,6 +150,8 @@ class NormGemm:
             return torch.empty((rows, cols), dtype=dtype, device=device)
         t = self._scratch.get((what, stream))
         if t is None or t.shape[0] < rows:
+            if t is not None:   # kept: a CUDA graph captured on the stream before may launch with it
+                self._scratch.setdefault("outgrown", []).append(t)
             t = self._scratch[(what, stream)] = torch.empty((max(64, 1 << (rows - 1).bit_length()), cols),
                                                             dtype=dtype, device=device)
         return t[:rows]

@@ -102,3 +102,20 @@ def test_block_compiled_with_cuda_graphs(T):
             assert rel_err(out.view(T, -1), exact) <= TOL[BF16], (T, rel_err(out.view(T, -1), exact))
     assert "_kerngen_state" not in mx_block.experts.__dict__   # the compiled path keeps no per-call state
     kt.disable(model)
+
+
+def test_block_graphs_replay_the_mxfp4_block_bitwise():
+    """The MXFP4 block's decode forwards replayed from kerngen's block graphs: its own eager forward's outputs
+    (the routed rows and the router's scores) bit for bit, on new inputs."""
+    model, _, mx_block = cuda_model(seed=2)
+    kt.enable(model)
+    graphs = mx_block.__dict__["forward"].graphs
+    for seed in range(4):
+        x = inputs(model, 2, BF16, seed=seed).cuda()
+        with torch.no_grad():
+            out, scores = mx_block(x)
+            ref, ref_scores = graphs.forward(x)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        torch.testing.assert_close(scores, ref_scores, rtol=0, atol=0)
+    assert graphs.captures == 1 and graphs.replays == 3
+    kt.disable(model)

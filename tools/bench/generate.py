@@ -49,6 +49,7 @@ import traceback
 import torch
 
 IMPLS = ("grouped_mm", "kerngen")
+KERNGEN_IMPLS = {"kerngen": None, "kerngen-eager": False}   # impl -> enable's graphs
 
 # name: (transformers config class, the public checkpoint's dimensions, tiny dimensions of the same structure)
 CONFIGS = {
@@ -124,15 +125,17 @@ def moe_layers(model) -> int:
 
 
 def use(model, impl: str) -> list[str]:
-    """Switch every MoE block of `model` to `impl`: "kerngen" (routers and experts) or one of transformers'
-    experts implementations ("grouped_mm", "eager", ...) with transformers' routers. Returns the modules kerngen
-    patched (none for transformers' implementations)."""
+    """Switch every MoE block of `model` to `impl`: "kerngen" (routers and experts; its blocks' decode forwards
+    replayed from CUDA graphs, enable's default), "kerngen-eager" (the same, every launch from the host:
+    graphs=False) or one of transformers' experts implementations ("grouped_mm", "eager", ...) with transformers'
+    routers. Returns the modules kerngen patched (none for transformers' implementations)."""
     import kerngen.integrations.transformers as kt
     kt.disable(model)
-    _set_experts(model, "grouped_mm" if impl == "kerngen" else impl)   # kerngen: what disable() restores
-    if impl != "kerngen":
+    ours = impl in KERNGEN_IMPLS
+    _set_experts(model, "grouped_mm" if ours else impl)   # kerngen: what disable() restores
+    if not ours:
         return []
-    names = kt.enable(model)
+    names = kt.enable(model, graphs=KERNGEN_IMPLS[impl])
     if not names:
         raise RuntimeError("kerngen.integrations.transformers.enable patched nothing")
     return names
@@ -256,7 +259,7 @@ def run(a) -> list[dict]:
                           + (f"{got['tok_s']:.1f} tok/s" if "tok_s" in got else got["note"]), file=sys.stderr,
                           flush=True)
             rows.extend(merge_rounds(dict(model=name, layers=layers, moe_layers=n_moe, batch=B), rounds))
-        use(model, a.impl[0] if a.impl[0] != "kerngen" else "grouped_mm")
+        use(model, a.impl[0] if a.impl[0] not in KERNGEN_IMPLS else "grouped_mm")
         del model
         if torch.device(a.device).type == "cuda":
             torch.cuda.empty_cache()
@@ -323,7 +326,8 @@ def parse(argv=None):
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens (random ids)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: per model, see the doc)")
     ap.add_argument("--impl", default=",".join(IMPLS),
-                    help="comma list: kerngen and transformers' experts implementations (grouped_mm, eager)")
+                    help="comma list: kerngen, kerngen-eager (no block graphs) and transformers' experts "
+                         "implementations (grouped_mm, eager)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--compile", action="store_true", help="transformers' compiled decode (static cache)")
     ap.add_argument("--tiny", action="store_true", help="small made-up dimensions (CPU smoke run)")
