@@ -128,3 +128,11 @@ def test_merge_rounds_takes_medians_and_a_failed_round_fails_the_row():
     failed = bench.merge_rounds(dict(model="m", batch=1), {"a": [ok(10), dict(note="failed: X")], "b": [ok(5), ok(5)]})
     assert "tok_s" not in failed[0] and failed[0]["note"] == "failed: X"
     assert "ratio" not in failed[1] and failed[1]["note"] == "a failed"
+
+
+def test_use_switches_kerngen_with_and_without_block_graphs():
+    model = bench.build_model("qwen3-30b-a3b", 1, 512, "cpu", tiny=True, init_std=0.1)
+    block = model.model.layers[0].mlp
+    assert "model.layers.0.mlp" in bench.use(model, "kerngen") and block.forward.graphs.max_tokens > 0
+    assert "model.layers.0.mlp" not in bench.use(model, "kerngen-eager") and "forward" not in block.__dict__
+    assert bench.use(model, "grouped_mm") == [] and "forward" not in block.__dict__

@@ -150,8 +150,8 @@ def op_rows(dev) -> dict:
 def _switch(block, impl: str) -> None:
     import kerngen.integrations.transformers as kt
     kt.disable(block)
-    if impl == "kerngen":
-        if not kt.enable(block):
+    if impl.startswith("kerngen"):   # kerngen (block graphs, the default) or kerngen-eager (graphs=False)
+        if not kt.enable(block, graphs=None if impl == "kerngen" else False):
             raise RuntimeError("kerngen.integrations.transformers.enable patched nothing")
     else:
         block.experts.config._experts_implementation_internal = impl
@@ -166,7 +166,7 @@ def block_rows(dev, models=("qwen3-30b-a3b", "deepseek-v3")):
         block = build_block(m, m.intermediate, device=dev)
         x = torch.randn(1, 1, m.hidden, device=dev, generator=torch.Generator(device=dev).manual_seed(1)).to(
             torch.bfloat16)
-        for impl in ("grouped_mm", "kerngen"):
+        for impl in ("grouped_mm", "kerngen", "kerngen-eager"):
             def call(block=block, x=x):
                 out = block(x)
                 return out[0] if isinstance(out, tuple) else out
