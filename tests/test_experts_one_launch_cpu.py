@@ -117,6 +117,9 @@ def test_one_launch_fields_and_its_tickets_buffer(monkeypatch, fmt):
     monkeypatch.setattr(ex, "current_stream", lambda dev: 7)   # another stream: its own counters
     k(x, r, a["w13"], a["w2"], ex.reference(**a), **kw)
     assert launches[-1][2]["sync"] != f0["sync"] and set(k._sync) == {0, 7}
-    assert k.sync(7, tiles + 5, x.device).numel() == ex.SYNC_LINE * (2 + tiles + 5)   # grown for more tiles
+    old = k._sync[7]
+    # grown for more tiles, to a power of two; the outgrown buffer kept (a CUDA graph captured before reads it)
+    assert k.sync(7, tiles + 5, x.device).numel() == ex.SYNC_LINE * (2 + ex._pow2(tiles + 5)) > old.numel()
+    assert any(t is old for t in k._kept)
     grid = k.launchers(tiles)[0].grid[0]
     assert grid == min(4 * tiers.SMS, tiles * sum(k._per_tile))
