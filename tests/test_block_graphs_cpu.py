@@ -68,6 +68,14 @@ def test_a_forward_set_on_the_instance_is_graphed_and_restored():
     assert block.__dict__["forward"] is mine
 
 
+def enabled_block():
+    """A tiny Qwen3-MoE model enabled: its first block, the block's BlockGraphs and a 2-token input."""
+    model = tiny("qwen3_moe")
+    kt.enable(model)
+    block = moe_blocks(model)[0]
+    return block, graphs_of(block), inputs(model, 2, torch.float32)
+
+
 class FakeGraph:
     """A captured forward stand-in: replay runs the forward on the captured input into the captured output."""
 
@@ -122,11 +130,7 @@ def test_a_shape_is_captured_the_second_time_and_replayed_on_new_inputs(stubbed)
 
 
 def test_replaced_weights_and_clear_drop_the_graphs(stubbed):
-    model = tiny("qwen3_moe")
-    block = moe_blocks(model)[0]
-    kt.enable(model)
-    bg = graphs_of(block)
-    x = inputs(model, 2, torch.float32)
+    block, bg, x = enabled_block()
     with torch.no_grad():
         for _ in range(3):
             block(x)
@@ -145,11 +149,7 @@ def test_replaced_weights_and_clear_drop_the_graphs(stubbed):
 
 
 def test_hooks_inside_the_block_run_the_forward(stubbed):
-    model = tiny("qwen3_moe")
-    block = moe_blocks(model)[0]
-    kt.enable(model)
-    bg = graphs_of(block)
-    x = inputs(model, 2, torch.float32)
+    block, bg, x = enabled_block()
     seen = []
     handle = block.gate.register_forward_hook(lambda m, a, out: seen.append(1))
     with torch.no_grad():
