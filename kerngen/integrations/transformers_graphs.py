@@ -35,7 +35,7 @@ _RECORDER = "output_capturing_hook"   # transformers' output-recording hooks (ut
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 _capture_streams: dict[int, torch.cuda.Stream] = {}   # device -> kerngen's capture stream (kept for the process)
-_pools: dict[int, tuple] = {}                         # device -> the graphs' memory pool
+_pools: dict[int, tuple] = {}                         # device -> (the graphs' memory pool, its anchor graph)
 _mutex = threading.Lock()
 
 
@@ -66,10 +66,24 @@ def capture_stream(device: int) -> torch.cuda.Stream:
 
 
 def _pool(device: int) -> tuple:
+    """The graphs' memory pool on `device`, held by an anchor graph of one small launch for the process: the
+    caching allocator forgets a pool whose graphs are all gone only once its memory is free, and refuses a capture
+    into it in between (an internal assert that leaves the RNG's capture state half set), so its graph count never
+    drops to zero."""
     p = _pools.get(device)
     if p is None:
-        p = _pools[device] = torch.cuda.graph_pool_handle()
-    return p
+        handle, anchor = torch.cuda.graph_pool_handle(), torch.cuda.CUDAGraph()
+        side, here = capture_stream(device), torch.cuda.current_stream(device)
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            anchor.capture_begin(pool=handle, capture_error_mode="thread_local")
+            try:
+                torch.zeros(1, device=f"cuda:{device}")
+            finally:
+                anchor.capture_end()
+        here.wait_stream(side)
+        p = _pools[device] = (handle, anchor)
+    return p[0]
 
 
 class _Graph:
@@ -161,10 +175,11 @@ class BlockGraphs:
         xs.copy_(x)
         graph = torch.cuda.CUDAGraph()
         try:
+            pool = _pool(device)
             side.wait_stream(here)
             with torch.cuda.stream(side):
                 self.forward(xs)
-                graph.capture_begin(pool=_pool(device), capture_error_mode="thread_local")
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     out = self.forward(xs)
                 finally:

@@ -106,3 +106,22 @@ def test_a_caller_capture_takes_the_kernels():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, eager(block, y), rtol=0, atol=0)
+
+
+def test_graphs_made_again_after_every_earlier_graph_is_gone():
+    """Blocks enabled, captured, disabled and collected, then enabled again: the shared pool takes new captures (and
+    the RNG's capture state is left clean: a random op after them runs)."""
+    import gc
+    for _ in range(2):
+        model = tiny("qwen3_moe").to("cuda", BF16)
+        kt.enable(model)
+        block = moe_blocks(model)[0]
+        x = inputs(model, 1, BF16).cuda()
+        for _ in range(3):
+            torch.testing.assert_close(run_block(block, x), eager(block, x), rtol=0, atol=0)
+        bg = graphs_of(block)
+        assert bg.captures == 1 and bg.replays == 2 and not bg.off
+        kt.disable(model)
+        del model, block, bg
+        gc.collect()
+    assert torch.randn(8, device="cuda").isfinite().all()
