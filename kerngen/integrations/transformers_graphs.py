@@ -86,6 +86,16 @@ def _pool(device: int) -> tuple:
     return p[0]
 
 
+def _clear_library_workspaces() -> None:
+    """Drop torch's cached cuBLAS workspaces (each stream's, made on its first GEMM), as torch.compile's CUDA graphs
+    do around each recording: a GEMM captured afterwards takes a workspace from the graph's pool, which outlives
+    the capture as the pool's memory does. A workspace made before the capture and captured would be freed the
+    next time anyone clears them, and its memory handed to other tensors while the graph still writes it."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 class _Graph:
     __slots__ = ("graph", "x", "out")
 
@@ -179,11 +189,13 @@ class BlockGraphs:
             side.wait_stream(here)
             with torch.cuda.stream(side):
                 self.forward(xs)
+                _clear_library_workspaces()
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     out = self.forward(xs)
                 finally:
                     graph.capture_end()
+                    _clear_library_workspaces()
             here.wait_stream(side)
         except Exception as e:   # (a host sync or other uncapturable work in the forward): eager from now on
             torch.cuda.set_stream(here)
