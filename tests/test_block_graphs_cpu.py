@@ -2,6 +2,8 @@
 restores transformers' forward; KERNGEN_BLOCK_GRAPHS and enable(graphs=) set the token bound; the capture policy
 (a shape met once runs eagerly, the second time it is captured, then replayed on the new input) with the capture
 and replay stubbed; replaced weights, kerngen.clear() and hooks inside the block send calls back to the forward."""
+import copy
+
 import pytest
 import torch
 pytest.importorskip("transformers")
@@ -103,7 +105,7 @@ def stubbed(monkeypatch):
         return g
     monkeypatch.setattr(kg.BlockGraphs, "_capture", capture)
     monkeypatch.setattr(kg.BlockGraphs, "eligible",
-                        lambda self, x: not torch.is_grad_enabled() and not self.block.training and self._quiet())
+                        lambda self, x: not torch.is_grad_enabled() and not self.block.training)
     return made
 
 
@@ -146,6 +148,11 @@ def test_replaced_weights_and_clear_drop_the_graphs(stubbed):
         block(x)
         assert bg.captures == 3 and bg.replays == 4
         torch.testing.assert_close(block(x), new, rtol=0, atol=0)
+        block.gate = copy.deepcopy(block.gate)   # a submodule replaced (the same values): captured again
+        block(x)
+        assert bg.captures == 3 and not bg._graphs
+        block(x)
+        assert bg.captures == 4
 
 
 def test_hooks_inside_the_block_run_the_forward(stubbed):
@@ -161,19 +168,20 @@ def test_hooks_inside_the_block_run_the_forward(stubbed):
     def output_capturing_hook(m, a, out):   # named as transformers' recorders are
         seen.append(2)
     handle = block.gate.register_forward_hook(output_capturing_hook)
-    assert bg._quiet()   # nothing recorded: a replay is the same
+    assert bg._walk() is not None   # nothing recorded: a replay is the same
     token = output_capturing.__dict__["_active_collector"].set({"router_logits": []})
     try:
-        assert not bg._quiet()
+        assert bg._walk() is None
     finally:
         output_capturing.__dict__["_active_collector"].reset(token)
     handle.remove()
+    assert not kg.global_hooks()
     handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: None)
     try:
-        assert not bg._quiet()
+        assert kg.global_hooks()   # (eligible() then sends every call to the forward)
     finally:
         handle.remove()
-    assert bg._quiet()
+    assert bg._walk() is not None and not kg.global_hooks()
 
 
 def test_not_eligible_on_the_cpu():

@@ -10,7 +10,7 @@ A call runs the block's own forward instead where a replay could differ from it:
 mode, under torch.compile or inside a capture of the caller's, a CPU, non-bf16 or non-contiguous input, more tokens, arguments
 besides the hidden states, a hook on a module inside the block (transformers' output-recording hooks count only
 while an output is being recorded) or a global module hook. The graphs of a block are dropped when one of its
-parameters or buffers is replaced (data_ptr changed; values written in place are read by the replay) and when
+parameters, buffers or submodules is replaced (values written in place are read by the replay) and when
 kerngen.clear() forgets the resolved kernels. A capture that fails turns the block's graphs off, said once.
 
 The graphs of all blocks share one memory pool a device and kerngen's scratch buffers of the capture stream:
@@ -96,6 +96,17 @@ def _clear_library_workspaces() -> None:
         clear()
 
 
+def global_hooks() -> bool:
+    """A module hook registered for every module (torch.nn.modules.module.register_module_forward_hook, ...)."""
+    return any(getattr(_torch_module, name, None) for name in _GLOBAL_HOOKS)
+
+
+def _recording_only(m: nn.Module) -> bool:
+    """m's hooks are transformers' output recorders and nothing is being recorded (they would do nothing)."""
+    return (not m._forward_pre_hooks and not _collector()
+            and all(getattr(h, "__name__", "") == _RECORDER for h in m._forward_hooks.values()))
+
+
 class _Graph:
     __slots__ = ("graph", "x", "out")
 
@@ -119,8 +130,6 @@ class BlockGraphs:
 
     def __init__(self, block: nn.Module, forward, max_tokens: int):
         self.block, self.forward, self.max_tokens = block, forward, max_tokens
-        self._modules = list(block.modules())
-        self._inner = self._modules[1:]   # hooks on the block itself run around the replay, as around forward
         self._graphs: dict[tuple, _Graph] = {}
         self._seen: set[tuple] = set()
         self._weights: tuple = ()
@@ -132,7 +141,9 @@ class BlockGraphs:
         if torch.compiler.is_compiling() or self.off or kwargs or len(args) != 1 or not self.eligible(args[0]):
             return self.forward(*args, **kwargs)
         x = args[0]
-        weights = self._pointers()
+        weights = self._walk()
+        if weights is None:
+            return self.forward(x)
         if weights != self._weights or self._generation != _dispatch.generation():
             self._graphs.clear()
             self._seen.clear()
@@ -154,26 +165,29 @@ class BlockGraphs:
     def eligible(self, x) -> bool:
         """Whether a replay at x would be the forward's own result: a contiguous CUDA bf16 input of at most
         max_tokens tokens (bf16: the dtype kerngen's kernels and the grouped GEMM run without a host sync), inference
-        (no gradients, eval mode), no capture of the caller's under way and no hook inside the block."""
+        (no gradients, eval mode), no capture of the caller's under way and no global module hook (a hook inside the
+        block: _walk)."""
         return (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() >= 2
                 and x.numel() <= self.max_tokens * x.shape[-1] and not torch.is_grad_enabled()
                 and not self.block.training and x.is_contiguous() and not torch.cuda.is_current_stream_capturing()
-                and self._quiet())
+                and not global_hooks())
 
-    def _quiet(self) -> bool:
-        """No hook would run inside the block (transformers' recorders only while nothing is recorded)."""
-        if any(getattr(_torch_module, name, None) for name in _GLOBAL_HOOKS):
-            return False
-        for m in self._inner:
-            if m._forward_pre_hooks or m._forward_hooks:
-                if (m._forward_pre_hooks or _collector()
-                        or any(getattr(h, "__name__", "") != _RECORDER for h in m._forward_hooks.values())):
-                    return False
-        return True
-
-    def _pointers(self) -> tuple:
-        return tuple(t.data_ptr() for m in self._modules for d in (m._parameters, m._buffers)
-                     for t in d.values() if t is not None)
+    def _walk(self) -> tuple | None:
+        """The block's modules (each by identity: a submodule replaced is seen) and the data pointers of their
+        parameters and buffers, walked afresh each call; None where a hook would run inside the block (the block's
+        own run around the replay as around the forward; transformers' recorders count only while recording)."""
+        out, todo = [], [self.block]
+        while todo:
+            m = todo.pop()
+            if m is not self.block and (m._forward_pre_hooks or m._forward_hooks) and not _recording_only(m):
+                return None
+            out.append(id(m))
+            for d in (m._parameters, m._buffers):
+                for t in d.values():
+                    if t is not None:
+                        out.append(t.data_ptr())
+            todo.extend(c for c in m._modules.values() if c is not None)
+        return tuple(out)
 
     def _capture(self, x: torch.Tensor, key: tuple) -> _Graph | None:
         """Capture the forward at x's shape on the capture stream (after one run there: lazily made state of that
