@@ -7,9 +7,9 @@ kerngen's capture stream, and from then on a call of that shape copies its input
 the caller's stream and returns copies of the graph's outputs: three launches from the host.
 
 A call runs the block's own forward instead where a replay could differ from it: gradients enabled or training
-mode, under torch.compile or inside a capture of the caller's, a CPU, non-bf16 or non-contiguous input, more tokens, arguments
-besides the hidden states, a hook on a module inside the block (transformers' output-recording hooks count only
-while an output is being recorded) or a global module hook. The graphs of a block are dropped when one of its
+mode, under torch.compile or inside a capture of the caller's, a CPU, non-bf16 or non-contiguous input, more
+tokens, arguments besides the hidden states, a hook on a module inside the block (transformers' output-recording
+hooks count only while an output is being recorded) or a global module hook. The graphs of a block are dropped when one of its
 parameters, buffers or submodules is replaced (values written in place are read by the replay) and when
 kerngen.clear() forgets the resolved kernels. A capture that fails turns the block's graphs off, said once.
 
