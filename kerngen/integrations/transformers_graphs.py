@@ -176,17 +176,17 @@ class BlockGraphs:
         """The block's modules (each by identity: a submodule replaced is seen) and the data pointers of their
         parameters and buffers, walked afresh each call; None where a hook would run inside the block (the block's
         own run around the replay as around the forward; transformers' recorders count only while recording)."""
-        out, todo = [], [self.block]
-        while todo:
-            m = todo.pop()
-            if m is not self.block and (m._forward_pre_hooks or m._forward_hooks) and not _recording_only(m):
+        block = self.block
+        out, todo = [], [block]
+        for m in todo:   # (the list grows as the walk goes)
+            if m is None:
+                continue
+            if (m._forward_pre_hooks or m._forward_hooks) and m is not block and not _recording_only(m):
                 return None
             out.append(id(m))
-            for d in (m._parameters, m._buffers):
-                for t in d.values():
-                    if t is not None:
-                        out.append(t.data_ptr())
-            todo.extend(c for c in m._modules.values() if c is not None)
+            out.extend(t.data_ptr() for t in m._parameters.values() if t is not None)
+            out.extend(t.data_ptr() for t in m._buffers.values() if t is not None)
+            todo.extend(m._modules.values())
         return tuple(out)
 
     def _capture(self, x: torch.Tensor, key: tuple) -> _Graph | None:
