@@ -52,8 +52,8 @@ class Kernels:
     the used tiles' items. The grid follows the routing's tile count, so the launchers are kept per tile count; the
     intermediate scratch (and one_launch's tickets) per stream."""
     __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "qx", "fused_x", "_mod", "_warps", "_pdl", "_ctas",
-                 "_H", "_I", "_grids", "_act", "_kept", "_cols", "_q", "_quants", "_no_q", "graphs", "graph_tokens", "_per_tile",
-                 "one", "_sync")
+                 "_H", "_I", "_grids", "_act", "_kept", "_cols", "_q", "_quants", "_no_q", "graphs", "graph_tokens",
+                 "_per_tile", "one", "_sync")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
         if s.variant not in VARIANTS:
