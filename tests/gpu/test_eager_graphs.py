@@ -90,3 +90,32 @@ def test_inside_a_graph_torch_captures(graphs_on):
     torch.cuda.synchronize()
     r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
     check_rows(out, ex.reference(x, r, *w, **s), r)
+
+
+def test_a_graph_captured_small_survives_larger_calls_on_its_stream():
+    """Captured at 2 tokens on a stream, then eager calls of 16 tokens (the same rule, more tiles) on that same
+    stream outgrow its per-stream scratch: the graph still reads live buffers and replays right."""
+    side = torch.cuda.Stream()
+    x, logits, w, s = case("bf16", 2, seed=5)
+    ws = kerngen.RoutingWorkspace(2, 16, 4, 8)
+    run = lambda xx, ll, wsp: kerngen.experts(xx, kerngen.route(ll, top_k=4, method="softmax_topk",  # noqa: E731
+                                                                tile=8, workspace=wsp), *w, **s)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(x, logits, ws)   # (its kernels built and its scratch made outside the capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            out = run(x, logits, ws)
+        big, big_logits, _, _ = case("bf16", 16, seed=6)
+        run(big, big_logits, kerngen.RoutingWorkspace(16, 16, 4, 8))
+    torch.cuda.current_stream().wait_stream(side)
+    k = ex.dispatch(x.get_device(), H=x.shape[1], I=w[1].shape[-1], activation="silu", experts=16, top_k=4)
+    assert k.kernel(2) is k.kernel(16) and k.kernel(2)._kept   # the same kernels: their scratch outgrown, kept
+    for seed in (7, 8):
+        x2, logits2, _, _ = case("bf16", 2, seed=seed)
+        x.copy_(x2)
+        logits.copy_(logits2)
+        graph.replay()
+        torch.cuda.synchronize()
+        r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
+        check_rows(out, ex.reference(x, r, *w, **s), r)
