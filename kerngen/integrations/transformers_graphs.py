@@ -190,9 +190,9 @@ class BlockGraphs:
         return tuple(out)
 
     def _capture(self, x: torch.Tensor, key: tuple) -> _Graph | None:
-        """Capture the forward at x's shape on the capture stream (after one run there: lazily made state of that
-        stream, such as the library GEMM's workspace, is made outside the graph), or None and the block's graphs
-        off where it cannot be captured."""
+        """Capture the forward at x's shape on the capture stream, or None and the block's graphs off where it
+        cannot be captured. One run there first makes kerngen's buffers of that stream outside the graph (kept for
+        good); torch's cuBLAS workspaces are dropped around the capture, so a captured GEMM's is the pool's."""
         device = x.get_device()
         side, here = capture_stream(device), torch.cuda.current_stream(device)
         xs = torch.empty_like(x)
