@@ -42,6 +42,13 @@ def _flag(name: str) -> bool:
     return value in _TRUE
 
 
+def _optional_flag(name: str) -> bool | None:
+    """_flag, or None where the variable is unset or empty (the caller's own default)."""
+    if not os.environ.get(name, "").strip():
+        return None
+    return _flag(name)
+
+
 def check_arch(text: str, where: str) -> str:
     """`text` as a compile target (e.g. sm_90a); `where` names its source in the error (a variable, a flag)."""
     if not ARCH.fullmatch(text):
@@ -92,18 +99,14 @@ def eager_graphs() -> bool | None:
     """KERNGEN_EAGER_GRAPHS: eager calls of kerngen.experts replay repeated launch sequences from CUDA graphs:
     True at every token count, False never, None (unset or empty) at decode token counts only (the op's own
     bound, kerngen.ops.experts.EAGER_GRAPH_TOKENS)."""
-    if not os.environ.get("KERNGEN_EAGER_GRAPHS", "").strip():
-        return None
-    return _flag("KERNGEN_EAGER_GRAPHS")
+    return _optional_flag("KERNGEN_EAGER_GRAPHS")
 
 
 def block_graphs() -> bool | None:
     """KERNGEN_BLOCK_GRAPHS: transformers MoE blocks that kerngen.integrations.transformers enabled replay their
     eager inference forwards from CUDA graphs: True at every token count, False never, None (unset or empty) at
     decode token counts only (kerngen.integrations.transformers_graphs.GRAPH_TOKENS)."""
-    if not os.environ.get("KERNGEN_BLOCK_GRAPHS", "").strip():
-        return None
-    return _flag("KERNGEN_BLOCK_GRAPHS")
+    return _optional_flag("KERNGEN_BLOCK_GRAPHS")
 
 
 def racecheck() -> bool:
