@@ -9,9 +9,9 @@ the caller's stream and returns copies of the graph's outputs: three launches fr
 A call runs the block's own forward instead where a replay could differ from it: gradients enabled or training
 mode, under torch.compile or inside a capture of the caller's, a CPU, non-bf16 or non-contiguous input, more
 tokens, arguments besides the hidden states, a hook on a module inside the block (transformers' output-recording
-hooks count only while an output is being recorded) or a global module hook. The graphs of a block are dropped when one of its
-parameters, buffers or submodules is replaced (values written in place are read by the replay) and when
-kerngen.clear() forgets the resolved kernels. A capture that fails turns the block's graphs off, said once.
+hooks count only while an output is being recorded) or a global module hook. The graphs of a block are dropped
+when one of its parameters, buffers or submodules is replaced (values written in place are read by the replay) and
+when kerngen.clear() forgets the resolved kernels. A capture that fails turns the block's graphs off, said once.
 
 The graphs of all blocks share one memory pool a device and kerngen's scratch buffers of the capture stream:
 their replays must not overlap in time (one stream, or streams ordered between the calls), as a model's layers
@@ -19,6 +19,7 @@ never do.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 
@@ -27,7 +28,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from kerngen import dispatch as _dispatch
-from kerngen import env
+from kerngen import env, tiers
 from kerngen.launch import _drv, _ok
 
 GRAPH_TOKENS = 16   # KERNGEN_BLOCK_GRAPHS unset: forwards of at most so many tokens (decode, and short prompts)
@@ -65,6 +66,18 @@ def capture_stream(device: int) -> torch.cuda.Stream:
     return s
 
 
+@contextlib.contextmanager
+def _on_capture_stream(device: int):
+    """The capture stream current, ordered after the caller's stream's work and before its next."""
+    side, here = capture_stream(device), torch.cuda.current_stream(device)
+    side.wait_stream(here)
+    try:
+        with torch.cuda.stream(side):
+            yield side
+    finally:
+        here.wait_stream(side)
+
+
 def _pool(device: int) -> tuple:
     """The graphs' memory pool on `device`, held by an anchor graph of one small launch for the process: the
     caching allocator forgets a pool whose graphs are all gone only once its memory is free, and refuses a capture
@@ -73,15 +86,12 @@ def _pool(device: int) -> tuple:
     p = _pools.get(device)
     if p is None:
         handle, anchor = torch.cuda.graph_pool_handle(), torch.cuda.CUDAGraph()
-        side, here = capture_stream(device), torch.cuda.current_stream(device)
-        side.wait_stream(here)
-        with torch.cuda.stream(side):
+        with _on_capture_stream(device):
             anchor.capture_begin(pool=handle, capture_error_mode="thread_local")
             try:
                 torch.zeros(1, device=f"cuda:{device}")
             finally:
                 anchor.capture_end()
-        here.wait_stream(side)
         p = _pools[device] = (handle, anchor)
     return p[0]
 
@@ -194,14 +204,12 @@ class BlockGraphs:
         cannot be captured. One run there first makes kerngen's buffers of that stream outside the graph (kept for
         good); torch's cuBLAS workspaces are dropped around the capture, so a captured GEMM's is the pool's."""
         device = x.get_device()
-        side, here = capture_stream(device), torch.cuda.current_stream(device)
         xs = torch.empty_like(x)
         xs.copy_(x)
         graph = torch.cuda.CUDAGraph()
         try:
             pool = _pool(device)
-            side.wait_stream(here)
-            with torch.cuda.stream(side):
+            with _on_capture_stream(device):
                 self.forward(xs)
                 _clear_library_workspaces()
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")
@@ -210,9 +218,7 @@ class BlockGraphs:
                 finally:
                     graph.capture_end()
                     _clear_library_workspaces()
-            here.wait_stream(side)
         except Exception as e:   # (a host sync or other uncapturable work in the forward): eager from now on
-            torch.cuda.set_stream(here)
             self.off = True
             warnings.warn(f"kerngen: CUDA graphs turned off for {type(self.block).__name__} ({type(e).__name__}: "
                           f"{e})", RuntimeWarning, stacklevel=3)
@@ -242,4 +248,4 @@ def tokens_bound(on: bool | None) -> int:
         on = env.block_graphs()
         if on is None:
             return GRAPH_TOKENS
-    return 2 ** 31 - 1 if on else 0
+    return tiers.INT32_MAX if on else 0
