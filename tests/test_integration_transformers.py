@@ -355,3 +355,62 @@ def test_gpt_oss_and_llama4_experts_on_kerngen_arguments():
             rows = experts_on_cpu(x, r, w13, w2, **gate)
         ours = rows[r.expanded_to_permuted.long()]
         assert rel_err(ours.double(), exact) <= TOL_FUSED, case
+
+
+@pytest.mark.parametrize("case", ["gpt_oss", "llama4_text"])
+def test_transposed_weights_are_stored_as_kerngen_reads_them(case, tmp_path):
+    """enable keeps a transposed family's expert weights (the same Parameters, shapes and values) and stores them as
+    kerngen.experts reads them fastest: their [E, 2I, H] / [E, H, I] views contiguous ("nk", every rule serves
+    them); the block gives transformers' result; enable again changes nothing; disable makes them row-major again
+    (transformers' own block bit for bit); relayout=False leaves them as they are ("kn"). `.to()` keeps the layout;
+    save_pretrained writes them row-major."""
+    model = tiny(case).to(torch.bfloat16)
+    block = moe_blocks(model)[0]
+    e = block.experts
+    names = ("gate_up_proj", "down_proj")
+    params = {n: getattr(e, n) for n in names}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    assert kx.weights_layout(e) == "kn"
+    x = inputs(model, 5, torch.bfloat16)
+    ref = run_block(block, x)
+    for _ in range(2):
+        kt.enable(model)
+        for n in names:
+            p = getattr(e, n)
+            assert p is params[n] and torch.equal(p, before[n]) and not p.is_contiguous()
+        assert kx.weights_layout(e) == "nk" and all(w.is_contiguous() for w in kx.expert_weights(e))
+        assert rel_err(run_block(block, x), ref) <= TOL[torch.bfloat16]
+    strides = e.gate_up_proj.stride()
+    assert model.float().to(torch.bfloat16) is model and e.gate_up_proj.stride() == strides   # .to() keeps them
+    model.save_pretrained(tmp_path)   # row-major on disk, the same values loaded back
+    e2 = moe_blocks(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16))[0].experts
+    assert all(getattr(e2, n).is_contiguous() and torch.equal(getattr(e2, n), before[n]) for n in names)
+    kt.disable(model)
+    assert all(getattr(e, n).is_contiguous() and torch.equal(getattr(e, n), before[n]) for n in names)
+    assert torch.equal(run_block(block, x), ref)
+    kt.enable(model, relayout=False)
+    assert kx.weights_layout(e) == "kn" and all(getattr(e, n).is_contiguous() for n in names)
+    kt.disable(model)
+
+
+def test_relayout_without_memory_for_a_copy_keeps_the_layout(monkeypatch):
+    """Where copying down_proj runs out of memory, gate_up_proj (moved already) goes back and both stay row-major,
+    read in place ("kn"), with a warning naming the module."""
+    model = tiny("gpt_oss").to(torch.bfloat16)
+    e = moe_blocks(model)[0].experts
+    before = e.down_proj.detach().clone()
+    shape = tuple(e.down_proj.transpose(1, 2).shape)
+    real = torch.Tensor.contiguous
+
+    def contiguous(t, *a, **kw):
+        if tuple(t.shape) == shape and not t.is_contiguous():
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(t, *a, **kw)
+    monkeypatch.setattr(torch.Tensor, "contiguous", contiguous)
+    with pytest.warns(RuntimeWarning, match="GptOssExperts's weights kept as they are"):
+        kt.enable(model)
+    monkeypatch.undo()
+    assert e.gate_up_proj.is_contiguous() and e.down_proj.is_contiguous() and torch.equal(e.down_proj, before)
+    assert kx.weights_layout(e) == "kn" and "_kerngen_relayout" not in e.__dict__
+    kt.disable(model)
+    assert e.gate_up_proj.is_contiguous()

@@ -140,7 +140,8 @@ def _patched(m: nn.Module) -> bool:
     return getattr(m.__dict__.get("forward"), "_kerngen", False)
 
 
-def enable(model: nn.Module, *, routers: bool = True, graphs: bool | None = None) -> list[str]:
+def enable(model: nn.Module, *, routers: bool = True, graphs: bool | None = None,
+           relayout: bool = True) -> list[str]:
     """Run every MoE block of `model` on kerngen; returns the qualified names of the patched modules.
 
     Experts get the "kerngen" experts implementation (set on their config); with routers=True (default) each
@@ -150,11 +151,21 @@ def enable(model: nn.Module, *, routers: bool = True, graphs: bool | None = None
     (Mxfp4GptOssMLP) get a forward of their own, named by the block; their experts' checkpoint is checked (an
     InputError naming the module's attribute) and read back here. Each MoE block's eager inference forwards of
     decode sizes replay from CUDA graphs (transformers_graphs: graphs=None reads KERNGEN_BLOCK_GRAPHS, unset
-    meaning at most GRAPH_TOKENS tokens; True every token count; False never). Calling it again changes nothing
-    and returns the same names.
+    meaning at most GRAPH_TOKENS tokens; True every token count; False never). Experts that keep their weights
+    transposed (gpt-oss and Llama-4 in bf16 / fp16: [E, H, 2I], [E, I, H]) get them stored as kerngen.experts reads
+    them fastest (relayout: same shapes and values, each parameter a transposed view of a row-major [E, 2I, H] /
+    [E, H, I]; disable puts them back); relayout=False keeps them, read in place (slower, and past 16 tokens
+    transformers' grouped GEMM). Calling it again changes nothing and returns the same names.
     """
     bound = _kg.tokens_bound(graphs)
     plan = _plan(model, routers, bound > 0)
+    if relayout:
+        for _, m, kind, _ in plan:
+            ex = m if kind == "experts" else getattr(m, "experts", None) if kind == "llama4" else None
+            if ex is not None and _kx.transposed(ex) and "_kerngen_relayout" not in ex.__dict__:
+                row_major = ex.gate_up_proj.is_contiguous() and ex.down_proj.is_contiguous()
+                if _kx.relayout(ex) and row_major:
+                    ex._kerngen_relayout = True   # (disable makes them row-major again)
     previous = {}   # experts of one model share a config: read every previous value before setting any
     for _, m, kind, _ in plan:
         if kind == "experts":
@@ -189,6 +200,8 @@ def disable(model: nn.Module) -> list[str]:
         if "_kerngen_previous" in m.__dict__:
             m.config._experts_implementation_internal = m.__dict__.pop("_kerngen_previous")
             restored.append(name)
+        if m.__dict__.pop("_kerngen_relayout", False):
+            _kx.relayout(m, back=True)
         m.__dict__.pop("_kerngen_state", None)
         m.__dict__.pop(_kx._MXFP4_KEPT, None)
     return restored

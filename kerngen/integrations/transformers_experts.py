@@ -4,6 +4,7 @@ neither, reach it through their block's patched forward), and the state each MoE
 (BlockState: its experts' static shape, the router's workspaces, the permutation handed to the experts)."""
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -214,6 +215,7 @@ def quantized_arguments(experts: nn.Module) -> dict | None:
 
 
 _LLAMA4_EXPERTS = "Llama4TextExperts"   # Llama4TextMoe's experts: transposed, gate then up, not the interface's
+_WEIGHTS = ("gate_up_proj", "down_proj")
 _GPT_OSS = "GptOssExperts"   # its _apply_gate: clamped at limit, sigmoid of alpha times the gate, interleaved columns
 
 
@@ -249,9 +251,49 @@ def expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     tensors, or for transposed modules (gpt-oss, Llama-4: [E, H, 2I], [E, I, H]) their transposed views, which
     kerngen.experts reads in place."""
     w13, w2 = experts.gate_up_proj, experts.down_proj
-    if getattr(experts, "is_transposed", False) or type(experts).__name__ == _LLAMA4_EXPERTS:
+    if transposed(experts):
         return w13.transpose(1, 2), w2.transpose(1, 2)
     return w13, w2
+
+
+def transposed(experts: nn.Module) -> bool:
+    """The module keeps its weights transposed ([E, H, 2I], [E, I, H]: gpt-oss, Llama-4)."""
+    return getattr(experts, "is_transposed", False) or type(experts).__name__ == _LLAMA4_EXPERTS
+
+
+def relayout(experts: nn.Module, *, back: bool = False) -> bool:
+    """Store a transposed module's bf16 / fp16 weights as kerngen.experts reads fastest: each parameter keeps its
+    shape and values, its memory becomes the [E, 2I, H] / [E, H, I] matrices row by row (the parameter a transposed
+    view of them), so expert_weights are contiguous and every kernel rule serves them ("nk"). back=True: row-major
+    again, as transformers made them. Each parameter is copied once (its size in memory, briefly); where that
+    memory is not there, the module keeps its layout (read in place, "kn") and a warning says so. Returns whether
+    the module's weights are now kerngen's layout."""
+    if not transposed(experts) or not all(isinstance(getattr(experts, n, None), torch.Tensor) for n in _WEIGHTS):
+        return False
+    params = [getattr(experts, n) for n in _WEIGHTS]
+    if any(p.dtype not in (torch.bfloat16, torch.float16) or p.dim() != 3 or p.is_meta for p in params):
+        return False
+    def ours(p):   # kerngen's layout: the transposed view of a contiguous tensor
+        return p.transpose(1, 2).contiguous().transpose(1, 2)
+
+    done = []
+    try:
+        with torch.no_grad():
+            for p in params:
+                if back and not p.is_contiguous():
+                    p.data = p.contiguous()
+                elif not back and not p.transpose(1, 2).is_contiguous():
+                    p.data, old = ours(p), p.data
+                    done.append((p, old.is_contiguous()))
+    except torch.OutOfMemoryError:
+        with torch.no_grad():   # the parameters moved so far back (their old memory is free again)
+            for p, row_major in done:
+                if row_major:
+                    p.data = p.contiguous()
+        warnings.warn(f"kerngen: {type(experts).__name__}'s weights kept as they are (no memory for a copy of "
+                      f"{tuple(params[0].shape)}); kerngen.experts reads them in place, slower past 16 tokens",
+                      RuntimeWarning, stacklevel=3)
+    return not back and all(p.transpose(1, 2).is_contiguous() for p in params)
 
 
 def weights_layout(experts: nn.Module) -> str | None:

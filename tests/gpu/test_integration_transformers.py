@@ -131,3 +131,21 @@ def test_top_k_8_blocks_take_tiles_of_32_where_the_rule_gives_them(monkeypatch):
     out = run_block(block, x)
     kt.disable(model)
     assert tiles == [32] and rel_err(out, ref) <= TOL_FUSED
+
+
+@pytest.mark.parametrize("case", ["gpt_oss", "llama4_text"])
+def test_transposed_families_take_the_kernels_past_16_tokens(case, kernel_calls):
+    """gpt-oss and Llama-4 keep their expert weights transposed; enable stores them as kerngen.experts reads them
+    (relayout), so at 29 tokens (past the transposed build's 16) its kernels serve the block, within the fused
+    tolerance of transformers' eager block; relayout=False leaves that to the grouped GEMM."""
+    model = cuda_model(case, torch.bfloat16)
+    block = moe_blocks(model)[0]
+    x = inputs(model, 29, torch.bfloat16).cuda()
+    ref = run_block(block, x)
+    for relayout, kernels in ((True, 1), (False, 0)):
+        kernel_calls["experts"] = 0
+        kt.enable(model, relayout=relayout)
+        out = run_block(block, x)
+        kt.disable(model)
+        assert kernel_calls["experts"] == kernels and rel_err(out, ref) <= TOL_FUSED, (relayout, kernel_calls)
+    assert block.experts.gate_up_proj.is_contiguous() and torch.equal(run_block(block, x), ref)
