@@ -359,7 +359,7 @@ def test_gpt_oss_and_llama4_experts_on_kerngen_arguments():
 
 @pytest.mark.parametrize("case", ["gpt_oss", "llama4_text"])
 def test_transposed_weights_are_stored_as_kerngen_reads_them(case, tmp_path):
-    """enable keeps a transposed family's expert weights (the same Parameters, shapes and values) and stores them as
+    """enable keeps a transposed family's expert weights (the same Parameters, shapes, values and memory) and stores them as
     kerngen.experts reads them fastest: their [E, 2I, H] / [E, H, I] views contiguous ("nk", every rule serves
     them); the block gives transformers' result; enable again changes nothing; disable makes them row-major again
     (transformers' own block bit for bit); relayout=False leaves them as they are ("kn"). `.to()` keeps the layout;
@@ -370,6 +370,7 @@ def test_transposed_weights_are_stored_as_kerngen_reads_them(case, tmp_path):
     names = ("gate_up_proj", "down_proj")
     params = {n: getattr(e, n) for n in names}
     before = {n: p.detach().clone() for n, p in params.items()}
+    ptrs = {n: p.data_ptr() for n, p in params.items()}
     assert kx.weights_layout(e) == "kn"
     x = inputs(model, 5, torch.bfloat16)
     ref = run_block(block, x)
@@ -378,6 +379,7 @@ def test_transposed_weights_are_stored_as_kerngen_reads_them(case, tmp_path):
         for n in names:
             p = getattr(e, n)
             assert p is params[n] and torch.equal(p, before[n]) and not p.is_contiguous()
+            assert p.data_ptr() == ptrs[n]   # in place: a CUDA graph captured before reads the same memory
         assert kx.weights_layout(e) == "nk" and all(w.is_contiguous() for w in kx.expert_weights(e))
         assert rel_err(run_block(block, x), ref) <= TOL[torch.bfloat16]
     strides = e.gate_up_proj.stride()
@@ -393,24 +395,29 @@ def test_transposed_weights_are_stored_as_kerngen_reads_them(case, tmp_path):
     kt.disable(model)
 
 
-def test_relayout_without_memory_for_a_copy_keeps_the_layout(monkeypatch):
-    """Where copying down_proj runs out of memory, gate_up_proj (moved already) goes back and both stay row-major,
-    read in place ("kn"), with a warning naming the module."""
+def test_relayout_without_memory_or_with_other_strides_keeps_the_layout(monkeypatch):
+    """Where one expert's buffer cannot be had, or a weight is neither row-major nor kerngen's layout, the module's
+    weights stay as they are (read in place: "kn"), with a warning naming the module; nothing is half moved."""
     model = tiny("gpt_oss").to(torch.bfloat16)
     e = moe_blocks(model)[0].experts
-    before = e.down_proj.detach().clone()
-    shape = tuple(e.down_proj.transpose(1, 2).shape)
-    real = torch.Tensor.contiguous
+    before = {n: getattr(e, n).detach().clone() for n in ("gate_up_proj", "down_proj")}
+    one = e.gate_up_proj[0].numel()
+    real = torch.empty
 
-    def contiguous(t, *a, **kw):
-        if tuple(t.shape) == shape and not t.is_contiguous():
+    def empty(*size, **kw):
+        if size in ((one,), ((one,),)):
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
-        return real(t, *a, **kw)
-    monkeypatch.setattr(torch.Tensor, "contiguous", contiguous)
-    with pytest.warns(RuntimeWarning, match="GptOssExperts's weights kept as they are"):
+        return real(*size, **kw)
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.warns(RuntimeWarning, match="GptOssExperts's weights kept as they are .no memory"):
         kt.enable(model)
     monkeypatch.undo()
-    assert e.gate_up_proj.is_contiguous() and e.down_proj.is_contiguous() and torch.equal(e.down_proj, before)
+    assert all(getattr(e, n).is_contiguous() and torch.equal(getattr(e, n), t) for n, t in before.items())
     assert kx.weights_layout(e) == "kn" and "_kerngen_relayout" not in e.__dict__
     kt.disable(model)
-    assert e.gate_up_proj.is_contiguous()
+    with torch.no_grad():   # every other value of a twice-as-wide tensor: neither layout
+        e.down_proj.data = torch.stack([e.down_proj.data, e.down_proj.data], dim=-1).flatten(-2)[..., ::2]
+    with pytest.warns(RuntimeWarning, match="neither row-major nor the transpose"):
+        kt.enable(model)
+    assert torch.equal(e.down_proj, before["down_proj"]) and e.gate_up_proj.is_contiguous()
+    kt.disable(model)

@@ -152,10 +152,11 @@ def enable(model: nn.Module, *, routers: bool = True, graphs: bool | None = None
     InputError naming the module's attribute) and read back here. Each MoE block's eager inference forwards of
     decode sizes replay from CUDA graphs (transformers_graphs: graphs=None reads KERNGEN_BLOCK_GRAPHS, unset
     meaning at most GRAPH_TOKENS tokens; True every token count; False never). Experts that keep their weights
-    transposed (gpt-oss and Llama-4 in bf16 / fp16: [E, H, 2I], [E, I, H]) get them stored as kerngen.experts reads
-    them fastest (relayout: same shapes and values, each parameter a transposed view of a row-major [E, 2I, H] /
-    [E, H, I]; disable puts them back); relayout=False keeps them, read in place (slower, and past 16 tokens
-    transformers' grouped GEMM). Calling it again changes nothing and returns the same names.
+    transposed (gpt-oss and Llama-4 in bf16 / fp16: [E, H, 2I], [E, I, H]) get them stored, in place, as
+    kerngen.experts reads them fastest (relayout: same shapes, values and memory, each parameter a transposed view
+    of a row-major [E, 2I, H] / [E, H, I]; disable puts them back); relayout=False keeps them, read in place
+    (slower, and past 16 tokens transformers' grouped GEMM). Calling it again changes nothing and returns the same
+    names.
     """
     bound = _kg.tokens_bound(graphs)
     plan = _plan(model, routers, bound > 0)

@@ -262,38 +262,48 @@ def transposed(experts: nn.Module) -> bool:
 
 
 def relayout(experts: nn.Module, *, back: bool = False) -> bool:
-    """Store a transposed module's bf16 / fp16 weights as kerngen.experts reads fastest: each parameter keeps its
-    shape and values, its memory becomes the [E, 2I, H] / [E, H, I] matrices row by row (the parameter a transposed
-    view of them), so expert_weights are contiguous and every kernel rule serves them ("nk"). back=True: row-major
-    again, as transformers made them. Each parameter is copied once (its size in memory, briefly); where that
-    memory is not there, the module keeps its layout (read in place, "kn") and a warning says so. Returns whether
-    the module's weights are now kerngen's layout."""
+    """Store a transposed module's bf16 / fp16 weights as kerngen.experts reads them fastest, in place: each
+    parameter keeps its shape, values and memory, which then holds the [E, 2I, H] / [E, H, I] matrices row by row
+    (the parameter a transposed view of them), so expert_weights are contiguous and every kernel rule serves them
+    ("nk"). back=True: row-major again, as transformers made them. One expert's matrix at a time goes through a
+    buffer of that size; where even that is not there (or a weight is neither row-major nor kerngen's layout),
+    the module keeps its layout (read in place: "kn") and a warning says so. Returns whether the module's weights
+    are now kerngen's layout."""
     if not transposed(experts) or not all(isinstance(getattr(experts, n, None), torch.Tensor) for n in _WEIGHTS):
         return False
     params = [getattr(experts, n) for n in _WEIGHTS]
-    if any(p.dtype not in (torch.bfloat16, torch.float16) or p.dim() != 3 or p.is_meta for p in params):
+    if any(p.dtype not in (torch.bfloat16, torch.float16) or p.dtype != params[0].dtype or p.dim() != 3
+           or p.is_meta for p in params):
         return False
-    def ours(p):   # kerngen's layout: the transposed view of a contiguous tensor
-        return p.transpose(1, 2).contiguous().transpose(1, 2)
 
-    done = []
-    try:
-        with torch.no_grad():
-            for p in params:
-                if back and not p.is_contiguous():
-                    p.data = p.contiguous()
-                elif not back and not p.transpose(1, 2).is_contiguous():
-                    p.data, old = ours(p), p.data
-                    done.append((p, old.is_contiguous()))
-    except torch.OutOfMemoryError:
-        with torch.no_grad():   # the parameters moved so far back (their old memory is free again)
-            for p, row_major in done:
-                if row_major:
-                    p.data = p.contiguous()
-        warnings.warn(f"kerngen: {type(experts).__name__}'s weights kept as they are (no memory for a copy of "
-                      f"{tuple(params[0].shape)}); kerngen.experts reads them in place, slower past 16 tokens",
+    def ours(t):   # kerngen's layout: the transposed view of a contiguous tensor
+        return t.transpose(1, 2).is_contiguous()
+
+    todo = [p for p in params if (ours(p) if back else not ours(p))]
+    if any(not (ours(p) if back else p.is_contiguous()) for p in todo):
+        warnings.warn(f"kerngen: {type(experts).__name__}'s weights kept as they are (strides "
+                      f"{[tuple(p.stride()) for p in todo]}: neither row-major nor the transpose of row-major)",
                       RuntimeWarning, stacklevel=3)
-    return not back and all(p.transpose(1, 2).is_contiguous() for p in params)
+        return False
+    try:
+        buf = torch.empty(max(p[0].numel() for p in todo), dtype=todo[0].dtype, device=todo[0].device) if todo \
+            else None
+    except torch.OutOfMemoryError:
+        warnings.warn(f"kerngen: {type(experts).__name__}'s weights kept as they are (no memory for one expert's "
+                      f"matrix, {tuple(todo[0].shape[1:])}); kerngen.experts reads them in place, slower past 16 "
+                      "tokens", RuntimeWarning, stacklevel=3)
+        return False
+    with torch.no_grad():
+        for p in todo:
+            E, A, B = p.shape   # row-major: [E, A, B]; kerngen's: [E, B, A] row-major, transposed
+            src = p.data if not back else p.data.transpose(1, 2)   # the contiguous tensor over the memory now
+            flat = src.view(E, A * B)
+            tmp = buf[:A * B]
+            for e in range(E):   # each expert's matrix transposed into the buffer, then back into its own memory
+                tmp.view(src.shape[2], src.shape[1]).copy_(src[e].t())
+                flat[e].copy_(tmp)
+            p.data = flat.view(E, B, A).transpose(1, 2) if not back else flat.view(E, A, B)
+    return all(ours(p) for p in params)
 
 
 def weights_layout(experts: nn.Module) -> str | None:
