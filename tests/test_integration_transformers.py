@@ -421,3 +421,15 @@ def test_relayout_without_memory_or_with_other_strides_keeps_the_layout(monkeypa
         kt.enable(model)
     assert torch.equal(e.down_proj, before["down_proj"]) and e.gate_up_proj.is_contiguous()
     kt.disable(model)
+
+
+def test_relayout_leaves_tensor_subclasses_as_they_are():
+    """A weight that is a tensor subclass (a DTensor shard under tensor parallelism) is not relaid out."""
+    class Sharded(torch.Tensor):
+        pass
+    model = tiny("gpt_oss").to(torch.bfloat16)
+    e = moe_blocks(model)[0].experts
+    e.gate_up_proj = torch.nn.Parameter(e.gate_up_proj.data.as_subclass(Sharded))
+    kt.enable(model)
+    assert e.gate_up_proj.is_contiguous() and e.down_proj.is_contiguous() and kx.weights_layout(e) == "kn"
+    kt.disable(model)

@@ -273,7 +273,7 @@ def relayout(experts: nn.Module, *, back: bool = False) -> bool:
         return False
     params = [getattr(experts, n) for n in _WEIGHTS]
     if any(p.dtype not in (torch.bfloat16, torch.float16) or p.dtype != params[0].dtype or p.dim() != 3
-           or p.is_meta for p in params):
+           or p.is_meta or type(p) not in (nn.Parameter, torch.Tensor) for p in params):   # (DTensor: as it is)
         return False
 
     def ours(t):   # kerngen's layout: the transposed view of a contiguous tensor
