@@ -33,6 +33,7 @@ import torch
 
 import kerngen
 import kerngen.integrations.transformers as kt
+from kerngen.integrations import transformers_experts as kx
 from .lib import events_us, graph_time_us, require_gpu
 
 IMPLS = ("eager", "grouped_mm", "kerngen")
@@ -70,7 +71,7 @@ def build_block(m, inter: int, device="cuda", dtype=torch.bfloat16, seed: int = 
     with torch.no_grad():
         for name, t in [*block.named_parameters(), *block.named_buffers()]:
             # gate_up [E, 2I, H] / down [E, H, I] (gpt-oss and Llama-4 transposed), linears [out, in]
-            fan_in = t.shape[-2] if name.startswith("experts.") and _transposed(block) else t.shape[-1]
+            fan_in = t.shape[-2] if name.startswith("experts.") and kx.transposed(block.experts) else t.shape[-1]
             std = 0.05 if "bias" in name else fan_in ** -0.5
             for part in (t.unsqueeze(0) if t.dim() < 3 else t):   # an expert at a time: no whole-layer temporary
                 part.copy_(torch.randn(part.shape, generator=gen, device=device) * std)
@@ -78,10 +79,6 @@ def build_block(m, inter: int, device="cuda", dtype=torch.bfloat16, seed: int = 
     if m.routing in ("sigmoid_bias", "grouped_sigmoid_bias"):
         block.gate.float()   # DeepSeek-V3 keeps its router weight and correction bias in fp32 (_keep_in_fp32_modules)
     return block
-
-
-def _transposed(block) -> bool:
-    return getattr(block.experts, "is_transposed", type(block).__name__ == kt.LLAMA4_BLOCK)
 
 
 def use(block, impl: str) -> bool:
