@@ -90,6 +90,8 @@ def test_bad_arguments_are_refused():
             bench.parse(["--device", "cuda"])
     with pytest.raises(SystemExit):
         bench.parse(["--device", "cpu", "--compile"])
+    with pytest.raises(SystemExit):
+        bench.parse(["--device", "cpu", "--tiny", "--fresh-cache"])
 
 
 def test_rounds_alternate_and_hooks_time_the_blocks(capsys, monkeypatch):
@@ -136,3 +138,21 @@ def test_use_switches_kerngen_with_and_without_block_graphs():
     assert "model.layers.0.mlp" in bench.use(model, "kerngen") and block.forward.graphs.max_tokens > 0
     assert "model.layers.0.mlp" not in bench.use(model, "kerngen-eager") and "forward" not in block.__dict__
     assert bench.use(model, "grouped_mm") == [] and "forward" not in block.__dict__
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b"])
+def test_one_static_cache_reused_gives_the_dynamic_cache_ids(name):
+    """--compile's cache: one StaticCache reset before each generate() call keeps its tensors (the addresses the
+    compiled decode's CUDA graphs record) and gives the ids of the default dynamic cache, call after call (on the
+    CPU generate() does not compile: this checks the cache's reuse, not the compile)."""
+    model = bench.build_model(name, 1, 512, "cpu", tiny=True, dtype=torch.float32)
+    bench.use(model, "kerngen")
+    ids = bench.prompt_ids(2, 16, 512)
+    want = bench.generate(model, ids, 4, compiled=False)
+    cache = bench.static_cache(model, ids.shape[1] + 4)
+    first = bench.generate(model, ids, 4, compiled=True, cache=cache)
+    ptrs = [t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values)]
+    assert ptrs and all(ptrs)
+    again = bench.generate(model, ids, 4, compiled=True, cache=cache)
+    assert [t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values)] == ptrs
+    assert torch.equal(first, want) and torch.equal(again, want)

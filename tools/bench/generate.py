@@ -20,9 +20,12 @@ Nothing is downloaded.
 
 Timing: per (model, batch, impl), one warm-up `generate` and then --repeats timed ones (the best), wall clock
 between torch.cuda.synchronize() calls: B * new_tokens / seconds, prefill of the --prompt tokens included.
-Eager: the default dynamic cache, no torch.compile. --compile: transformers' compiled decode
-(cache_implementation="static", which makes generate() torch.compile the forward on CUDA; a fresh compile per
-impl), best effort: a failure is reported in the row.
+Eager: the default dynamic cache, no torch.compile. --compile: transformers' compiled decode (a static cache,
+which makes generate() torch.compile the forward on CUDA, "reduce-overhead": CUDA graphs; a fresh compile per
+impl), best effort: a failure is reported in the row. The static cache is one StaticCache an impl, passed to every
+generate() call (`cache=`) and reset before each, as transformers' guide to compiled generation does: with
+cache_implementation="static" instead (--fresh-cache) generate() allocates a new cache each call, and the CUDA
+graphs record again for its new addresses on each call's first decode steps, which then dominate a short run.
 
 --rounds N: the impls timed N times each, round after round, every other round in the opposite order (the host of
 a GPU machine drifts and differs from run to run): a row's tokens/s is the median of its rounds and its ratio the
@@ -155,15 +158,26 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def generate(model, ids, new_tokens: int, compiled: bool):
+def generate(model, ids, new_tokens: int, compiled: bool, cache=None):
+    """Greedy generate() of `new_tokens` tokens; compiled: transformers' compiled decode on `cache` (a StaticCache,
+    reset first) or, without one, on a static cache generate() allocates itself."""
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
               do_sample=False, pad_token_id=0)
-    if compiled:
+    if compiled and cache is not None:
+        cache.reset()
+        kw["cache"] = cache
+    elif compiled:
         kw["cache_implementation"] = "static"
     else:
         kw["disable_compile"] = True
     with torch.no_grad():
         return model.generate(ids, **kw)
+
+
+def static_cache(model, tokens: int):
+    """A StaticCache of `tokens` positions for `model` (allocated on its first use, then reused by every call)."""
+    from transformers import StaticCache
+    return StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=tokens)
 
 
 def reset_compiled(model) -> None:
@@ -190,20 +204,24 @@ def host_hooks(model) -> tuple[dict[str, list[float]], list]:
     return times, handles
 
 
-def time_impl(model, impl, ids, new_tokens, compiled, repeats, device, hooks: bool = False) -> dict:
+def time_impl(model, impl, ids, new_tokens, compiled, repeats, device, hooks: bool = False,
+              fresh_cache: bool = False) -> dict:
     """One row: tokens/s of `impl` (best of `repeats` after a warm-up) and its generated ids; with `hooks` the
-    median host µs of a MoE block's and an attention module's call during the timed calls."""
+    median host µs of a MoE block's and an attention module's call during the timed calls; compiled: one static
+    cache for all of its calls unless `fresh_cache`."""
     patched = use(model, impl)
+    cache = None
     if compiled:
         reset_compiled(model)
-    out = generate(model, ids, new_tokens, compiled)   # warm-up (compiles, builds kernels, fills caches)
+        cache = None if fresh_cache else static_cache(model, ids.shape[1] + new_tokens)
+    out = generate(model, ids, new_tokens, compiled, cache)   # warm-up (compiles, builds kernels, fills caches)
     sync(device)
     times, handles = host_hooks(model) if hooks else ({}, [])
     best = float("inf")
     try:
         for _ in range(repeats):
             t = time.perf_counter()
-            out = generate(model, ids, new_tokens, compiled)
+            out = generate(model, ids, new_tokens, compiled, cache)
             sync(device)
             best = min(best, time.perf_counter() - t)
     finally:
@@ -249,7 +267,7 @@ def run(a) -> list[dict]:
                     got = dict(note="")
                     try:
                         got.update(time_impl(model, impl, ids, a.new_tokens, a.compile, a.repeats, a.device,
-                                             a.host_hooks))
+                                             a.host_hooks, a.fresh_cache))
                     except Exception as e:   # reported in the row, never dropped
                         got["note"] = f"{'compile ' if a.compile else ''}failed: {_err(e)}"
                         if a.traceback:
@@ -330,6 +348,9 @@ def parse(argv=None):
                          "implementations (grouped_mm, eager)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--compile", action="store_true", help="transformers' compiled decode (static cache)")
+    ap.add_argument("--fresh-cache", action="store_true",
+                    help="--compile: a new static cache each generate() call (cache_implementation='static'), "
+                         "not one cache an impl reused")
     ap.add_argument("--tiny", action="store_true", help="small made-up dimensions (CPU smoke run)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 32000; --tiny 512)")
     ap.add_argument("--repeats", type=int, default=1, help="timed generate() calls after the warm-up (best)")
@@ -361,6 +382,8 @@ def parse(argv=None):
         ap.error("--batch, --new-tokens, --prompt, --layers, --rounds and --repeats are positive")
     if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU here (torch.cuda.is_available() is False); use --device cpu --tiny")
+    if a.fresh_cache and not a.compile:
+        ap.error("--fresh-cache: a static cache is --compile's (eager decode takes the dynamic cache)")
     if a.compile and torch.device(a.device).type != "cuda":
         ap.error("--compile: transformers compiles generate()'s forward on CUDA only")
     return a
