@@ -23,10 +23,9 @@ between torch.cuda.synchronize() calls: B * new_tokens / seconds, prefill of the
 Eager: the default dynamic cache, no torch.compile. --compile: transformers' compiled decode (a static cache,
 which makes generate() torch.compile the forward on CUDA, "reduce-overhead": CUDA graphs; a fresh compile per
 impl), best effort: a failure is reported in the row. The static cache is one StaticCache an impl, passed to every
-generate() call (`cache=`) and reset before each, as transformers' guide to compiled generation does: with
-cache_implementation="static" instead (--fresh-cache) generate() allocates a new cache each call, whose new
-addresses make the CUDA graphs (recorded on the cache's addresses) record again in each call, and a short run
-times those recordings too.
+generate() call (`cache=`) and reset before each. With cache_implementation="static" instead (--fresh-cache)
+generate() allocates a new cache each call, whose new addresses make the CUDA graphs (recorded on the cache's
+addresses) record again in each call, and a short run times those recordings too.
 
 --rounds N: the impls timed N times each, round after round, every other round in the opposite order (the host of
 a GPU machine drifts and differs from run to run): a row's tokens/s is the median of its rounds and its ratio the
