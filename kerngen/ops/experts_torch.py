@@ -29,7 +29,9 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     ids = _ids(topk_ids, "topk_ids")
     _check_weights(topk_weights, ids, x)
     tile = _tile(x, w13, w2, activation, fp8_activations, ids.shape[1])
-    ws = _pm.RoutingWorkspace(max(T, 1), E, ids.shape[1], tile, device=x.device, separate=True)
+    # one allocation for the whole permutation (two fills: -1 and the ticket's 0), not one a view: its views stay
+    # inside this op, and each fill is a kernel of its own in the caller's CUDA graph
+    ws = _pm.RoutingWorkspace(max(T, 1), E, ids.shape[1], tile, device=x.device)
     r = _pm.permute(ids, num_experts=E, tile=tile, workspace=ws)
     rows = r.permuted_to_token.shape[0]
     g = x.new_empty((rows, x.shape[1]), dtype=torch.bfloat16)

@@ -238,3 +238,27 @@ def test_the_torch_op_takes_tiles_of_32_where_the_rule_gives_them():
     e2p = r.expanded_to_permuted.long()
     ref = (rows[e2p] * r.topk_weights.float().unsqueeze(-1)).sum(1)
     torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_the_torch_op_fills_one_workspace_at_decode_sizes(T):
+    """torch.ops.kerngen.moe_experts at decode sizes: the permutation's workspace is one allocation set to its
+    initial state by at most two fills (not one a view: each is a node of the caller's CUDA graph), and the
+    weighted sum is the reference's."""
+    from torch.profiler import ProfilerActivity, profile
+    E, K, H, I = 128, 8, 512, 256
+    x, logits, w13, w2, _, _ = make(T, K, E, H, I, seed=11 + T)
+    r = kerngen.route(logits, top_k=K, method="softmax_topk")
+    op = lambda: torch.ops.kerngen.moe_experts(x, r.topk_ids, r.topk_weights, w13, w2, "silu")   # noqa: E731
+    op()   # builds the kernels
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        got = op()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    fills = [n for n in names if "Fill" in n]
+    assert 1 <= len(fills) <= 2, names
+    rp = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)   # the sum's rows at any tile
+    rows = ex.reference(x, rp, w13, w2).float()
+    ref = (rows[rp.expanded_to_permuted.long()] * rp.topk_weights.float().unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
