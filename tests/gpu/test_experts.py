@@ -243,8 +243,8 @@ def test_the_torch_op_takes_tiles_of_32_where_the_rule_gives_them():
 @pytest.mark.parametrize("T", [1, 8])
 def test_the_torch_op_fills_one_workspace_at_decode_sizes(T):
     """torch.ops.kerngen.moe_experts at decode sizes: the permutation's workspace is one allocation set to its
-    initial state by at most two fills (not one a view: each is a node of the caller's CUDA graph), and the
-    weighted sum is the reference's."""
+    initial state by at most two fills (not one a view: each is a node of the caller's CUDA graph; the one-launch
+    rule zeroes its counters too), and the weighted sum is the reference's."""
     from torch.profiler import ProfilerActivity, profile
     E, K, H, I = 128, 8, 512, 256
     x, logits, w13, w2, _, _ = make(T, K, E, H, I, seed=11 + T)
@@ -257,7 +257,8 @@ def test_the_torch_op_fills_one_workspace_at_decode_sizes(T):
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     fills = [n for n in names if "Fill" in n]
-    assert 1 <= len(fills) <= 2, names
+    one_launch = any(n == "experts_gemm12" for n in names)   # its tile counters: one zero fill more
+    assert 1 <= len(fills) <= 2 + one_launch, names
     rp = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)   # the sum's rows at any tile
     rows = ex.reference(x, rp, w13, w2).float()
     ref = (rows[rp.expanded_to_permuted.long()] * rp.topk_weights.float().unsqueeze(-1)).sum(1)
