@@ -176,6 +176,18 @@ def test_workspace_views_are_sized_for_the_worst_case():
         kerngen.RoutingWorkspace(64, 256, 8, 0, device="cpu")
 
 
+@pytest.mark.parametrize("separate", [False, True])
+def test_a_new_workspace_starts_in_the_kernels_initial_state(separate):
+    """Every permutation view -1 (num_rows: "no previous call") but the ticket, 0; separate=True (the custom ops'
+    workspaces, whose outputs may not alias each other) puts each view in an allocation of its own."""
+    ws = kerngen.RoutingWorkspace(600, 896, 16, 128, device="cpu", separate=separate)
+    views = {n: getattr(ws, n) for n in ("counts", "offsets", "e2p", "p2t", "t2e", "num_rows", "hist", "ticket")}
+    for name, v in views.items():
+        assert bool((v == (0 if name == "ticket" else -1)).all()), name
+    ptrs = [v.untyped_storage().data_ptr() for v in [ws.ids, ws.weights, *views.values()]]
+    assert (len(set(ptrs)) == len(ptrs)) == separate
+
+
 # ------------------------------------------------------------------------------------------ references
 METHOD_CASES = [("softmax_topk", {}), ("softmax_topk", {"renormalize": False}), ("topk_softmax", {}),
                 ("sigmoid_bias", {"routed_scaling_factor": 2.5}),

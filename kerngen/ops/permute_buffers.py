@@ -111,13 +111,13 @@ class RoutingWorkspace:
         # (separate=True: one allocation a view, for outputs that may not alias each other, as a custom op's)
         self._sizes = sizes
         self._pads = [-(-n // 4) * 4 for n in sizes.values()]
-        if separate:
-            fill = ((lambda n: torch.full((n,), -1, dtype=torch.int32, device=dev)) if tile is not None else
-                    (lambda n: torch.empty((n,), dtype=torch.int32, device=dev)))
+        if separate:   # each view in its initial state by one fill (ids and weights need none): a kernel each
+            def part(name: str, n: int) -> torch.Tensor:
+                if tile is None or name in ("ids", "weights"):
+                    return torch.empty((n,), dtype=torch.int32, device=dev)
+                return torch.full((n,), 0 if name == "ticket" else -1, dtype=torch.int32, device=dev)
             self.buffer, self._initial = None, None
-            self._views([fill(n) for n in sizes.values()])
-            if tile is not None:
-                self.ticket.zero_()
+            self._views([part(name, n) for name, n in sizes.items()])
         else:
             self.buffer = (self._initial_buffer() if tile is not None else
                            torch.empty((sum(self._pads),), dtype=torch.int32, device=dev))

@@ -127,3 +127,22 @@ def test_against_sglangs_own_kernel_where_installed():
     assert torch.equal(e[:blocks].cpu(), se[:blocks].cpu())
     for b in range(blocks):   # the order inside a block is each kernel's own
         assert sorted(s[b * bs:(b + 1) * bs].tolist()) == sorted(ss[b * bs:(b + 1) * bs].tolist())
+
+
+@pytest.mark.parametrize("T", [1, 8, 64, 600])
+@pytest.mark.parametrize("E,K,tile,local", [(128, 8, 16, (0, 128)), (896, 16, 128, (0, 896)), (256, 8, 8, (64, 96))])
+def test_route_permute_op_equals_route_on_a_workspace(T, E, K, tile, local):
+    """torch.ops.kerngen.route_permute (a workspace of its own each call, each output its own allocation: ids and
+    weights unfilled, the rest in their initial state) gives kerngen.route's permutation on a reused workspace,
+    call after call."""
+    g = torch.Generator(device="cuda").manual_seed(T + E)
+    ws = kerngen.RoutingWorkspace(T, E, K, tile, local_experts=local)
+    for _ in range(2):
+        logits = torch.randn(T, E, device="cuda", generator=g)
+        got = torch.ops.kerngen.route_permute(logits, K, "softmax_topk", tile, local_start=local[0],
+                                              num_local=local[1])
+        r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=tile, local_experts=local, workspace=ws)
+        want = (r.topk_ids, r.topk_weights, r.expert_counts, r.expert_offsets, r.expanded_to_permuted,
+                r.permuted_to_token, r.tile_to_expert, r.num_permuted_rows)
+        for name, a, b in zip(("ids", "weights", "counts", "offsets", "e2p", "p2t", "t2e", "rows"), got, want):
+            assert torch.equal(a, b), name
