@@ -29,7 +29,7 @@ from kerngen.tune import cute_finalize_candidates
 
 
 def candidates():
-    for bx, lpg, pdl, early, stream in itertools.product((4, 8, 16, 32, 64), (1, 2, 4, 8, 32), (False, True),
+    for bx, lpg, pdl, early, stream in itertools.product((4, 8, 16, 32, 64, 128, 256), (1, 2, 4, 8, 32), (False, True),
                                                          (False, True), (True, False)):
         if early and not pdl:
             continue
