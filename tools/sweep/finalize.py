@@ -69,8 +69,8 @@ def main():
                     continue
                 if any(k in params and str(params[k]).lower() not in v.lower().split("|") for k, v in where.items()):
                     continue
-                if variant == "small_batch" and params["block_x"] > 1024:
-                    continue
+                if variant == "small_batch" and params["block_x"] * -(-K // min(params["loads_per_group"], K)) > 1024:
+                    continue   # more threads a CTA than a launch allows
                 if variant == "small_batch" and T > 512:
                     continue
                 rule = Rule(op="finalize", variant=variant, ranges={}, params=params)
