@@ -196,3 +196,15 @@ def test_experts_alone_builds_a_fused_x_rule_for_the_tokens_it_serves():
     assert dict(s.params)["fused_x"] == 2 and "experts_quant_x" not in ex.persistent(s)
     s = rule_spec(dict(warps=4, unroll=1, blocks_per_sm=4, pdl=True), 8, 2880, 2880, "gpt_oss", "sm_90a", "mxfp4")
     assert "fused_x" not in dict(s.params)
+
+
+def test_the_finalize_sweep_times_only_launchable_small_batch_shapes():
+    """Every small_batch candidate the sweep keeps is a CTA of at most 1024 threads, and the wide slices stay in
+    where they fit (one group of loads)."""
+    from tools.sweep import finalize as sw
+    for K in (1, 4, 16, 22):
+        kept = [p for v, p in sw.candidates() if v == "small_batch" and sw.small_batch_fits(p, K)]
+        assert kept and all(p["block_x"] * -(-K // min(p["loads_per_group"], K)) <= 1024 for p in kept)
+        assert any(p["block_x"] == 256 for p in kept)
+    assert not sw.small_batch_fits(dict(block_x=256, loads_per_group=1), 22)   # 5632 threads
+    assert sw.small_batch_fits(dict(block_x=256, loads_per_group=2), 8)        # 1024

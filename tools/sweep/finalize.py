@@ -39,6 +39,12 @@ def candidates():
     yield from cute_finalize_candidates()
 
 
+def small_batch_fits(params: dict, K: int) -> bool:
+    """Whether a small_batch candidate's CTA (block_x threads by ceil(K / loads_per_group) groups) is one a
+    launch allows (at most 1024 threads)."""
+    return params["block_x"] * -(-K // min(params["loads_per_group"], K)) <= 1024
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="3584x16,7168x8,2048x22")
@@ -69,8 +75,8 @@ def main():
                     continue
                 if any(k in params and str(params[k]).lower() not in v.lower().split("|") for k, v in where.items()):
                     continue
-                if variant == "small_batch" and params["block_x"] * -(-K // min(params["loads_per_group"], K)) > 1024:
-                    continue   # more threads a CTA than a launch allows
+                if variant == "small_batch" and not small_batch_fits(params, K):
+                    continue
                 if variant == "small_batch" and T > 512:
                     continue
                 rule = Rule(op="finalize", variant=variant, ranges={}, params=params)
