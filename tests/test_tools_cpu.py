@@ -198,13 +198,17 @@ def test_experts_alone_builds_a_fused_x_rule_for_the_tokens_it_serves():
     assert "fused_x" not in dict(s.params)
 
 
-def test_the_finalize_sweep_times_only_launchable_small_batch_shapes():
-    """Every small_batch candidate the sweep keeps is a CTA of at most 1024 threads, and the wide slices stay in
-    where they fit (one group of loads)."""
+
+def test_the_finalize_sweeps_wide_slices_are_refused_by_the_kernels_own_check_where_they_cannot_launch():
+    """The sweep's 256-vector slices exist, and at K 22 with one load a group (a 256 x 22 block) finalize.kernel
+    refuses them before building anything, the InputError the sweep skips a candidate on."""
+    from kerngen.errors import InputError
+    from kerngen.ops import finalize as fin
+    from kerngen.plan import spec_for
+    from kerngen.tiers import Rule
     from tools.sweep import finalize as sw
-    for K in (1, 4, 16, 22):
-        kept = [p for v, p in sw.candidates() if v == "small_batch" and sw.small_batch_fits(p, K)]
-        assert kept and all(p["block_x"] * -(-K // min(p["loads_per_group"], K)) <= 1024 for p in kept)
-        assert any(p["block_x"] == 256 for p in kept)
-    assert not sw.small_batch_fits(dict(block_x=256, loads_per_group=1), 22)   # 5632 threads
-    assert sw.small_batch_fits(dict(block_x=256, loads_per_group=2), 8)        # 1024
+    wide = [p for v, p in sw.candidates() if v == "small_batch" and p["block_x"] == 256]
+    assert wide and {p["loads_per_group"] for p in wide} == {1, 2, 4, 8, 32}
+    rule = Rule(op="finalize", variant="small_batch", ranges={}, params=wide[0] | dict(loads_per_group=1))
+    with pytest.raises(InputError, match="at most 1024 threads"):
+        fin.kernel(spec_for(rule, *fin.tag_constants(2048, 22, "bfloat16", "float32"), "sm_90a"), 1, 0)
