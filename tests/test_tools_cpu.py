@@ -79,6 +79,25 @@ def test_the_read_pattern_probe_loads_its_steps_and_spins(chunk, unroll, spin):
     assert mma_loop(text, "read_pattern") is None   # (no tensor cores: only loads)
 
 
+@pytest.mark.parametrize("bulk,stages,spin", [(4096, 4, 0), (8192, 8, 64), (16384, 2, 128)])
+def test_the_read_pattern_bulk_ring_copies_by_tma_and_reads_shared_memory(bulk, stages, spin):
+    """read_pattern's `--bulk` kernel compiles for sm_90a: a bulk copy (UBLKCP) a piece counted by an mbarrier,
+    the consumers' 16-byte shared loads, their waits and releases, and about `spin` more instructions; a piece that
+    is not whole 16-byte vectors, or a ring of no slots, is refused."""
+    from kerngen.compile import nvrtc_compile
+    from kerngen.resources import opcodes
+    from tools.diagnose import read_pattern
+    cubin, _ = nvrtc_compile(read_pattern.bulk_source(bulk, stages, spin), "read_bulk", "sm_90a", "read_bulk", None)
+    ops = opcodes({"kernel.cubin": cubin})
+    assert "UBLKCP.S.G" in ops and "LDS.128" in ops and "LDG.E.EF.128" not in ops
+    assert any(o.startswith("SYNCS.PHASECHK") for o in ops) and any(o.startswith("SYNCS.ARRIVE") for o in ops)
+    assert sum(o.startswith("SHF.L.W") for o in ops) >= spin
+    with pytest.raises(ValueError, match="bulk"):
+        read_pattern.bulk_source(1000, 4, 0)
+    with pytest.raises(ValueError, match="stages"):
+        read_pattern.bulk_source(4096, 0, 0)
+
+
 @pytest.mark.parametrize("k_bytes,unroll,loads,gps,wg,split,ncol", [
     (1440, 2, 32, 2, 1, False, 8), (1440, 2, 64, 2, 1, False, 8), (3584, 2, 32, 4, 2, False, 8),
     (1440, 4, 64, 2, 2, True, 8), (1440, 4, 64, 2, 1, False, 16), (3584, 2, 64, 4, 1, False, 16),

@@ -4,6 +4,7 @@ experts' items and K steps, read only, against the streaming-read floor.
 
     python3 -m tools.diagnose.read_pattern [--rows 23040] [--row-bytes 1440] [--layers 4]
         [--chunk 16,32,64] [--unroll 1,2,4] [--ctas 4,8] [--warps 4] [--spin 0,128]
+        [--bulk 4096,8192 --stages 4,8]
 
 A persistent grid (`--ctas` CTAs of `--warps` warps an SM) loops over items of 16 rows (of `--row-bytes` bytes;
 `--rows` rows in all: gpt-oss-120b's experts_gemm1 at one token is 4 experts x 5760 rows x 1440 bytes, 1440 items
@@ -14,7 +15,13 @@ steps' loads issued before any is used, then `--spin` integer instructions a lan
 cycled so nothing comes from L2. Each configuration is timed in a CUDA graph after a producer kernel, as
 tools.bench.experts times the GEMMs, and printed as µs and % of the floor (the bytes at tools.bench's streaming-read
 bandwidth). It separates what the access pattern, the load depth and the items' rounds over the grid cost from
-what the instructions between the loads cost. Needs a GPU; `source(...)` renders anywhere.
+what the instructions between the loads cost.
+
+`--bulk B` times the other way to keep bytes in flight, registers aside: a producer warp streams a CTA's items (each
+16 contiguous rows) in pieces of B bytes by `cp.async.bulk` into a ring of `--stages` shared-memory slots, each
+slot's arrival counted by an mbarrier, and `--warps` consumer warps read each slot with 16-byte shared loads (every
+lane 32 bytes at a time, `--spin` instructions after each such pair, as above) before releasing it; `--chunk` and
+`--unroll` do not apply. Needs a GPU; `source(...)` and `bulk_source(...)` render anywhere.
 """
 from __future__ import annotations
 
@@ -75,6 +82,84 @@ def source(chunk: int, unroll: int, spin: int, warps: int = 4) -> str:
     return jinja2.Template(SRC).render(chunk=chunk, unroll=unroll, spin=spin, warps=warps)
 
 
+BULK = r"""
+struct P { const unsigned char* w; unsigned* sink; long long rows; int row_bytes; };
+constexpr int BYTES = {{ bulk }}, STAGES = {{ stages }}, SPIN = {{ spin }}, WARPS = {{ warps }};
+__device__ __forceinline__ unsigned su(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void wait_phase(unsigned bar, unsigned parity) {
+    asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}"
+                 :: "r"(bar), "r"(parity) : "memory");
+}
+// Warp WARPS produces (one lane), warps 0 .. WARPS - 1 consume; piece i of the CTA's stream lives in slot i % STAGES.
+extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32) read_bulk(const __grid_constant__ P p) {
+    extern __shared__ __align__(128) unsigned char ring[];
+    __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int item_bytes = 16 * p.row_bytes;
+    const long long items = p.rows / 16;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(su(&full[s])));
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(su(&empty[s])), "r"(WARPS));
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (w == WARPS) {
+        if (lane == 0) {
+            int s = 0;
+            unsigned parity = 1;   // a fresh empty barrier counts as released
+            for (long long item = blockIdx.x; item < items; item += gridDim.x)
+                for (int off = 0; off < item_bytes; off += BYTES) {
+                    const int n = min(BYTES, item_bytes - off);
+                    wait_phase(su(&empty[s]), parity);
+                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(su(&full[s])),
+                                 "r"(n) : "memory");
+                    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                                 :: "r"(su(ring + s * BYTES)), "l"(p.w + item * item_bytes + off), "r"(n),
+                                    "r"(su(&full[s])) : "memory");
+                    if (++s == STAGES) { s = 0; parity ^= 1; }
+                }
+        }
+        return;
+    }
+    unsigned acc[4] = {0u, 0u, 0u, 0u};
+    int s = 0;
+    unsigned parity = 0;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x)
+        for (int off = 0; off < item_bytes; off += BYTES) {
+            const int n = min(BYTES, item_bytes - off);
+            wait_phase(su(&full[s]), parity);
+            const uint4* v = reinterpret_cast<const uint4*>(ring + s * BYTES);
+            for (int k = 2 * (w * 32 + lane); k < n / 16; k += 2 * 32 * WARPS) {
+                const uint4 a = v[k], b = k + 1 < n / 16 ? v[k + 1] : make_uint4(0, 0, 0, 0);
+                const unsigned x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[j & 3] ^= x[j];
+#pragma unroll
+                for (int j = 0; j < SPIN; ++j)   // SPIN instructions a lane and 32 bytes: four chains
+                    acc[j & 3] = __funnelshift_l(acc[j & 3], x[(j + 1) & 7], 3) ^ 0x9e3779b9u;
+            }
+            __syncwarp();
+            if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(su(&empty[s])) : "memory");
+            if (++s == STAGES) { s = 0; parity ^= 1; }
+        }
+    if ((acc[0] ^ acc[1] ^ acc[2] ^ acc[3]) == 0x1234567u) p.sink[0] = 1u;   // keeps the loads
+}
+"""
+
+
+def bulk_source(bulk: int, stages: int, spin: int, warps: int = 4) -> str:
+    """The CUDA C++ of one `--bulk` configuration (pieces of `bulk` bytes, a ring of `stages` slots, `spin`
+    instructions a lane and 32 bytes, `warps` consumer warps beside the producer warp)."""
+    import jinja2
+    if bulk % 16 or bulk <= 0:
+        raise ValueError(f"--bulk: multiples of 16 bytes, got {bulk}")
+    if stages < 1:
+        raise ValueError(f"--stages: at least 1, got {stages}")
+    return jinja2.Template(BULK).render(bulk=bulk, stages=stages, spin=spin, warps=warps)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4 * 5760, help="rows in all (a multiple of 16)")
@@ -85,6 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ctas", default="4,8")
     ap.add_argument("--warps", default="4", help="warps a CTA (they split an item's steps)")
     ap.add_argument("--spin", default="0,128")
+    ap.add_argument("--bulk", default="", help="bytes a bulk copy (the producer-warp ring instead of register loads)")
+    ap.add_argument("--stages", default="4,8", help="slots of the --bulk ring")
     a = ap.parse_args(argv)
     if a.rows % 16 or a.row_bytes % 16:
         ap.error("--rows must be a multiple of 16 and --row-bytes of 16")
@@ -103,6 +190,30 @@ def main(argv=None) -> int:
     floor = nbytes / (tbs * 1e12) * 1e6
     print(f"{a.rows} rows x {a.row_bytes} bytes ({nbytes / 2**20:.1f} MiB), {a.layers} layers cycled; streaming read "
           f"{tbs:.2f} TB/s: floor {floor:.2f} µs")
+    if a.bulk:
+        for bulk, stages, ctas, spin, warps in itertools.product(ints(a.bulk), ints(a.stages), ints(a.ctas),
+                                                                 ints(a.spin), ints(a.warps)):
+            smem = bulk * stages
+            if ctas * (smem + 1024) > 227 * 1024:   # an SM's shared memory, a CTA's reserved KiB included
+                print(f"bulk {bulk} B x {stages} stages, {ctas} CTAs an SM: does not fit an SM's 227 KiB")
+                continue
+            try:
+                k, _ = probe_kernel(bulk_source(bulk, stages, spin, warps), "read_bulk", ctas, 32 * (warps + 1),
+                                    "QQqi4x", smem=smem)
+            except Exception as e:   # noqa: BLE001 (a diagnostic: a shape that does not fit is reported, not fatal)
+                print(f"bulk {bulk} B x {stages} stages, {ctas} CTAs an SM: not launched ({e})")
+                continue
+            turn = [0]
+
+            def step():
+                w = layers[turn[0] % len(layers)]
+                turn[0] += 1
+                k(current_stream(dev), w.data_ptr(), sink.data_ptr(), a.rows, a.row_bytes)
+
+            us = after_producer_us(step, producer, calls=4 * len(layers))
+            print(f"bulk {bulk:5d} B x {stages} stages  {ctas} CTAs of {warps}+1 warps an SM  spin {spin:4d}:  "
+                  f"{us:8.2f} µs  {100 * floor / us:5.1f}% of the floor")
+        return 0
     for chunk, unroll, ctas, spin, warps in itertools.product(ints(a.chunk), ints(a.unroll), ints(a.ctas),
                                                              ints(a.spin), ints(a.warps)):
         k, _ = probe_kernel(source(chunk, unroll, spin, warps), "read_pattern", ctas, 32 * warps, "QQqi4x")
