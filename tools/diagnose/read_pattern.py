@@ -190,6 +190,18 @@ def main(argv=None) -> int:
     floor = nbytes / (tbs * 1e12) * 1e6
     print(f"{a.rows} rows x {a.row_bytes} bytes ({nbytes / 2**20:.1f} MiB), {a.layers} layers cycled; streaming read "
           f"{tbs:.2f} TB/s: floor {floor:.2f} µs")
+    def timed(k, tag: str) -> None:
+        """k over the layers in turn (captured in turn: the graph cycles them), timed after the producer; one line."""
+        turn = [0]
+
+        def step():
+            w = layers[turn[0] % len(layers)]
+            turn[0] += 1
+            k(current_stream(dev), w.data_ptr(), sink.data_ptr(), a.rows, a.row_bytes)
+
+        us = after_producer_us(step, producer, calls=4 * len(layers))
+        print(f"{tag}:  {us:8.2f} µs  {100 * floor / us:5.1f}% of the floor")
+
     if a.bulk:
         for bulk, stages, ctas, spin, warps in itertools.product(ints(a.bulk), ints(a.stages), ints(a.ctas),
                                                                  ints(a.spin), ints(a.warps)):
@@ -203,30 +215,12 @@ def main(argv=None) -> int:
             except Exception as e:   # noqa: BLE001 (a diagnostic: a shape that does not fit is reported, not fatal)
                 print(f"bulk {bulk} B x {stages} stages, {ctas} CTAs an SM: not launched ({e})")
                 continue
-            turn = [0]
-
-            def step():
-                w = layers[turn[0] % len(layers)]
-                turn[0] += 1
-                k(current_stream(dev), w.data_ptr(), sink.data_ptr(), a.rows, a.row_bytes)
-
-            us = after_producer_us(step, producer, calls=4 * len(layers))
-            print(f"bulk {bulk:5d} B x {stages} stages  {ctas} CTAs of {warps}+1 warps an SM  spin {spin:4d}:  "
-                  f"{us:8.2f} µs  {100 * floor / us:5.1f}% of the floor")
+            timed(k, f"bulk {bulk:5d} B x {stages} stages  {ctas} CTAs of {warps}+1 warps an SM  spin {spin:4d}")
         return 0
     for chunk, unroll, ctas, spin, warps in itertools.product(ints(a.chunk), ints(a.unroll), ints(a.ctas),
                                                              ints(a.spin), ints(a.warps)):
         k, _ = probe_kernel(source(chunk, unroll, spin, warps), "read_pattern", ctas, 32 * warps, "QQqi4x")
-        turn = [0]
-
-        def step():   # the next layer's copy (captured in turn: the graph cycles them)
-            w = layers[turn[0] % len(layers)]
-            turn[0] += 1
-            k(current_stream(dev), w.data_ptr(), sink.data_ptr(), a.rows, a.row_bytes)
-
-        us = after_producer_us(step, producer, calls=4 * len(layers))
-        print(f"chunk {chunk:3d} B  unroll {unroll}  {ctas} CTAs of {warps} warps an SM  spin {spin:4d}:  "
-              f"{us:8.2f} µs  {100 * floor / us:5.1f}% of the floor")
+        timed(k, f"chunk {chunk:3d} B  unroll {unroll}  {ctas} CTAs of {warps} warps an SM  spin {spin:4d}")
     return 0
 
 
