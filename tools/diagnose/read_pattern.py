@@ -19,9 +19,10 @@ what the instructions between the loads cost.
 
 `--bulk B` times the other way to keep bytes in flight, registers aside: a producer warp streams a CTA's items (each
 16 contiguous rows) in pieces of B bytes by `cp.async.bulk` into a ring of `--stages` shared-memory slots, each
-slot's arrival counted by an mbarrier, and `--warps` consumer warps read each slot with 16-byte shared loads (every
-lane 32 bytes at a time, `--spin` instructions after each such pair, as above) before releasing it; `--chunk` and
-`--unroll` do not apply. Needs a GPU; `source(...)` and `bulk_source(...)` render anywhere.
+slot's arrival counted by an mbarrier, and `--warps` consumer warps read each slot with 16-byte shared loads (a lane
+32 bytes at a time from two 512-byte runs of its warp: no bank conflicts; `--spin` instructions after each such
+pair, as above) before releasing it; `--chunk` and `--unroll` do not apply. Needs a GPU; `source(...)` and
+`bulk_source(...)` render anywhere.
 """
 from __future__ import annotations
 
@@ -131,8 +132,8 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32) read_bulk(const _
             const int n = min(BYTES, item_bytes - off);
             wait_phase(su(&full[s]), parity);
             const uint4* v = reinterpret_cast<const uint4*>(ring + s * BYTES);
-            for (int k = 2 * (w * 32 + lane); k < n / 16; k += 2 * 32 * WARPS) {
-                const uint4 a = v[k], b = k + 1 < n / 16 ? v[k + 1] : make_uint4(0, 0, 0, 0);
+            for (int k = 64 * w + lane; k < n / 16; k += 64 * WARPS) {   // a warp's loads 512 contiguous bytes
+                const uint4 a = v[k], b = k + 32 < n / 16 ? v[k + 32] : make_uint4(0, 0, 0, 0);
                 const unsigned x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
                 for (int j = 0; j < 8; ++j) acc[j & 3] ^= x[j];
