@@ -21,8 +21,10 @@ what the instructions between the loads cost.
 16 contiguous rows) in pieces of B bytes by `cp.async.bulk` into a ring of `--stages` shared-memory slots, each
 slot's arrival counted by an mbarrier, and `--warps` consumer warps read each slot with 16-byte shared loads (a lane
 32 bytes at a time from two 512-byte runs of its warp: no bank conflicts; `--spin` instructions after each such
-pair, as above) before releasing it; `--chunk` and `--unroll` do not apply. Needs a GPU; `source(...)` and
-`bulk_source(...)` render anywhere.
+pair, as above) before releasing it; `--chunk` and `--unroll` do not apply.
+
+In either mode a configuration of which an SM does not hold `--ctas` CTAs (the driver's occupancy query) is
+reported, not launched. Needs a GPU; `source(...)` and `bulk_source(...)` render anywhere.
 """
 from __future__ import annotations
 
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
     require_gpu("python3 -m tools.diagnose.read_pattern")
     import torch
 
-    from kerngen.launch import current_stream
+    from kerngen.launch import _drv, current_stream
     from kerngen.timing import after_producer_us, elementwise_producer
     dev = torch.cuda.current_device()
     nbytes = a.rows * a.row_bytes
@@ -191,8 +193,13 @@ def main(argv=None) -> int:
     floor = nbytes / (tbs * 1e12) * 1e6
     print(f"{a.rows} rows x {a.row_bytes} bytes ({nbytes / 2**20:.1f} MiB), {a.layers} layers cycled; streaming read "
           f"{tbs:.2f} TB/s: floor {floor:.2f} µs")
-    def timed(k, tag: str) -> None:
-        """k over the layers in turn (captured in turn: the graph cycles them), timed after the producer; one line."""
+    def timed(k, tag: str, ctas: int) -> None:
+        """k over the layers in turn (captured in turn: the graph cycles them), timed after the producer; one line.
+        Not launched where an SM holds fewer than `ctas` of its CTAs (the driver's occupancy query)."""
+        err, fit = _drv().cuOccupancyMaxActiveBlocksPerMultiprocessor(k.fn, k.block[0], k.smem)
+        if int(err) != 0 or fit < ctas:
+            print(f"{tag}: not launched (an SM holds {fit} of these CTAs)")
+            return
         turn = [0]
 
         def step():
@@ -206,22 +213,18 @@ def main(argv=None) -> int:
     if a.bulk:
         for bulk, stages, ctas, spin, warps in itertools.product(ints(a.bulk), ints(a.stages), ints(a.ctas),
                                                                  ints(a.spin), ints(a.warps)):
-            smem = bulk * stages
-            if ctas * (smem + 1024) > 227 * 1024:   # an SM's shared memory, a CTA's reserved KiB included
-                print(f"bulk {bulk} B x {stages} stages, {ctas} CTAs an SM: does not fit an SM's 227 KiB")
+            tag = f"bulk {bulk:5d} B x {stages} stages  {ctas} CTAs of {warps}+1 warps an SM  spin {spin:4d}"
+            if 227 * 1024 < bulk * stages:   # more than a CTA's shared memory
+                print(f"{tag}: not built (a CTA's shared memory is 227 KiB)")
                 continue
-            try:
-                k, _ = probe_kernel(bulk_source(bulk, stages, spin, warps), "read_bulk", ctas, 32 * (warps + 1),
-                                    "QQqi4x", smem=smem)
-            except Exception as e:   # noqa: BLE001 (a diagnostic: a shape that does not fit is reported, not fatal)
-                print(f"bulk {bulk} B x {stages} stages, {ctas} CTAs an SM: not launched ({e})")
-                continue
-            timed(k, f"bulk {bulk:5d} B x {stages} stages  {ctas} CTAs of {warps}+1 warps an SM  spin {spin:4d}")
+            k, _ = probe_kernel(bulk_source(bulk, stages, spin, warps), "read_bulk", ctas, 32 * (warps + 1),
+                                "QQqi4x", smem=bulk * stages)
+            timed(k, tag, ctas)
         return 0
     for chunk, unroll, ctas, spin, warps in itertools.product(ints(a.chunk), ints(a.unroll), ints(a.ctas),
                                                              ints(a.spin), ints(a.warps)):
         k, _ = probe_kernel(source(chunk, unroll, spin, warps), "read_pattern", ctas, 32 * warps, "QQqi4x")
-        timed(k, f"chunk {chunk:3d} B  unroll {unroll}  {ctas} CTAs of {warps} warps an SM  spin {spin:4d}")
+        timed(k, f"chunk {chunk:3d} B  unroll {unroll}  {ctas} CTAs of {warps} warps an SM  spin {spin:4d}", ctas)
     return 0
 
 
