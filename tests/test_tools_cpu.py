@@ -79,21 +79,31 @@ def test_the_read_pattern_probe_loads_its_steps_and_spins(chunk, unroll, spin):
     assert mma_loop(text, "read_pattern") is None   # (no tensor cores: only loads)
 
 
-@pytest.mark.parametrize("bulk,stages,spin", [(4096, 4, 0), (8192, 8, 64), (16384, 2, 128)])
-def test_the_read_pattern_bulk_ring_copies_by_tma_and_reads_shared_memory(bulk, stages, spin):
-    """read_pattern's `--bulk` kernel compiles for sm_90a: a bulk copy (UBLKCP) a piece counted by an mbarrier,
-    the consumers' 16-byte shared loads, their waits and releases, and about `spin` more instructions; a piece that
-    is not whole 16-byte vectors, or a ring of no slots, is refused."""
+@pytest.mark.parametrize("bulk,row_chunk,stages,spin", [(4096, 0, 4, 0), (8192, 0, 8, 64), (16384, 0, 2, 128),
+                                                         (0, 256, 4, 0), (0, 192, 8, 128)])
+def test_the_read_pattern_bulk_ring_copies_by_tma_and_reads_shared_memory(bulk, row_chunk, stages, spin):
+    """read_pattern's `--bulk` / `--row-chunk` kernel compiles for sm_90a: bulk copies (UBLKCP) counted by an
+    mbarrier, the consumers' 16-byte shared loads, their waits and releases, and about `spin` more instructions; a
+    row chunk's slot pads each row to 16 words past a multiple of 32 (no bank conflicts); a piece that is not whole
+    16-byte vectors, a row chunk that is not whole 64-byte steps, or a ring of no slots, is refused."""
     from kerngen.compile import nvrtc_compile
     from kerngen.resources import opcodes
     from tools.diagnose import read_pattern
-    cubin, _ = nvrtc_compile(read_pattern.bulk_source(bulk, stages, spin), "read_bulk", "sm_90a", "read_bulk", None)
+    cubin, _ = nvrtc_compile(read_pattern.bulk_source(bulk, stages, spin, 4, row_chunk), "read_bulk", "sm_90a",
+                             "read_bulk", None)
     ops = opcodes({"kernel.cubin": cubin})
     assert "UBLKCP.S.G" in ops and "LDS.128" in ops and "LDG.E.EF.128" not in ops
     assert any(o.startswith("SYNCS.PHASECHK") for o in ops) and any(o.startswith("SYNCS.ARRIVE") for o in ops)
     assert sum(o.startswith("SHF.L.W") for o in ops) >= spin
+    slot = read_pattern.slot_bytes(bulk, row_chunk)
+    if row_chunk:
+        assert slot % 16 == 0 and slot // 16 >= row_chunk and slot // 16 // 4 % 32 == 16
+    else:
+        assert slot == bulk
     with pytest.raises(ValueError, match="bulk"):
         read_pattern.bulk_source(1000, 4, 0)
+    with pytest.raises(ValueError, match="row-chunk"):
+        read_pattern.bulk_source(0, 4, 0, 4, 100)
     with pytest.raises(ValueError, match="stages"):
         read_pattern.bulk_source(4096, 0, 0)
 

@@ -4,7 +4,7 @@ experts' items and K steps, read only, against the streaming-read floor.
 
     python3 -m tools.diagnose.read_pattern [--rows 23040] [--row-bytes 1440] [--layers 4]
         [--chunk 16,32,64] [--unroll 1,2,4] [--ctas 4,8] [--warps 4] [--spin 0,128]
-        [--bulk 4096,8192 --stages 4,8]
+        [--bulk 4096,8192 | --row-chunk 256,512] [--stages 4,8]
 
 A persistent grid (`--ctas` CTAs of `--warps` warps an SM) loops over items of 16 rows (of `--row-bytes` bytes;
 `--rows` rows in all: gpt-oss-120b's experts_gemm1 at one token is 4 experts x 5760 rows x 1440 bytes, 1440 items
@@ -21,7 +21,9 @@ what the instructions between the loads cost.
 16 contiguous rows) in pieces of B bytes by `cp.async.bulk` into a ring of `--stages` shared-memory slots, each
 slot's arrival counted by an mbarrier, and `--warps` consumer warps read each slot with 16-byte shared loads (a lane
 32 bytes at a time from two 512-byte runs of its warp: no bank conflicts; `--spin` instructions after each such
-pair, as above) before releasing it; `--chunk` and `--unroll` do not apply.
+pair, as above) before releasing it; `--chunk` and `--unroll` do not apply. `--row-chunk C` instead: a slot holds
+C bytes of each of an item's 16 rows (the K range a kernel's steps would take next), copied by 16 bulk copies, a
+row each, and read as the kernels read a step (a lane 16 bytes of rows g and g + 8).
 
 In either mode a configuration of which an SM does not hold `--ctas` CTAs (the driver's occupancy query) is
 reported, not launched. Needs a GPU; `source(...)` and `bulk_source(...)` render anywhere.
@@ -87,19 +89,37 @@ def source(chunk: int, unroll: int, spin: int, warps: int = 4) -> str:
 
 BULK = r"""
 struct P { const unsigned char* w; unsigned* sink; long long rows; int row_bytes; };
-constexpr int BYTES = {{ bulk }}, STAGES = {{ stages }}, SPIN = {{ spin }}, WARPS = {{ warps }};
-__device__ __forceinline__ unsigned su(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+constexpr int STAGES = {{ stages }}, SPIN = {{ spin }}, WARPS = {{ warps }};
+{% if row_chunk %}// A piece: K bytes ROWC .. of an item's 16 rows, a bulk copy a row, each row at STRIDE bytes in its slot (STRIDE / 4
+// = 16 mod 32 words: the 8 lanes of a quarter warp, rows g and g + 1 at 16-byte columns q, hit 32 distinct banks).
+constexpr int ROWC = {{ row_chunk }}, STRIDE = {{ slot // 16 }}, BYTES = 16 * STRIDE;
+{% else %}constexpr int BYTES = {{ bulk }};   // a piece: BYTES contiguous bytes of an item, one bulk copy
+{% endif %}__device__ __forceinline__ unsigned su(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void wait_phase(unsigned bar, unsigned parity) {
     asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}"
                  :: "r"(bar), "r"(parity) : "memory");
 }
-// Warp WARPS produces (one lane), warps 0 .. WARPS - 1 consume; piece i of the CTA's stream lives in slot i % STAGES.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, int n, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(su(dst)), "l"(src), "r"(n), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mix(unsigned (&acc)[4], const uint4& a, const uint4& b) {
+    const unsigned x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j & 3] ^= x[j];
+#pragma unroll
+    for (int j = 0; j < SPIN; ++j)   // SPIN instructions a lane and 32 bytes: four chains
+        acc[j & 3] = __funnelshift_l(acc[j & 3], x[(j + 1) & 7], 3) ^ 0x9e3779b9u;
+}
+// Warp WARPS produces, warps 0 .. WARPS - 1 consume; piece i of the CTA's stream lives in slot i % STAGES.
 extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32) read_bulk(const __grid_constant__ P p) {
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int item_bytes = 16 * p.row_bytes;
-    const long long items = p.rows / 16;
+{% if row_chunk %}    const int span = p.row_bytes, step = ROWC;   // a piece's K range
+{% else %}    const int span = item_bytes, step = BYTES;
+{% endif %}    const long long items = p.rows / 16;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(su(&full[s])));
@@ -109,41 +129,42 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32) read_bulk(const _
     }
     __syncthreads();
     if (w == WARPS) {
-        if (lane == 0) {
-            int s = 0;
-            unsigned parity = 1;   // a fresh empty barrier counts as released
-            for (long long item = blockIdx.x; item < items; item += gridDim.x)
-                for (int off = 0; off < item_bytes; off += BYTES) {
-                    const int n = min(BYTES, item_bytes - off);
+        int s = 0;
+        unsigned parity = 1;   // a fresh empty barrier counts as released
+        for (long long item = blockIdx.x; item < items; item += gridDim.x)
+            for (int off = 0; off < span; off += step) {
+                const int n = min(step, span - off);
+                if (lane == 0) {
                     wait_phase(su(&empty[s]), parity);
                     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(su(&full[s])),
-                                 "r"(n) : "memory");
-                    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                                 :: "r"(su(ring + s * BYTES)), "l"(p.w + item * item_bytes + off), "r"(n),
-                                    "r"(su(&full[s])) : "memory");
-                    if (++s == STAGES) { s = 0; parity ^= 1; }
-                }
-        }
+{% if row_chunk %}                                 "r"(16 * n) : "memory");
+{% else %}                                 "r"(n) : "memory");
+{% endif %}                }
+                __syncwarp();
+{% if row_chunk %}                if (lane < 16)   // row `lane` of the item
+                    bulk_copy(ring + s * BYTES + lane * STRIDE, p.w + (item * 16 + lane) * p.row_bytes + off, n,
+                              su(&full[s]));
+{% else %}                if (lane == 0) bulk_copy(ring + s * BYTES, p.w + item * item_bytes + off, n, su(&full[s]));
+{% endif %}                if (++s == STAGES) { s = 0; parity ^= 1; }
+            }
         return;
     }
     unsigned acc[4] = {0u, 0u, 0u, 0u};
     int s = 0;
     unsigned parity = 0;
     for (long long item = blockIdx.x; item < items; item += gridDim.x)
-        for (int off = 0; off < item_bytes; off += BYTES) {
-            const int n = min(BYTES, item_bytes - off);
+        for (int off = 0; off < span; off += step) {
+            const int n = min(step, span - off);
             wait_phase(su(&full[s]), parity);
-            const uint4* v = reinterpret_cast<const uint4*>(ring + s * BYTES);
-            for (int k = 64 * w + lane; k < n / 16; k += 64 * WARPS) {   // a warp's loads 512 contiguous bytes
-                const uint4 a = v[k], b = k + 32 < n / 16 ? v[k + 32] : make_uint4(0, 0, 0, 0);
-                const unsigned x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[j & 3] ^= x[j];
-#pragma unroll
-                for (int j = 0; j < SPIN; ++j)   // SPIN instructions a lane and 32 bytes: four chains
-                    acc[j & 3] = __funnelshift_l(acc[j & 3], x[(j + 1) & 7], 3) ^ 0x9e3779b9u;
-            }
-            __syncwarp();
+            const unsigned char* slot = ring + s * BYTES;
+{% if row_chunk %}            const int g = lane >> 2, q = lane & 3;   // the kernels' 1 KiB warp steps: rows g, g + 8, 16 bytes at q
+            for (int o = 64 * w + 16 * q; o < n; o += 64 * WARPS)
+                mix(acc, *reinterpret_cast<const uint4*>(slot + g * STRIDE + o),
+                    *reinterpret_cast<const uint4*>(slot + (g + 8) * STRIDE + o));
+{% else %}            const uint4* v = reinterpret_cast<const uint4*>(slot);
+            for (int k = 64 * w + lane; k < n / 16; k += 64 * WARPS)   // a warp's loads 512 contiguous bytes
+                mix(acc, v[k], k + 32 < n / 16 ? v[k + 32] : make_uint4(0, 0, 0, 0));
+{% endif %}            __syncwarp();
             if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(su(&empty[s])) : "memory");
             if (++s == STAGES) { s = 0; parity ^= 1; }
         }
@@ -152,15 +173,24 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32) read_bulk(const _
 """
 
 
-def bulk_source(bulk: int, stages: int, spin: int, warps: int = 4) -> str:
-    """The CUDA C++ of one `--bulk` configuration (pieces of `bulk` bytes, a ring of `stages` slots, `spin`
-    instructions a lane and 32 bytes, `warps` consumer warps beside the producer warp)."""
+def bulk_source(bulk: int, stages: int, spin: int, warps: int = 4, row_chunk: int = 0) -> str:
+    """The CUDA C++ of one `--bulk` configuration (pieces of `bulk` bytes, or with `row_chunk` C pieces of 16 rows x C
+    bytes copied a row at a time; a ring of `stages` slots, `spin` instructions a lane and 32 bytes, `warps` consumer
+    warps beside the producer warp)."""
     import jinja2
-    if bulk % 16 or bulk <= 0:
+    if row_chunk and (row_chunk % 64 or row_chunk < 0):
+        raise ValueError(f"--row-chunk: multiples of 64 bytes (whole warp steps), got {row_chunk}")
+    if not row_chunk and (bulk % 16 or bulk <= 0):
         raise ValueError(f"--bulk: multiples of 16 bytes, got {bulk}")
     if stages < 1:
         raise ValueError(f"--stages: at least 1, got {stages}")
-    return jinja2.Template(BULK).render(bulk=bulk, stages=stages, spin=spin, warps=warps)
+    return jinja2.Template(BULK).render(bulk=bulk, stages=stages, spin=spin, warps=warps, row_chunk=row_chunk,
+                                        slot=slot_bytes(bulk, row_chunk))
+
+
+def slot_bytes(bulk: int, row_chunk: int) -> int:
+    """A ring slot's bytes: `bulk`, or 16 rows of `row_chunk` bytes at the padded stride bulk_source gives them."""
+    return bulk if not row_chunk else 16 * (row_chunk + (16 - row_chunk // 4 % 32 + 32) % 32 * 4)
 
 
 def main(argv=None) -> int:
@@ -174,7 +204,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", default="4", help="warps a CTA (they split an item's steps)")
     ap.add_argument("--spin", default="0,128")
     ap.add_argument("--bulk", default="", help="bytes a bulk copy (the producer-warp ring instead of register loads)")
-    ap.add_argument("--stages", default="4,8", help="slots of the --bulk ring")
+    ap.add_argument("--stages", default="4,8", help="slots of the --bulk / --row-chunk ring")
+    ap.add_argument("--row-chunk", default="", help="bytes of each of an item's 16 rows a ring slot holds, copied a row "
+                    "at a time (the bulk-copy ring with pieces of the rows' K range instead of --bulk)")
     a = ap.parse_args(argv)
     if a.rows % 16 or a.row_bytes % 16:
         ap.error("--rows must be a multiple of 16 and --row-bytes of 16")
@@ -210,15 +242,18 @@ def main(argv=None) -> int:
         us = after_producer_us(step, producer, calls=4 * len(layers))
         print(f"{tag}:  {us:8.2f} µs  {100 * floor / us:5.1f}% of the floor")
 
-    if a.bulk:
-        for bulk, stages, ctas, spin, warps in itertools.product(ints(a.bulk), ints(a.stages), ints(a.ctas),
-                                                                 ints(a.spin), ints(a.warps)):
-            tag = f"bulk {bulk:5d} B x {stages} stages  {ctas} CTAs of {warps}+1 warps an SM  spin {spin:4d}"
-            if 227 * 1024 < bulk * stages:   # more than a CTA's shared memory
+    if a.bulk or a.row_chunk:
+        pieces = [(0, c) for c in ints(a.row_chunk)] if a.row_chunk else [(b, 0) for b in ints(a.bulk)]
+        for (bulk, rc), stages, ctas, spin, warps in itertools.product(pieces, ints(a.stages), ints(a.ctas),
+                                                                       ints(a.spin), ints(a.warps)):
+            what = f"rows x {rc:4d} B" if rc else f"bulk {bulk:5d} B"
+            tag = f"{what} x {stages} stages  {ctas} CTAs of {warps}+1 warps an SM  spin {spin:4d}"
+            smem = slot_bytes(bulk, rc) * stages
+            if 227 * 1024 < smem:   # more than a CTA's shared memory
                 print(f"{tag}: not built (a CTA's shared memory is 227 KiB)")
                 continue
-            k, _ = probe_kernel(bulk_source(bulk, stages, spin, warps), "read_bulk", ctas, 32 * (warps + 1),
-                                "QQqi4x", smem=bulk * stages)
+            k, _ = probe_kernel(bulk_source(bulk, stages, spin, warps, rc), "read_bulk", ctas, 32 * (warps + 1),
+                                "QQqi4x", smem=smem)
             timed(k, tag, ctas)
         return 0
     for chunk, unroll, ctas, spin, warps in itertools.product(ints(a.chunk), ints(a.unroll), ints(a.ctas),
