@@ -214,7 +214,9 @@ def main(argv=None) -> int:
     require_gpu("python3 -m tools.diagnose.read_pattern")
     import torch
 
-    from kerngen.launch import _drv, current_stream
+    from kerngen.launch import current_stream, resident
+    from kerngen.occupancy import limits
+    from kerngen.plan import target_arch
     from kerngen.timing import after_producer_us, elementwise_producer
     dev = torch.cuda.current_device()
     nbytes = a.rows * a.row_bytes
@@ -228,8 +230,8 @@ def main(argv=None) -> int:
     def timed(k, tag: str, ctas: int) -> None:
         """k over the layers in turn (captured in turn: the graph cycles them), timed after the producer; one line.
         Not launched where an SM holds fewer than `ctas` of its CTAs (the driver's occupancy query)."""
-        err, fit = _drv().cuOccupancyMaxActiveBlocksPerMultiprocessor(k.fn, k.block[0], k.smem)
-        if int(err) != 0 or fit < ctas:
+        fit = resident(k.fn, k.block[0], k.smem)
+        if fit < ctas:
             print(f"{tag}: not launched (an SM holds {fit} of these CTAs)")
             return
         turn = [0]
@@ -249,8 +251,8 @@ def main(argv=None) -> int:
             what = f"rows x {rc:4d} B" if rc else f"bulk {bulk:5d} B"
             tag = f"{what} x {stages} stages  {ctas} CTAs of {warps}+1 warps an SM  spin {spin:4d}"
             smem = slot_bytes(bulk, rc) * stages
-            if 227 * 1024 < smem:   # more than a CTA's shared memory
-                print(f"{tag}: not built (a CTA's shared memory is 227 KiB)")
+            if smem > limits(target_arch(dev)).smem_per_cta:
+                print(f"{tag}: not built (more shared memory than a CTA may have)")
                 continue
             k, _ = probe_kernel(bulk_source(bulk, stages, spin, warps, rc), "read_bulk", ctas, 32 * (warps + 1),
                                 "QQqi4x", smem=smem)
