@@ -227,7 +227,6 @@ def test_experts_alone_builds_a_fused_x_rule_for_the_tokens_it_serves():
     assert "fused_x" not in dict(s.params)
 
 
-
 def test_the_finalize_sweeps_wide_slices_are_refused_by_the_kernels_own_check_where_they_cannot_launch():
     """The sweep's 256-vector slices exist, and at K 22 with one load a group (a 256 x 22 block) finalize.kernel
     refuses them before building anything, the InputError the sweep skips a candidate on."""
