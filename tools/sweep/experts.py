@@ -29,7 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import kerngen
-from kerngen.launch import _drv
+from kerngen.launch import resident
 from kerngen.ops import experts as ex
 from kerngen.plan import target_arch
 from kerngen.tune import random_expert_weights
@@ -40,12 +40,9 @@ SHAPES = {"deepseek-v3": (7168, 2048, 256, 8, "silu", False), "kimi-k2": (7168, 
           "gpt-oss-120b": (2880, 2880, 128, 4, "gpt_oss", True), "kimi-k3": (3584, 2048, 896, 16, "situglu", False)}
 
 def occupancy(k):
-    drv = _drv()
-    out = []
-    for L in k.launchers(1):
-        err, n = drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(L.fn, L.block[0], 0)
-        out.append(n)
-    return min(out)
+    """The fewest CTAs an SM holds of the kernels' launches, their dynamic shared memory counted (as the ops cap
+    their grids)."""
+    return min(resident(L.fn, L.block[0], L.smem) for L in k.launchers(1))
 
 def spills(spec) -> bool:
     """Whether a built spec's kernels spill registers (a stack of more than 16 bytes, or local memory)."""
