@@ -1,3 +1,5 @@
+import gc
+
 import pytest
 import torch
 
@@ -31,3 +33,13 @@ def gpu_cache(tmp_path_factory):
         os.environ.pop("KERNGEN_CACHE_DIR", None)
     else:
         os.environ["KERNGEN_CACHE_DIR"] = old
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _gpu_memory_back_after_each_module():
+    """Cached blocks go back to the driver after each test module: GPU tests run in parallel workers
+    (pytest -n) share one card, and a worker's idle cache would otherwise starve the others' large tests."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
