@@ -381,12 +381,14 @@ def main(argv=None) -> int:
     ap.add_argument("--unroll", default="2,4")
     ap.add_argument("--ctas", default="4,6", help="CTAs an SM")
     ap.add_argument("--loads", default="32,64")
-    ap.add_argument("--gps", default="4", help="groups a step")
+    ap.add_argument("--gps", default="6", help="groups a step: divisors of the K / 32 groups a row (2880: 2, 6, 10)")
     ap.add_argument("--wg", default="1", help="warpgroups a CTA")
     ap.add_argument("--split", default="0", help="1: a CTA's warpgroups share each item's steps (0: an item each)")
     a = ap.parse_args(argv)
     if a.rows % 64 or a.k % 32:
         ap.error("--rows must be a multiple of 64 and --k of 32")
+    if any(a.k // 32 % gps for gps in ints(a.gps)):
+        ap.error(f"--gps: divisors of the {a.k // 32} groups a row of --k {a.k}")
     torch, producer, g = start("python3 -m tools.diagnose.wgmma_fp4")
     kb = a.k // 2
     layers = [(torch.randint(0, 256, (a.rows, kb), dtype=torch.uint8, device="cuda", generator=g),
