@@ -69,6 +69,38 @@ def test_wide_reads_two_groups_a_lane_in_fewer_instructions_a_kib(tmp_path):
         assert body.count("HMMA") >= 16 and body.count("LDG.E.EF.128") >= 4
 
 
+def test_gemm1_unroll_batches_two_steps_in_experts_gemm1_alone(tmp_path):
+    """gemm1_unroll = 2 (with gcol, at the 1-token rule's 8 CTAs of 4 warps): experts_gemm1 issues two steps' weight
+    loads together (twice the evict-first 16-byte loads of the rule's build, the scale bytes of a lane's two groups by
+    one 16-bit load a row) within its 64 registers and without local memory in its K-step loop; experts_gemm2 is the
+    rule's, instruction for instruction."""
+    store, seen = DiskCache(tmp_path), 0
+    for m, _, gcol in mxfp4_pairs():
+        seen += 1
+        p = {**dict(gcol.params), "tile": 8, "gemm1_unroll": 2}
+        two = ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 1)}, p), m.hidden, m.intermediate,
+                           m.activation, "sm_90a", "mxfp4")
+        built = jit.build(two, store=store)
+        text, use = resources.sass(built.files), dict(resources.usage(built.files))
+        one = resources.sass(jit.build(gcol, store=store).files)
+        assert use["experts_gemm1"]["REG"] <= 65536 // (32 * p["warps"] * p["min_blocks"]), m.name
+        loop = resources.mma_loop(text, "experts_gemm1")
+        assert loop is not None and not loop[1], f"{m.name}: local memory in the K-step loop"
+        assert loop[0] > 1.8 * resources.mma_loop(one, "experts_gemm1")[0], m.name   # two steps a pass
+        g1, g1_one = (resources.function_sass(t, "experts_gemm1") for t in (text, one))
+        assert g1.count("LDG.E.EF.128") == 2 * g1_one.count("LDG.E.EF.128"), m.name
+        assert "LDG.E.U16.CONSTANT" in g1 and "LDG.E.U8.CONSTANT" not in g1, m.name
+        assert normalize(text)["experts_gemm2"] == normalize(one)["experts_gemm2"], m.name
+    assert seen >= 2
+
+
+def test_gemm1_unroll_without_gcol_is_refused():
+    m, plain, _ = next(mxfp4_pairs())
+    with pytest.raises(TierError, match="gemm1_unroll"):
+        ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 2)}, {**dict(plain.params), "tile": 8, "gemm1_unroll": 2}),
+                     m.hidden, m.intermediate, m.activation, "sm_90a", "mxfp4")
+
+
 def test_wide_without_gcol_is_refused():
     m, plain, _ = next(mxfp4_pairs())
     with pytest.raises(TierError, match="wide"):

@@ -77,9 +77,9 @@ def require_gpu(what: str) -> None:
                       "select_experts, the references) run on CPU tensors.")
 
 
-def check_aligned(op: str, name: str, t: torch.Tensor, nbytes: int = 16):
+def check_aligned(op: str, name: str, t: torch.Tensor, nbytes: int = 16, why: str = "128-bit loads"):
     if t.data_ptr() % nbytes:
-        raise InputError(op, name, f"{nbytes}-byte aligned (128-bit loads)", f"address offset {t.data_ptr() % nbytes}")
+        raise InputError(op, name, f"{nbytes}-byte aligned ({why})", f"address offset {t.data_ptr() % nbytes}")
 
 
 def check_buffer(op: str, name: str, t, dtype, shape: tuple, device, align: int = 0) -> None:

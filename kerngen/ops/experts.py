@@ -330,7 +330,8 @@ def experts(x: torch.Tensor, routing, w13: torch.Tensor, w2: torch.Tensor, *, ac
         hit = _calls.get(sig) if sig[4] is not None else None
     except (AttributeError, TypeError):   # not tensors, a foreign routing, unhashable values: checked below
         sig, hit = None, None
-    if hit is None or (x.data_ptr() | w13.data_ptr() | w2.data_ptr()) % 16:
+    if hit is None or (x.data_ptr() | w13.data_ptr() | w2.data_ptr()) % 16 or (
+            w13_scale is not None and (w13_scale.data_ptr() | w2_scale.data_ptr()) % 2):   # (MXFP4: 16-bit loads)
         hit = _calls.remember(sig if sig is not None and sig[4] is not None else None,
                        _prepare(x, routing, w13, w2, activation, interleaved, b13, b2, input_weights, tile, alpha,
                                 limit, beta, linear_beta, w13_scale, w2_scale, fp8_activations))

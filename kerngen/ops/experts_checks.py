@@ -179,6 +179,8 @@ def _check_scales(fmt, nl, H, I, w13_scale, w2_scale, dev) -> None:
         check_tensor(OP, name, t, dtypes=(dtype,), ndim=3, device=dev, contiguous=True)
         if tuple(t.shape) != shape:
             raise InputError(OP, name, f"of shape {shape}: {what}", f"shape {tuple(t.shape)}")
+        if fmt == "mxfp4" and dev.type == "cuda":   # (a row's groups even in number: H, I multiples of 64)
+            check_aligned(OP, name, t, 2, "a lane's two scale bytes of a row by one 16-bit load")
 
 
 def _check_act_params(activation, alpha, limit, beta, linear_beta):

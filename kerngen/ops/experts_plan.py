@@ -74,6 +74,9 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
                         "one m16 tile of weight rows an item (mtiles = 1) and tiles of 2 rows or more")
     if params.get("wide") and not params.get("gcol"):
         raise TierError(f"{where} sets wide without gcol: only gcol's experts_gemm1 reads two groups a lane a step")
+    if "gemm1_unroll" in params and not params.get("gcol"):
+        raise TierError(f"{where} sets gemm1_unroll without gcol: only gcol's experts_gemm1 takes a load batch of "
+                        "its own (the other builds' GEMMs share unroll)")
     if params.get("one_launch") and (a8 or quant_launches(params, a8) or params.get("early_l2")
                                      or params.get("stage_act")):
         raise TierError(f"{where} sets one_launch, which builds without quantizing launches take (bf16 activations, "

@@ -127,6 +127,11 @@ def main():
                                       build(dict(warps=4, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
                                                  prefetch=False, f16x=True, fused_x=2, act_f16=False, lean=True,
                                                  gcol=True, **extra))))
+                    for b in (7, 8):   # two steps a load batch in experts_gemm1 alone (its registers allow them)
+                        cands.append((f"w4 u1 g1u2 b{b} fx2 lean gcol",
+                                      build(dict(warps=4, unroll=1, gemm1_unroll=2, blocks_per_sm=b, min_blocks=b,
+                                                 pdl=True, prefetch=False, f16x=True, fused_x=2, act_f16=False,
+                                                 lean=True, gcol=True))))
                     for b, early in itertools.product((6, 7), (False, True)):   # 32 bytes of a row a lane (wide)
                         cands.append((f"w4 u1 b{b} fx2 lean gcol wide" + " early" * early,
                                       build(dict(warps=4, unroll=1, blocks_per_sm=b, min_blocks=b, pdl=True,
