@@ -319,16 +319,20 @@ def test_tiles_of_32_where_an_experts_rows_fill_them():
     assert ex.tile_of(ex.explain_spec(t, "sm_90a", experts=128, top_k=4, **shape)) == 16
 
 
-def test_gemm1_blocks_sizes_only_the_first_gemms_grid():
+def test_gemm1_blocks_and_gemm2_blocks_size_one_gemms_grid_each():
     """gemm1_blocks: experts_gemm1's CTAs an SM (its registers hold fewer than GEMM2's), GEMM2 keeps blocks_per_sm;
-    with one_launch (one kernel for both) it is a TierError."""
+    gemm2_blocks the same for experts_gemm2; with one_launch (one kernel for both) either is a TierError."""
     rule = tiers.Rule("experts", "mma", {}, dict(tile=32, warps=4, unroll=2, blocks_per_sm=8, gemm1_blocks=5))
     launches = ex.Kernels.persistent(ex.rule_spec(rule, 2048, 768, "silu", "sm_90a"))
     assert launches["experts_gemm1"].per_sm == 5 and launches["experts_gemm2"].per_sm == 8
-    one = tiers.Rule("experts", "mma", {}, dict(tile=8, warps=8, unroll=2, blocks_per_sm=4, one_launch=True,
-                                                gemm1_blocks=2))
-    with pytest.raises(kerngen.TierError, match="gemm1_blocks with one_launch"):
-        ex.rule_spec(one, 2048, 768, "silu", "sm_90a")
+    rule = tiers.Rule("experts", "mma", {}, dict(tile=16, warps=4, unroll=2, blocks_per_sm=8, gemm2_blocks=6))
+    launches = ex.Kernels.persistent(ex.rule_spec(rule, 2048, 768, "silu", "sm_90a"))
+    assert launches["experts_gemm1"].per_sm == 8 and launches["experts_gemm2"].per_sm == 6
+    for extra in (dict(gemm1_blocks=2), dict(gemm2_blocks=2)):
+        one = tiers.Rule("experts", "mma", {}, dict(tile=8, warps=8, unroll=2, blocks_per_sm=4, one_launch=True,
+                                                    **extra))
+        with pytest.raises(kerngen.TierError, match="gemm2_blocks with one_launch"):
+            ex.rule_spec(one, 2048, 768, "silu", "sm_90a")
 
 
 @pytest.mark.parametrize("tile,mtiles,unroll", [(16, 2, 1), (16, 2, 2), (32, 2, 1), (8, 2, 2)])

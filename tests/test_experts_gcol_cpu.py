@@ -94,6 +94,26 @@ def test_gemm1_unroll_batches_two_steps_in_experts_gemm1_alone(tmp_path):
     assert seen >= 2
 
 
+def test_two_steps_a_batch_in_each_gemm_at_its_own_register_bound(tmp_path):
+    """gemm1_unroll = 2 at the 1-token rule's 8 CTAs (64 registers) beside experts_gemm2 at two steps a batch too and
+    6 CTAs (gemm2_blocks: its own register bound, 85; one round of gpt-oss-120b's 720 items at one token): neither K-step
+    loop touches local memory, each kernel within its bound, each grid its own CTAs an SM."""
+    store = DiskCache(tmp_path)
+    for m, _, gcol in mxfp4_pairs():
+        p = {**dict(gcol.params), "tile": 8, "unroll": 2, "gemm1_unroll": 2, "gemm2_blocks": 6}
+        spec = ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 1)}, p), m.hidden, m.intermediate,
+                            m.activation, "sm_90a", "mxfp4")
+        built = jit.build(spec, store=store)
+        text, use = resources.sass(built.files), dict(resources.usage(built.files))
+        launch = ex.persistent(spec)
+        assert launch["experts_gemm1"].per_sm == 8 and launch["experts_gemm2"].per_sm == 6
+        for fn, ctas in (("experts_gemm1", 8), ("experts_gemm2", 6)):
+            assert use[fn]["REG"] <= 65536 // (32 * p["warps"] * ctas), (m.name, fn, use[fn]["REG"])
+            loop = resources.mma_loop(text, fn)
+            assert loop is not None and not loop[1], f"{m.name} {fn}: local memory in the K-step loop"
+        assert use["experts_gemm2"]["REG"] > 65536 // (32 * p["warps"] * 8), m.name   # (the bound did move)
+
+
 def test_gemm1_unroll_without_gcol_is_refused():
     m, plain, _ = next(mxfp4_pairs())
     with pytest.raises(TierError, match="gemm1_unroll"):

@@ -189,6 +189,7 @@ register(Op("experts", {
     "mma": {"backend": NVRTC, "tile": _n(1, 32, required=True), "warps": _n(1, 16, required=True),
             "unroll": _n(1, 8, required=True), "blocks_per_sm": _n(1, 32), "pdl": FLAG,
             "gemm1_blocks": _n(1, 32),   # experts_gemm1's CTAs an SM where fewer than blocks_per_sm fit (two launches)
+            "gemm2_blocks": _n(1, 32),   # experts_gemm2's CTAs an SM (and its register bound with min_blocks)
             "transposed": FLAG,   # false: weights stored transposed run torch._grouped_mm here
             "min_blocks": _n(1, 32),   # __launch_bounds__' CTAs an SM: a register bound
             "prefetch": FLAG,   # quantized builds: the next steps' weight loads issued first (default)

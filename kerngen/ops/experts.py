@@ -92,11 +92,12 @@ class Kernels:
         """Each kernel's CTA (32 * warps threads; dynamic shared memory only for fused_x and stage_act rows,
         dynamic_smem) and the CTAs an SM its rule asks for; with fp8 or f16 activations also the quantizing
         kernels' (8 warps, a warp a group, grids striding over the groups with up to QUANT_CTAS CTAs an SM);
-        gemm1_blocks, where given, is experts_gemm1's CTAs an SM (its registers may hold fewer than GEMM2's)."""
+        gemm1_blocks, where given, is experts_gemm1's CTAs an SM (its registers may hold fewer than GEMM2's), and
+        gemm2_blocks experts_gemm2's (with min_blocks also its register bound: two steps a batch at fewer CTAs)."""
         p = dict(s.params)
         bps = p.get("blocks_per_sm", 4)
-        out = {name: Launch(32 * p["warps"], dyn, p.get("gemm1_blocks", bps) if name == "experts_gemm1" else bps)
-               for name, dyn in dynamic_smem(s).items()}
+        own = {"experts_gemm1": p.get("gemm1_blocks", bps), "experts_gemm2": p.get("gemm2_blocks", bps)}
+        out = {name: Launch(32 * p["warps"], dyn, own.get(name, bps)) for name, dyn in dynamic_smem(s).items()}
         out.update(dict.fromkeys(quant_kernels(s), Launch(256, 0, QUANT_CTAS)))
         return out
 

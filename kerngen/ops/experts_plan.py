@@ -81,9 +81,9 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
                                      or params.get("stage_act")):
         raise TierError(f"{where} sets one_launch, which builds without quantizing launches take (bf16 activations, "
                         "or f16x with fused_x and act_f16 = false), without early_l2 and stage_act")
-    if params.get("one_launch") and "gemm1_blocks" in params:
-        raise TierError(f"{where} sets gemm1_blocks with one_launch: both GEMMs then run in one launch, of "
-                        "blocks_per_sm CTAs an SM")
+    if params.get("one_launch") and ("gemm1_blocks" in params or "gemm2_blocks" in params):
+        raise TierError(f"{where} sets gemm1_blocks or gemm2_blocks with one_launch: both GEMMs then run in one "
+                        "launch, of blocks_per_sm CTAs an SM")
     if not params.get("act_f16", True) and params.get("mtiles", 1) != 1:
         raise TierError(f"{where} sets act_f16 = false with mtiles: GEMM2 on the bf16 intermediate takes one m16 "
                         "tile of weight rows an item")

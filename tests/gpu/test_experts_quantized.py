@@ -684,12 +684,14 @@ GCOL_SHAPES = [GCOL, dict(GCOL, unroll=2, blocks_per_sm=6, min_blocks=6),
                dict(GCOL, warps=2, blocks_per_sm=16, min_blocks=16),
                dict(GCOL, warps=3, blocks_per_sm=10, min_blocks=10),
                dict(GCOL, wide=True, blocks_per_sm=7, min_blocks=7),
-               dict(GCOL, wide=True, unroll=2, blocks_per_sm=4, min_blocks=4), dict(GCOL, gemm1_unroll=2)]
+               dict(GCOL, wide=True, unroll=2, blocks_per_sm=4, min_blocks=4), dict(GCOL, gemm1_unroll=2),
+               dict(GCOL, unroll=2, gemm1_unroll=2, gemm2_blocks=6)]
 
 
 @pytest.mark.parametrize("params", GCOL_SHAPES, ids=lambda p: f"warps={p.get('warps', 4)},unroll={p.get('unroll', 1)}"
                                                                f"{',wide' if p.get('wide') else ''}"
-                                                               f"{',gemm1_unroll=2' if p.get('gemm1_unroll') else ''}")
+                                                               f"{',gemm1_unroll=2' if p.get('gemm1_unroll') else ''}"
+                                                               f"{',gemm2_blocks=6' if p.get('gemm2_blocks') else ''}")
 @pytest.mark.parametrize("H,I,act", [(1024, 256, "silu"), (2880, 2880, "gpt_oss"), (3584, 2048, "situglu")])
 @pytest.mark.parametrize("T", [1, 2])
 def test_gcol_matches_the_dequantized_reference(params, H, I, act, T):

@@ -127,11 +127,13 @@ def main():
                                       build(dict(warps=4, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
                                                  prefetch=False, f16x=True, fused_x=2, act_f16=False, lean=True,
                                                  gcol=True, **extra))))
-                    for b in (7, 8):   # two steps a load batch in experts_gemm1 alone (its registers allow them)
-                        cands.append((f"w4 u1 g1u2 b{b} fx2 lean gcol",
-                                      build(dict(warps=4, unroll=1, gemm1_unroll=2, blocks_per_sm=b, min_blocks=b,
+                    for b, u, b2 in ((7, 1, None), (8, 1, None), (8, 2, 6)):   # two steps a load batch in
+                        # experts_gemm1 alone (its registers allow them), and in experts_gemm2 at 6 CTAs (gemm2_blocks)
+                        own = {"gemm2_blocks": b2} if b2 else {}
+                        cands.append((f"w4 u{u} g1u2 b{b}" + f" g2b{b2}" * bool(b2) + " fx2 lean gcol",
+                                      build(dict(warps=4, unroll=u, gemm1_unroll=2, blocks_per_sm=b, min_blocks=b,
                                                  pdl=True, prefetch=False, f16x=True, fused_x=2, act_f16=False,
-                                                 lean=True, gcol=True))))
+                                                 lean=True, gcol=True, **own))))
                     for b, early in itertools.product((6, 7), (False, True)):   # 32 bytes of a row a lane (wide)
                         cands.append((f"w4 u1 b{b} fx2 lean gcol wide" + " early" * early,
                                       build(dict(warps=4, unroll=1, blocks_per_sm=b, min_blocks=b, pdl=True,
