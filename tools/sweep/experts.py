@@ -44,6 +44,13 @@ def occupancy(k):
     their grids)."""
     return min(resident(L.fn, L.block[0], L.smem) for L in k.launchers(1))
 
+
+def overasks(k) -> bool:
+    """Whether a launch asks for more CTAs an SM (its own: gemm1_blocks, gemm2_blocks, else blocks_per_sm) than its
+    kernel's registers and shared memory let an SM hold."""
+    asked = ex.Kernels.persistent(k.spec)
+    return any(L.name in asked and asked[L.name].per_sm > resident(L.fn, L.block[0], L.smem) for L in k.launchers(1))
+
 def spills(spec) -> bool:
     """Whether a built spec's kernels spill registers (a stack of more than 16 bytes, or local memory)."""
     from kerngen import jit, resources
@@ -193,7 +200,7 @@ def main():
                 k = ex.Kernels(s, dev)
                 occ = occupancy(k)
                 bps = dict(s.params).get("blocks_per_sm", 4)
-                if label != "rule" and bps > occ:
+                if label != "rule" and overasks(k):
                     continue
                 key = (tuple(sorted((a, b) for a, b in s.params if a != "blocks_per_sm")), min(bps, occ))
                 if key in seen and label != "rule":
