@@ -16,8 +16,9 @@ prefetch_x (for -x16 formats also two m16 tiles an item, two weight buffers taki
 weight loads, and early_l2: the first weights toward L2 before the wait, beside the rule as "rule-early"; `deep`
 times instead only the f16x shapes of 3-6 steps a load batch: more weight bytes in flight a warp at few tokens;
 `fused` only the 1-2-token shapes of fused_x = 2 at 6-8 CTAs of 4 warps, one or two steps a load batch, with and
-without lean and act_f16, MXFP4 with gcol too (and one_launch), and with lean at 5 and 6 warps an item), each
-launched at most as many CTAs an SM as the driver's occupancy query allows (a shape asking for more is skipped). A
+without lean and act_f16, MXFP4 with gcol too (and one_launch, two steps a batch in experts_gemm1 alone:
+gemm1_unroll, or in both with experts_gemm2 at 6 CTAs: gemm2_blocks), and with lean at 5 and 6 warps an item), each
+launch at most as many CTAs an SM as the driver's occupancy query allows it (a shape asking for more is skipped). A
 -x16 format times the rule with f16x (activations carried as f16) beside it, and sweeps the f16x shapes. Every
 candidate is built first by a pool of processes. Correctness is the GPU tests' job
 (tests/gpu/test_experts_quantized.py): the weights here are random bytes.
