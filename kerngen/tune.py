@@ -209,12 +209,14 @@ def experts_candidates(fmt: str = "bf16"):
         if fmt == "mxfp4":   # 1-2 tokens, experts_gemm1's mma columns each one group (gcol): one or two steps a
             # load batch, both GEMMs in one launch (one_launch), a lane reading 32 contiguous bytes of a row a step
             # (wide, at 7 CTAs: 3-6% slower on an H100), two steps a batch in experts_gemm1 alone (gemm1_unroll),
-            # and in experts_gemm2 too at 6 CTAs, its own register bound (gemm2_blocks)
+            # and in experts_gemm2 too at 6 CTAs, its own register bound (gemm2_blocks); 11 CTAs of 3 warps (one
+            # round of gpt-oss-120b's 1440 experts_gemm1 items at one token)
             for unroll, bps, extra in ((1, 8, {}), (2, 7, {}), (2, 6, {}), (1, 8, {"one_launch": True}),
                                        (1, 7, {"wide": True}), (1, 8, {"gemm1_unroll": 2}),
-                                       (2, 8, {"gemm1_unroll": 2, "gemm2_blocks": 6})):
-                yield "mma", dict(tile=8, warps=4, unroll=unroll, blocks_per_sm=bps, min_blocks=bps, pdl=True,
-                                  prefetch=False, f16x=True, lean=True, fused_x=2, act_f16=False, gcol=True, **extra)
+                                       (2, 8, {"gemm1_unroll": 2, "gemm2_blocks": 6}), (1, 11, {"warps": 3})):
+                yield "mma", dict(dict(tile=8, warps=4, unroll=unroll, blocks_per_sm=bps, min_blocks=bps, pdl=True,
+                                       prefetch=False, f16x=True, lean=True, fused_x=2, act_f16=False, gcol=True),
+                                  **extra)
         # any token count at tiles of 8 rows: 32 warps an SM at 64 registers, activations prefetched (fp8: no spills)
         yield "mma", dict(tile=8, warps=8, unroll=1, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
                           prefetch_x=True, f16x=True)

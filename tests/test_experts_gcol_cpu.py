@@ -114,6 +114,23 @@ def test_two_steps_a_batch_in_each_gemm_at_its_own_register_bound(tmp_path):
         assert use["experts_gemm2"]["REG"] > 65536 // (32 * p["warps"] * 8), m.name   # (the bound did move)
 
 
+def test_three_warps_an_item_at_eleven_ctas_fit_without_spills_in_the_k_loops(tmp_path):
+    """gcol at 11 CTAs of 3 warps an SM (1452 CTAs on 132 SMs: gpt-oss-120b's 1440 experts_gemm1 items at one token
+    in one round, where 8 CTAs of 4 take 1.36): both kernels within the 56 registers a thread that 33 warps an SM
+    leave, and neither K-step loop touches local memory."""
+    store = DiskCache(tmp_path)
+    for m, _, gcol in mxfp4_pairs():
+        p = {**dict(gcol.params), "tile": 8, "warps": 3, "blocks_per_sm": 11, "min_blocks": 11}
+        spec = ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 1)}, p), m.hidden, m.intermediate,
+                            m.activation, "sm_90a", "mxfp4")
+        built = jit.build(spec, store=store)
+        text, use = resources.sass(built.files), dict(resources.usage(built.files))
+        for fn in ("experts_gemm1", "experts_gemm2"):
+            assert use[fn]["REG"] <= 56, (m.name, fn, use[fn]["REG"])
+            loop = resources.mma_loop(text, fn)
+            assert loop is not None and not loop[1], f"{m.name} {fn}: local memory in the K-step loop"
+
+
 def test_gemm1_unroll_without_gcol_is_refused():
     m, plain, _ = next(mxfp4_pairs())
     with pytest.raises(TierError, match="gemm1_unroll"):

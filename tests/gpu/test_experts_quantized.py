@@ -682,13 +682,14 @@ def test_lean_inside_a_cuda_graph(fmt):
 GCOL = dict(RULE_1_2, prefetch=False, lean=True, gcol=True)   # the 1-2-token rule's shape (it takes gcol)
 GCOL_SHAPES = [GCOL, dict(GCOL, unroll=2, blocks_per_sm=6, min_blocks=6),
                dict(GCOL, warps=2, blocks_per_sm=16, min_blocks=16),
-               dict(GCOL, warps=3, blocks_per_sm=10, min_blocks=10),
+               dict(GCOL, warps=3, blocks_per_sm=10, min_blocks=10), dict(GCOL, warps=3, blocks_per_sm=11, min_blocks=11),
                dict(GCOL, wide=True, blocks_per_sm=7, min_blocks=7),
                dict(GCOL, wide=True, unroll=2, blocks_per_sm=4, min_blocks=4), dict(GCOL, gemm1_unroll=2),
                dict(GCOL, unroll=2, gemm1_unroll=2, gemm2_blocks=6)]
 
 
-@pytest.mark.parametrize("params", GCOL_SHAPES, ids=lambda p: f"warps={p.get('warps', 4)},unroll={p.get('unroll', 1)}"
+@pytest.mark.parametrize("params", GCOL_SHAPES, ids=lambda p: f"warps={p.get('warps', 4)},ctas={p['blocks_per_sm']},"
+                                                               f"unroll={p.get('unroll', 1)}"
                                                                f"{',wide' if p.get('wide') else ''}"
                                                                f"{',gemm1_unroll=2' if p.get('gemm1_unroll') else ''}"
                                                                f"{',gemm2_blocks=6' if p.get('gemm2_blocks') else ''}")

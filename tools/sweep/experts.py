@@ -135,6 +135,10 @@ def main():
                                       build(dict(warps=4, unroll=u, blocks_per_sm=b, min_blocks=b, pdl=True,
                                                  prefetch=False, f16x=True, fused_x=2, act_f16=False, lean=True,
                                                  gcol=True, **extra))))
+                    cands.append(("w3 u1 b11 fx2 lean gcol",   # 1452 CTAs: one round of gpt-oss-120b's 1440 items
+                                  build(dict(warps=3, unroll=1, blocks_per_sm=11, min_blocks=11, pdl=True,
+                                             prefetch=False, f16x=True, fused_x=2, act_f16=False, lean=True,
+                                             gcol=True))))
                     for b, u, b2 in ((7, 1, None), (8, 1, None), (8, 2, 6)):   # two steps a load batch in
                         # experts_gemm1 alone (its registers allow them), and in experts_gemm2 at 6 CTAs (gemm2_blocks)
                         own = {"gemm2_blocks": b2} if b2 else {}
