@@ -69,6 +69,15 @@ def test_wide_reads_two_groups_a_lane_in_fewer_instructions_a_kib(tmp_path):
         assert body.count("HMMA") >= 16 and body.count("LDG.E.EF.128") >= 4
 
 
+def gcol_shape(m, gcol, store, **change):
+    """The 1-token gcol spec of model `m` with `change`d params, its SASS and its kernels' resources."""
+    p = {**dict(gcol.params), "tile": 8, **change}
+    spec = ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 1)}, p), m.hidden, m.intermediate, m.activation,
+                        "sm_90a", "mxfp4")
+    built = jit.build(spec, store=store)
+    return spec, p, resources.sass(built.files), dict(resources.usage(built.files))
+
+
 def test_gemm1_unroll_batches_two_steps_in_experts_gemm1_alone(tmp_path):
     """gemm1_unroll = 2 (with gcol, at the 1-token rule's 8 CTAs of 4 warps): experts_gemm1 issues two steps' weight
     loads together (twice the evict-first 16-byte loads of the rule's build, the scale bytes of a lane's two groups by
@@ -77,11 +86,7 @@ def test_gemm1_unroll_batches_two_steps_in_experts_gemm1_alone(tmp_path):
     store, seen = DiskCache(tmp_path), 0
     for m, _, gcol in mxfp4_pairs():
         seen += 1
-        p = {**dict(gcol.params), "tile": 8, "gemm1_unroll": 2}
-        two = ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 1)}, p), m.hidden, m.intermediate,
-                           m.activation, "sm_90a", "mxfp4")
-        built = jit.build(two, store=store)
-        text, use = resources.sass(built.files), dict(resources.usage(built.files))
+        _, p, text, use = gcol_shape(m, gcol, store, gemm1_unroll=2)
         one = resources.sass(jit.build(gcol, store=store).files)
         assert use["experts_gemm1"]["REG"] <= 65536 // (32 * p["warps"] * p["min_blocks"]), m.name
         loop = resources.mma_loop(text, "experts_gemm1")
@@ -100,11 +105,7 @@ def test_two_steps_a_batch_in_each_gemm_at_its_own_register_bound(tmp_path):
     loop touches local memory, each kernel within its bound, each grid its own CTAs an SM."""
     store = DiskCache(tmp_path)
     for m, _, gcol in mxfp4_pairs():
-        p = {**dict(gcol.params), "tile": 8, "unroll": 2, "gemm1_unroll": 2, "gemm2_blocks": 6}
-        spec = ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 1)}, p), m.hidden, m.intermediate,
-                            m.activation, "sm_90a", "mxfp4")
-        built = jit.build(spec, store=store)
-        text, use = resources.sass(built.files), dict(resources.usage(built.files))
+        spec, p, text, use = gcol_shape(m, gcol, store, unroll=2, gemm1_unroll=2, gemm2_blocks=6)
         launch = ex.persistent(spec)
         assert launch["experts_gemm1"].per_sm == 8 and launch["experts_gemm2"].per_sm == 6
         for fn, ctas in (("experts_gemm1", 8), ("experts_gemm2", 6)):
@@ -120,11 +121,7 @@ def test_three_warps_an_item_at_eleven_ctas_fit_without_spills_in_the_k_loops(tm
     leave, and neither K-step loop touches local memory."""
     store = DiskCache(tmp_path)
     for m, _, gcol in mxfp4_pairs():
-        p = {**dict(gcol.params), "tile": 8, "warps": 3, "blocks_per_sm": 11, "min_blocks": 11}
-        spec = ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 1)}, p), m.hidden, m.intermediate,
-                            m.activation, "sm_90a", "mxfp4")
-        built = jit.build(spec, store=store)
-        text, use = resources.sass(built.files), dict(resources.usage(built.files))
+        _, _, text, use = gcol_shape(m, gcol, store, warps=3, blocks_per_sm=11, min_blocks=11)
         for fn in ("experts_gemm1", "experts_gemm2"):
             assert use[fn]["REG"] <= 56, (m.name, fn, use[fn]["REG"])
             loop = resources.mma_loop(text, fn)
