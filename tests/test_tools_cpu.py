@@ -133,6 +133,8 @@ def test_the_wgmma_fp4_probe_builds_fp8_wgmmas_from_registers(k_bytes, unroll, l
     assert loop is not None and not loop[1]
     with pytest.raises(CompileError, match="divisor"):
         nvrtc_compile(wgmma_fp4.source(1440, 2, 32, 4), "wgmma_fp4", "sm_90a", "wgmma_fp4", None)   # 90 groups
+    with pytest.raises(ValueError, match="loads"):
+        wgmma_fp4.source(1440, 2, 16)
 
 
 def test_the_wgmma_fp4_probe_refuses_groups_a_step_that_do_not_divide_a_row(capsys):
@@ -142,8 +144,6 @@ def test_the_wgmma_fp4_probe_refuses_groups_a_step_that_do_not_divide_a_row(caps
     with pytest.raises(SystemExit):
         wgmma_fp4.main(["--gps", "4"])
     assert "--gps: divisors of the 90 groups a row of --k 2880" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="loads"):
-        wgmma_fp4.source(1440, 2, 16)
 
 
 def test_the_wgmma_fp4_layouts_compute_the_dequantized_product():
