@@ -40,17 +40,14 @@ from tools.bench.lib import elementwise_producer, read_bandwidth_tbs, require_gp
 SHAPES = {"deepseek-v3": (7168, 2048, 256, 8, "silu", False), "kimi-k2": (7168, 2048, 384, 8, "silu", False),
           "gpt-oss-120b": (2880, 2880, 128, 4, "gpt_oss", True), "kimi-k3": (3584, 2048, 896, 16, "situglu", False)}
 
-def occupancy(k):
-    """The fewest CTAs an SM holds of the kernels' launches, their dynamic shared memory counted (as the ops cap
-    their grids)."""
-    return min(resident(L.fn, L.block[0], L.smem) for L in k.launchers(1))
+GRID_PARAMS = ("blocks_per_sm", "gemm1_blocks", "gemm2_blocks")   # the CTAs an SM the launches ask for
 
 
-def overasks(k) -> bool:
-    """Whether a launch asks for more CTAs an SM (its own: gemm1_blocks, gemm2_blocks, else blocks_per_sm) than its
-    kernel's registers and shared memory let an SM hold."""
+def ctas_per_sm(k) -> dict[str, tuple[int, int]]:
+    """Each launch's (CTAs an SM it asks for: gemm1_blocks, gemm2_blocks, else blocks_per_sm; CTAs an SM its
+    kernel's registers and shared memory hold, its dynamic shared memory counted, as the ops cap their grids)."""
     asked = ex.Kernels.persistent(k.spec)
-    return any(L.name in asked and asked[L.name].per_sm > resident(L.fn, L.block[0], L.smem) for L in k.launchers(1))
+    return {L.name: (asked[L.name].per_sm, resident(L.fn, L.block[0], L.smem)) for L in k.launchers(1)}
 
 def spills(spec) -> bool:
     """Whether a built spec's kernels spill registers (a stack of more than 16 bytes, or local memory)."""
@@ -203,11 +200,12 @@ def main():
             res, seen = [], set()
             for label, s in cands:
                 k = ex.Kernels(s, dev)
-                occ = occupancy(k)
-                bps = dict(s.params).get("blocks_per_sm", 4)
-                if label != "rule" and overasks(k):
+                ctas = ctas_per_sm(k)
+                if label != "rule" and any(asked > held for asked, held in ctas.values()):
                     continue
-                key = (tuple(sorted((a, b) for a, b in s.params if a != "blocks_per_sm")), min(bps, occ))
+                # (the grids launched: the rule's capped where it asks for more than fits)
+                key = (tuple(sorted((a, b) for a, b in s.params if a not in GRID_PARAMS)),
+                       tuple(sorted((n, min(asked, held)) for n, (asked, held) in ctas.items())))
                 if key in seen and label != "rule":
                     continue
                 seen.add(key)
