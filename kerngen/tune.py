@@ -179,10 +179,9 @@ def experts_candidates(fmt: str = "bf16"):
         for tile, bps, px, early in itertools.product((8, 16), (3, 4), (False, True), (False, True)):
             yield "mma", dict(tile=tile, warps=4, unroll=1, blocks_per_sm=bps, pdl=True, prefetch_x=px, f16x=True,
                               mtiles=2, **({"early_l2": True} if early else {}))
-        for extra in ({}, {"early_l2": True}, {"w2_l2": 24}):   # two steps a batch, no early weight loads,
-            # registers bound to 4 CTAs; GEMM2's first weights toward L2 before its wait, or 24 MiB of them from GEMM1
+        for early in (False, True):   # two steps a batch, no early weight loads, registers bound to 4 CTAs
             yield "mma", dict(tile=8, warps=4, unroll=2, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
-                              prefetch_x=True, f16x=True, **extra)
+                              prefetch_x=True, f16x=True, **({"early_l2": True} if early else {}))
         for px, pp in itertools.product((False, True), (False, True)):   # 8 warps an item: half the steps a warp
             yield "mma", dict(tile=8, warps=8, unroll=1, blocks_per_sm=3, pdl=True, prefetch_x=px, f16x=True,
                               **({"pingpong": True} if pp else {}))
@@ -211,12 +210,10 @@ def experts_candidates(fmt: str = "bf16"):
             # load batch, both GEMMs in one launch (one_launch), a lane reading 32 contiguous bytes of a row a step
             # (wide, at 7 CTAs: 3-6% slower on an H100), two steps a batch in experts_gemm1 alone (gemm1_unroll),
             # and in experts_gemm2 too at 6 CTAs, its own register bound (gemm2_blocks); 11 CTAs of 3 warps (one
-            # round of gpt-oss-120b's 1440 experts_gemm1 items at one token); with experts_gemm1 sending 24 MiB of
-            # GEMM2's weights toward L2 (w2_l2)
+            # round of gpt-oss-120b's 1440 experts_gemm1 items at one token)
             for unroll, bps, extra in ((1, 8, {}), (2, 7, {}), (2, 6, {}), (1, 8, {"one_launch": True}),
                                        (1, 7, {"wide": True}), (1, 8, {"gemm1_unroll": 2}),
-                                       (2, 8, {"gemm1_unroll": 2, "gemm2_blocks": 6}), (1, 11, {"warps": 3}),
-                                       (1, 8, {"w2_l2": 24}), (1, 8, {"one_launch": True, "w2_l2": 24})):
+                                       (2, 8, {"gemm1_unroll": 2, "gemm2_blocks": 6}), (1, 11, {"warps": 3})):
                 yield "mma", dict(dict(tile=8, warps=4, unroll=unroll, blocks_per_sm=bps, min_blocks=bps, pdl=True,
                                        prefetch=False, f16x=True, lean=True, fused_x=2, act_f16=False, gcol=True),
                                   **extra)

@@ -161,30 +161,3 @@ def test_fp8_weights_refuse_it():
     with pytest.raises(TierError, match="gcol"):
         ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 2)}, p), m.hidden, m.intermediate, m.activation,
                      "sm_90a", "fp8")
-
-
-def test_w2_l2_sends_gemm2s_weights_from_gemm1_and_changes_nothing_else(tmp_path):
-    """w2_l2: experts_gemm1 sends experts_gemm2's weights toward L2 by bulk prefetches (UBLKPF) and the scales by
-    line prefetches, outside its K-step loop (the loop's instructions as without it, no local memory, registers within
-    the bound); experts_gemm2 is the build without it, instruction for instruction. Weights stored transposed are a
-    tier error, and so is a cap of 0 MiB (the param's range)."""
-    store, seen = DiskCache(tmp_path), 0
-    for m, _, gcol in mxfp4_pairs():
-        seen += 1
-        _, p, text0, _ = gcol_shape(m, gcol, store)
-        _, _, text, use = gcol_shape(m, gcol, store, w2_l2=24)
-        body = resources.function_sass(text, "experts_gemm1")
-        assert "UBLKPF.L2" in body and "CCTL" in body, m.name   # bulk prefetches, the scales' line prefetches
-        assert "UBLKPF" not in resources.function_sass(text0, "experts_gemm1")
-        loop, loop0 = resources.mma_loop(text, "experts_gemm1"), resources.mma_loop(text0, "experts_gemm1")
-        assert loop == loop0 and not loop[1], (m.name, loop, loop0)
-        assert use["experts_gemm1"]["REG"] <= 65536 // (32 * p["warps"] * p["min_blocks"])
-        assert use["experts_gemm1"].get("STACK", 0) == 0
-        assert normalize(text)["experts_gemm2"] == normalize(text0)["experts_gemm2"]
-        with pytest.raises(TierError, match="w2_l2"):
-            ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 1)}, {"tile": 8, "warps": 4, "unroll": 1,
-                                                                           "w2_l2": 24}),
-                         m.hidden, m.intermediate, m.activation, "sm_90a", "bf16", "kn")
-    with pytest.raises(TierError, match="w2_l2"):
-        tiers.check_params("a rule", "experts", "mma", {**p, "w2_l2": 0})
-    assert seen >= 2

@@ -752,35 +752,6 @@ def test_gemm1_unroll_gives_the_bits_of_one_step_a_batch(H, I, act, T):
     assert torch.equal(two[rows].view(torch.int16), one[rows].view(torch.int16))
 
 
-@pytest.mark.parametrize("fmt,params", [("mxfp4", GCOL), ("mxfp4", dict(GCOL, one_launch=True)),
-                                        ("fp8", dict(unroll=2, min_blocks=4, prefetch=False, prefetch_x=True,
-                                                     f16x=True)), ("fp8", dict(mtiles=2, prefetch_x=True, f16x=True))])
-@pytest.mark.parametrize("mib", [1, 64])
-@pytest.mark.parametrize("T", [1, 2, 9])
-def test_w2_l2_gives_the_same_bits(fmt, params, mib, T):
-    """w2_l2 only sends GEMM2's weights and scales toward L2 from experts_gemm1: the bits of the build without it,
-    with the cap cutting an expert short (1 MiB) or above every expert's bytes (64 MiB), over local experts too (tiles
-    of no local expert) and tiles sharing an expert (T = 9: more rows than a tile)."""
-    H, I = 2880, 2880
-    if T > params.get("fused_x", T):
-        pytest.skip("fused_x builds serve their rule's tokens only")
-    x, logits, w, s = make(fmt, T, 4, 16, H, I, seed=40 + T)
-    if T == 9:
-        logits = logits[:1].expand(T, -1).contiguous()
-    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8)
-    base, sent = (run_f16x(shape_kernels(fmt, H, I, 8, "gpt_oss", **p), x, r, w, s, interleaved=True, a0=1.702,
-                           a1=7.0) for p in (params, dict(params, w2_l2=mib)))
-    rows = r.permuted_to_token >= 0
-    assert torch.equal(sent[rows].view(torch.int16), base[rows].view(torch.int16))
-    check_rows(sent, ex.reference(x, r, *w, **s, activation="gpt_oss", interleaved=True), r)
-    r = kerngen.route(logits, top_k=4, method="softmax_topk", tile=8, local_experts=(4, 8))
-    wl, sl = tuple(t[4:12].contiguous() for t in w), {n: v[4:12].contiguous() for n, v in s.items()}
-    base, sent = (run_f16x(shape_kernels(fmt, H, I, 8, "gpt_oss", **p), x, r, wl, sl, interleaved=True, a0=1.702,
-                           a1=7.0) for p in (params, dict(params, w2_l2=mib)))
-    rows = r.permuted_to_token >= 0
-    assert torch.equal(sent[rows].view(torch.int16), base[rows].view(torch.int16))
-
-
 def test_mxfp4_scales_not_2_byte_aligned_are_refused():
     """MXFP4 scale tensors at an odd address (a view of a signature seen before included): a kerngen error naming
     the scales, before a 16-bit scale load could fault."""

@@ -7,7 +7,6 @@
     python3 -m tools.sweep.experts mxfp4-x16 gpt-oss-120b,kimi-k3 1,8,64 sweep
     python3 -m tools.sweep.experts mxfp4-x16 gpt-oss-120b,kimi-k3 1,2 deep     # deeper load batches only
     python3 -m tools.sweep.experts fp8-x16 deepseek-v3,kimi-k2 1,2 fused       # 32 warps an SM, x quantized in gemm1
-    python3 -m tools.sweep.experts mxfp4-x16 gpt-oss-120b,kimi-k3 1,2 l2       # the rule with GEMM2's weights to L2
 
 Random quantized weights (kerngen.tune.random_expert_weights: every code but NaN; scale bytes 118..123 for MXFP4) of
 up to 4 layers cycled, a routing per call, CUDA graphs, each step after a 4 MB producer kernel (its time taken off);
@@ -18,8 +17,7 @@ weight loads, and early_l2: the first weights toward L2 before the wait, beside 
 times instead only the f16x shapes of 3-6 steps a load batch: more weight bytes in flight a warp at few tokens;
 `fused` only the 1-2-token shapes of fused_x = 2 at 6-8 CTAs of 4 warps, one or two steps a load batch, with and
 without lean and act_f16, MXFP4 with gcol too (and one_launch, two steps a batch in experts_gemm1 alone:
-gemm1_unroll, or in both with experts_gemm2 at 6 CTAs: gemm2_blocks), and with lean at 5 and 6 warps an item); `l2`
-the rule with experts_gemm1's CTAs sending 8-48 MiB of GEMM2's weights toward L2 (w2_l2); each
+gemm1_unroll, or in both with experts_gemm2 at 6 CTAs: gemm2_blocks), and with lean at 5 and 6 warps an item), each
 launch at most as many CTAs an SM as the driver's occupancy query allows it (a shape asking for more is skipped). A
 -x16 format times the rule with f16x (activations carried as f16) beside it, and sweeps the f16x shapes. Every
 candidate is built first by a pool of processes. Correctness is the GPU tests' job
@@ -73,8 +71,8 @@ def main():
     a8 = fmt == "fp8-a8"   # fp8 weights with fp8 activations (experts(..., fp8_activations=True))
     x16 = fmt.endswith("-x16")   # the f16x launch shapes
     fmt = "fp8" if a8 else fmt.removesuffix("-x16")
-    sweep = len(sys.argv) > 4 and sys.argv[4] in ("sweep", "deep", "fused", "l2")
-    deep, fused, l2 = (sweep and sys.argv[4] == mode for mode in ("deep", "fused", "l2"))
+    sweep = len(sys.argv) > 4 and sys.argv[4] in ("sweep", "deep", "fused")
+    deep, fused = sweep and sys.argv[4] == "deep", sweep and sys.argv[4] == "fused"
     bw = read_bandwidth_tbs()
     dev, arch = 0, target_arch(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -106,12 +104,10 @@ def main():
             cands.append(("rule-nopf", build({**dict(rule.params), "prefetch": False})))
             if not a8:   # without early weight loads, the whole K steps with no bound checks
                 cands.append(("nopf-lean", build({**dict(rule.params), "prefetch": False, "lean": True})))
-            if a8 or x16 or dict(rule.params).get("f16x"):   # the rule with its first weights to L2 before the wait
+            if (a8 or x16 or dict(rule.params).get("f16x")) and not dict(rule.params).get("one_launch"):
+                # the rule with its first weights to L2 before the wait (one_launch has no wait between its GEMMs)
                 cands.append(("rule-early", build({**dict(rule.params), "early_l2": True,
                                                    **({} if a8 else {"f16x": True})})))
-            if l2:   # experts_gemm1's CTAs sending GEMM2's weights toward L2 (w2_l2: at most so many MiB)
-                for mib in (8, 16, 24, 32, 48):
-                    cands.append((f"rule w2_l2 {mib}", build({**dict(rule.params), "w2_l2": mib})))
             if deep:   # 3-6 steps a load batch (with and without the next batch's loads issued first)
                 for u, b, pf, mt in itertools.product((3, 4, 6), (3, 4), (False, True), (1, 2)):
                     cands.append((f"w4 u{u} b{b} t{mt}" + " nopf" * (not pf) + " h deep",
