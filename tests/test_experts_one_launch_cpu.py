@@ -123,3 +123,19 @@ def test_one_launch_fields_and_its_tickets_buffer(monkeypatch, fmt):
     assert any(t is old for t in k._kept)
     grid = k.launchers(tiles)[0].grid[0]
     assert grid == min(4 * tiers.SMS, tiles * sum(k._per_tile))
+
+
+def test_mxfp4_at_one_token_takes_one_launch_from_eight_experts_a_token():
+    """The shipped MXFP4 rules at one token: one launch where a token names 8 or more experts (kimi-k3's 16 tiles),
+    two launches below (gpt-oss-120b's 4: GEMM2 would wait on GEMM1's last round) and where top_k is not known;
+    kimi-k3's warmup builds experts_gemm12 for it."""
+    def one(top_k, H=3584, I=2048, act="situglu"):
+        s = ex.spec(H, I, None, act, 1, "sm_90a", fmt="mxfp4", experts=128, top_k=top_k)
+        return set(ex.persistent(s)) == {"experts_gemm12"}
+    assert one(16) and one(8) and not one(4) and not one(0)
+    assert not one(4, 2880, 2880, "gpt_oss")
+    t = tiers.load()
+    m = t.model("kimi-k3")
+    first = ex.spec(m.hidden, m.intermediate, None, m.activation, 1, "sm_90a", fmt="mxfp4", experts=m.num_experts,
+                    top_k=m.top_k)
+    assert set(ex.persistent(first)) == {"experts_gemm12"} and first in ex.model_specs(m, t, "sm_90a")

@@ -233,6 +233,18 @@ def test_gpt_oss_and_kimi_shapes(fmt, T):
         check(x, r, w, s, **kw)
 
 
+@pytest.mark.parametrize("T", [1, 2])
+def test_mxfp4_at_sixteen_experts_a_token_on_its_one_launch_rule(T):
+    """kimi-k3's K (16 experts a token): the shipped 1-2-token MXFP4 rules run both GEMMs in one launch; the
+    reference's values through kerngen.experts, over experts named by several tokens too."""
+    E, K, H, I = 64, 16, 3584, 2048
+    assert dict(ex.spec(H, I, None, "situglu", T, "sm_90a", fmt="mxfp4", experts=E, top_k=K).params)["one_launch"]
+    x, logits, w, s = make("mxfp4", T, K, E, H, I, seed=70 + T)
+    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=ex.tile_for(H, I, "situglu", T, 0, "mxfp4",
+                                                                                  experts=E, top_k=K))
+    check(x, r, w, s, activation="situglu", linear_beta=2.0)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("params", [dict(prefetch=False), dict(prefetch_x=True), dict(unroll=2, prefetch_x=True),
                                     dict(warps=8, unroll=2), dict(tile=16), dict(tile=16, prefetch_x=True),
