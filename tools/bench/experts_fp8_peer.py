@@ -113,7 +113,7 @@ def main():
             print(f"fp8 {m:12s} T={T:3d} floor {floor:7.1f} | kerngen fp8 {us_fp8:7.1f} ({100*floor/us_fp8:3.0f}%) | "
                   f"kerngen bf16 {us_bf:7.1f} | triton fp8 {us_tri:7.1f} ({100*floor/us_tri:3.0f}%) cfg {cfg1} {cfg2} | "
                   f"kerngen/triton {us_tri/us_fp8:.2f}x | err triton {err:.4f} kerngen {kerr:.4f}", flush=True)
-        del q, bf
+        q = bf = None   # (the weights freed before the next model)
         torch.cuda.empty_cache()
 
 

@@ -224,7 +224,7 @@ def main():
             for us, label, occ, p in res[:6] if sweep else [r for r in res if r[1] in ("bf16-act", "rule-x16", "rule-early",
                                                                             "rule-nopf", "nopf-lean")]:
                 print(f"      {us:7.1f} ({100*floor/us:3.0f}%) {label:12s} occ {occ} {p}", flush=True)
-        del W
+        W = None   # (this model's weights freed before the next)
         torch.cuda.empty_cache()
 
 
