@@ -44,7 +44,8 @@ def test_the_mxfp4_one_token_rule_takes_it_and_no_other():
     """Measured faster for MXFP4 at 1-2 tokens (tiers.toml); the same for fp8 there, slower with prefetch."""
     t = tiers.load()
     taking = [r for r in t.rules if r.op == "experts" and r.params.get("lean")]
-    assert [(r.formats, r.ranges["tokens"]) for r in taking] == [(("mxfp4",), (1, 1)), (("mxfp4",), (2, 2))]
+    assert [(r.formats, r.ranges["tokens"]) for r in taking] == [(("mxfp4",), (1, 1))] * 2 + [(("mxfp4",), (2, 2))]
+    assert taking[0].ranges["top_k"] == (8, 64) and "top_k" not in taking[1].ranges   # (one launch from 8 a token)
     for m, rule in one_token_rules():
         s = ex.rule_spec(rule, m.hidden, m.intermediate, m.activation, "sm_90a", m.experts_format)
         src = render.render(s)
