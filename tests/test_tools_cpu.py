@@ -251,7 +251,6 @@ def test_the_finalize_sweeps_wide_slices_are_refused_by_the_kernels_own_check_wh
         fin.kernel(spec_for(rule, *fin.tag_constants(2048, 22, "bfloat16", "float32"), "sm_90a"), 1, 0)
 
 
-
 def test_no_name_is_read_unbound_in_the_package_tools_or_tests():
     """pyflakes over kerngen/, tools/ and tests/: no name read before any binding of it (the GPU tools and tests run
     only on a GPU, where such a slip would first fail, at the cost of device time)."""
