@@ -264,3 +264,39 @@ def test_no_name_is_read_unbound_in_the_package_tools_or_tests():
         w = checker.Checker(ast.parse(path.read_text(), str(path)), filename=str(path.relative_to(root)))
         found += [str(m) for m in w.messages if isinstance(m, bad)]
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("one", [False, True])
+def test_the_experts_phase_probe_marks_every_item_and_compiles(one):
+    """tools/diagnose/experts_phases.py finds each kernel's entry and end and each GEMM1 / GEMM2 item (and with
+    one_launch each GEMM2 item's wait on its tile) in gpt-oss-120b's one-token MXFP4 build (its anchors are template
+    text: this fails when they drift), the instrumented source compiles for sm_90a, and its report reads a timeline
+    of known events."""
+    from kerngen import tiers
+    from kerngen.compile import nvrtc_compile
+    from kerngen.ops import experts as ex
+    from kerngen.render import render
+    from tools.diagnose import experts_phases as probe
+    s = ex.spec(2880, 2880, None, "gpt_oss", 1, "sm_90a", fmt="mxfp4", experts=128, top_k=4)
+    if one:
+        p = {k: v for k, v in dict(s.params, one_launch=True).items() if k != "backend"}
+        s = ex.rule_spec(tiers.Rule("experts", "mma", {"tokens": (1, 1)}, {**p, "tile": 8}), 2880, 2880, "gpt_oss",
+                         "sm_90a", "mxfp4")
+    src = probe.instrument(render(s))
+    kernels = (2,) if one else (0, 1)
+    for k in kernels:
+        assert src.count(f"kg_event({k}, 0, 0)") == 1 and src.count(f"kg_event({k}, 4, 0)") == 1
+    assert src.count(f"kg_event({kernels[0]}, 1, item)") == 1 and src.count(f"kg_event({kernels[-1]}, 2, item)") == 1
+    assert src.count("kg_event(2, 3, item)") == (1 if one else 0)
+    cubin, _ = nvrtc_compile(src, "experts_phases", "sm_90a", "experts_phases", None)
+    assert cubin[:4] == b"\x7fELF" and b"kg_ev" in cubin
+    # two CTAs of one launch: CTA 0 runs GEMM1 item 0 (0-4 µs), then GEMM2 item 0 which waits until 6 µs and ends at
+    # 9; CTA 1 runs GEMM1 item 1 (1-5 µs) and ends
+    us = 1000
+    ev = [(0, 2, 0, 0, 0), (0, 2, 1, 0, 0), (4 * us, 2, 2, 0, 0), (6 * us, 2, 3, 0, 0), (9 * us, 2, 4, 0, 0),
+          (1 * us, 2, 0, 0, 1), (1 * us, 2, 1, 1, 1), (5 * us, 2, 4, 0, 1)]
+    text = probe.summary(ev)
+    assert "span 9.00" in text and "(2 CTAs)" in text
+    assert "gemm1 items: 2, start 0.00 / 0.50 / 1.00, length 4.00 / 4.00 / 4.00" in text
+    assert "gemm2 items: 1, start 4.00 / 4.00 / 4.00, length 5.00 / 5.00 / 5.00" in text
+    assert "gemm2 waits on their tiles: 2.00 / 2.00 / 2.00 (1 over 0.5 µs)" in text
