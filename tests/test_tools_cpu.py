@@ -15,7 +15,7 @@ GPU_TOOLS = ["tools.bench.__main__", "tools.bench.routing", "tools.bench.routing
              "tools.diagnose.sanitize_run", "tools.bench.experts", "tools.bench.latent_tail", "tools.sweep.finalize",
              "tools.sweep.tail", "tools.sweep.experts fp8 deepseek-v3 1", "tools.diagnose.experts_alone",
              "tools.diagnose.pdl_cost", "tools.diagnose.read_pattern", "tools.diagnose.wgmma_fp4",
-             "tools.diagnose.wgmma_smem"]
+             "tools.diagnose.wgmma_smem", "tools.diagnose.experts_phases", "tools.diagnose.latent_phases"]
 
 
 @pytest.mark.parametrize("command", GPU_TOOLS)
