@@ -20,6 +20,7 @@ import argparse
 import ctypes
 import statistics
 
+from ..bench.experts import parse_rule
 from ..bench.lib import require_gpu
 
 MAX_EVENTS = 1 << 16
@@ -182,15 +183,12 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="gpt-oss-120b")
     ap.add_argument("--tokens", default="1")
     ap.add_argument("--format", default="mxfp4", choices=("bf16", "fp8", "mxfp4"))
-    ap.add_argument("--rule", default=None, help="params laid over the tier rule's, e.g. one_launch=true")
+    ap.add_argument("--rule", type=parse_rule, default=None,
+                    help="params laid over the tier rule's, e.g. one_launch=true")
     a = ap.parse_args(argv)
     require_gpu("python3 -m tools.diagnose.experts_phases")
-    rule = None
-    if a.rule:
-        rule = {k: (v == "true" if v in ("true", "false") else int(v))
-                for k, v in (kv.split("=") for kv in a.rule.split(","))}
     for T in (int(t) for t in a.tokens.split(",")):
-        print(run(a.model, T, a.format, rule), flush=True)
+        print(run(a.model, T, a.format, a.rule), flush=True)
     return 0
 
 
