@@ -58,18 +58,13 @@ def instrument(source: str) -> str:
     if not heads:
         raise ValueError("experts_phases: no experts GEMM kernel in the source")
     out, last = [], 0
-    for n, (pos, k) in enumerate(heads):   # each kernel: entry, its items, end
+    for pos, k in heads:   # each kernel: entry, its items, end
         body_at = src.index("{\n", pos) + 2
         end = src.find("\n}\n", body_at)
         body = src[body_at:end]
         for anchor, kind, after in ITEM_ANCHORS:
-            at, found = 0, []
-            while (at := body.find(anchor, at)) >= 0:
-                found.append(at)
-                at += len(anchor)
-            for at in reversed(found):
-                cut = at + len(anchor) if after else at
-                body = body[:cut] + f"        kg_event({k}, {kind}, item);\n" + body[cut:]
+            event = f"        kg_event({k}, {kind}, item);\n"
+            body = body.replace(anchor, anchor + event if after else event + anchor)
         out += [src[last:body_at], f"    kg_event({k}, 0, 0);\n", body, f"\n    kg_event({k}, 4, 0);"]
         last = end
     out.append(src[last:])
@@ -103,12 +98,13 @@ def summary(events: list[tuple[int, int, int, int, int]]) -> str:
         spans = {1: [], 2: []}   # (start, end) of each item: the CTA's next event ends it
         waits = []
         for seq in by_cta.values():
-            for a, b in zip(seq, seq[1:]):
+            for i, a in enumerate(seq[:-1]):
                 if a[2] in (1, 2):
-                    nxt = b if b[2] != 3 else next((c for c in seq[seq.index(b) + 1:]), b)
-                    spans[a[2]].append((a[0], nxt[0]))
-                    if b[2] == 3:
+                    b = seq[i + 1]
+                    if b[2] == 3:   # a GEMM2 item's wait: the item ends at the event after it
                         waits.append(b[0] - a[0])
+                        b = seq[min(i + 2, len(seq) - 1)]
+                    spans[a[2]].append((a[0], b[0]))
         for kind in (1, 2):
             if spans[kind]:
                 s = spans[kind]
