@@ -20,7 +20,7 @@ import argparse
 import ctypes
 import statistics
 
-from ..bench.experts import parse_rule
+from ..bench import experts as bench
 from ..bench.lib import require_gpu
 
 MAX_EVENTS = 1 << 16
@@ -126,7 +126,6 @@ def run(model: str, T: int, fmt: str, rule: dict | None) -> str:
     from kerngen.plan import target_arch
     from kerngen.timing import elementwise_producer
     from kerngen.tune import random_expert_weights
-    from ..bench import experts as bench
 
     H, I, E, K, act, gpt = bench.SHAPES[model]
     arch = target_arch()
@@ -135,12 +134,11 @@ def run(model: str, T: int, fmt: str, rule: dict | None) -> str:
         p = {**dict(spec.params), **rule}
         spec = bench.launch_spec({k: v for k, v in p.items() if k != "backend"}, ex.tile_of(spec), H, I, act, arch,
                                  fmt, "nk", False)
-    render, modules = jit.render, []
+    render = jit.render
     jit.render = lambda s: instrument(render(s)) if s == spec else render(s)
     launch._resolved.pop(spec, None)
     try:
-        k = ex.Kernels(spec, torch.cuda.current_device())
-        modules.append(k._mod)
+        k = ex.Kernels(spec, torch.cuda.current_device())   # (its module: the instrumented build)
     finally:
         jit.render = render
         launch._resolved.pop(spec, None)   # (later uses of the spec in this process: the plain build)
@@ -155,8 +153,8 @@ def run(model: str, T: int, fmt: str, rule: dict | None) -> str:
     if fmt != "bf16":
         kw.update(w13_scale=s13, w2_scale=s2)
     produce = elementwise_producer()
-    _, nev, _ = drv.cuLibraryGetGlobal(modules[0]._library, b"kg_nev")
-    _, evp, size = drv.cuLibraryGetGlobal(modules[0]._library, b"kg_ev")
+    _, nev, _ = drv.cuLibraryGetGlobal(k._mod._library, b"kg_nev")
+    _, evp, size = drv.cuLibraryGetGlobal(k._mod._library, b"kg_ev")
     for _ in range(3):
         torch.cuda.synchronize()
         drv.cuMemsetD32(nev, 0, 1)
@@ -179,7 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="gpt-oss-120b")
     ap.add_argument("--tokens", default="1")
     ap.add_argument("--format", default="mxfp4", choices=("bf16", "fp8", "mxfp4"))
-    ap.add_argument("--rule", type=parse_rule, default=None,
+    ap.add_argument("--rule", type=bench.parse_rule, default=None,
                     help="params laid over the tier rule's, e.g. one_launch=true")
     a = ap.parse_args(argv)
     require_gpu("python3 -m tools.diagnose.experts_phases")
