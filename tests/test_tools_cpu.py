@@ -300,3 +300,13 @@ def test_the_experts_phase_probe_marks_every_item_and_compiles(one):
     assert "gemm1 items: 2, start 0.00 / 0.50 / 1.00, length 4.00 / 4.00 / 4.00" in text
     assert "gemm2 items: 1, start 4.00 / 4.00 / 4.00, length 5.00 / 5.00 / 5.00" in text
     assert "gemm2 waits on their tiles: 2.00 / 2.00 / 2.00 (1 over 0.5 µs)" in text
+
+
+def test_the_experts_phase_probe_takes_a_rule_of_a_few_params():
+    """--rule one_launch=true is laid over the tier rule's params (the probe's documented call), so it parses alone;
+    a name or value that is not a param's form is still refused."""
+    from tools.diagnose import experts_phases as probe
+    a = probe.parse_args(["--model", "gpt-oss-120b", "--tokens", "1", "--rule", "one_launch=true"])
+    assert a.rule == {"one_launch": True} and a.tokens == "1"
+    with pytest.raises(SystemExit):
+        probe.parse_args(["--rule", "one_launch"])

@@ -419,16 +419,18 @@ def launch_spec(params: dict, tile: int, H: int, I: int, act: str, arch: str, fm
     return ex.rule_spec(Rule("experts", "mma", ranges, {**p, "tile": t}), H, I, act, arch, fmt, layout, a8)
 
 
-def parse_rule(text: str) -> dict:
+def parse_rule(text: str, partial: bool = False) -> dict:
     """--rule's launch params, e.g. "warps=4,unroll=2,blocks_per_sm=4,min_blocks=4,pdl=true", checked against the
     experts mma params (the tile is the routing's, from the tier table, unless the rule names one: then its kernels
-    read routings of the same logits at that tile). ValueError or TierError if they do not fit."""
+    read routings of the same logits at that tile). ValueError or TierError if they do not fit. `partial`: params
+    laid over a tier rule's (checked once merged), so none is required here."""
     try:
         rule = {k: (v == "true" if v in ("true", "false") else int(v))
                 for k, v in (kv.split("=") for kv in text.split(","))}
     except ValueError:
         raise ValueError(f"--rule {text!r}: expected comma-separated name=integer or name=true|false") from None
-    check_params("--rule", "experts", "mma", {"tile": 16, **rule})
+    if not partial:
+        check_params("--rule", "experts", "mma", {"tile": 16, **rule})
     return rule
 
 

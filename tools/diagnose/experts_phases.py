@@ -172,14 +172,18 @@ def run(model: str, T: int, fmt: str, rule: dict | None) -> str:
     return f"{model} T={T} {fmt} {dict(spec.params)}: {count.value} events\n" + summary(events)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt-oss-120b")
     ap.add_argument("--tokens", default="1")
     ap.add_argument("--format", default="mxfp4", choices=("bf16", "fp8", "mxfp4"))
-    ap.add_argument("--rule", type=bench.parse_rule, default=None,
+    ap.add_argument("--rule", type=lambda t: bench.parse_rule(t, partial=True), default=None,
                     help="params laid over the tier rule's, e.g. one_launch=true")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     require_gpu("python3 -m tools.diagnose.experts_phases")
     for T in (int(t) for t in a.tokens.split(",")):
         print(run(a.model, T, a.format, a.rule), flush=True)
