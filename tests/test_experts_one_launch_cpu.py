@@ -139,3 +139,40 @@ def test_mxfp4_at_one_token_takes_one_launch_from_eight_experts_a_token():
     first = ex.spec(m.hidden, m.intermediate, None, m.activation, 1, "sm_90a", fmt="mxfp4", experts=m.num_experts,
                     top_k=m.top_k)
     assert set(ex.persistent(first)) == {"experts_gemm12"} and first in ex.model_specs(m, t, "sm_90a")
+
+
+def test_chunks_build_within_their_registers_and_wait_in_the_step(tmp_path):
+    """chunks (GEMM1 chunk-major, each GEMM2 step waiting on its 128 columns) on every shipped fp8 / MXFP4 model's
+    one-token one_launch rule: within the register bound, a few words of stack outside the loop, none in it; the
+    chunk wait sits in the step, before the activations' loads, and the tile wait is gone. Without chunks the source
+    holds none of it."""
+    store, seen = DiskCache(tmp_path), set()
+    for m, fmt, rule in decode_rules():
+        if fmt == "bf16":
+            continue
+        s = spec(m, fmt, tiers.Rule("experts", "mma", rule.ranges, dict(rule.params, lean=True, chunks=True)))
+        src = render.render(s)
+        assert "kg_chunk_item(t, items / S)" in src and "kg_wait_tile(p, j);" not in src, m.name
+        step = src[src.index("kg_chunk_wait(chunk_sync, chunk_tile, s0 + u * WARPS)"):]
+        assert step.index("load_x32<") < step.index("mma_bf16("), m.name   # the wait before the step's x loads
+        files = jit.build(s, store=store).files
+        use = dict(resources.usage(files))["experts_gemm12"]
+        launch = ex.persistent(s)["experts_gemm12"]
+        assert use["REG"] * launch.threads * launch.per_sm <= 65536 and use.get("STACK", 0) <= 32, (m.name, use)
+        loop = resources.mma_loop(resources.sass(files), "experts_gemm12")
+        assert loop is not None and not loop[1], f"{m.name} {fmt}: local memory in the K-step loop"
+        plain = render.render(spec(m, fmt, rule))
+        assert "kg_chunk" not in plain and "kg_wait_tile(p, j);" in plain
+        seen.add(fmt)
+    assert seen == {"fp8", "mxfp4"}
+
+
+@pytest.mark.parametrize("params,fmt", [
+    (dict(chunks=True, lean=True, prefetch=False), "mxfp4"),                      # without one_launch
+    (dict(chunks=True, one_launch=True), "mxfp4"),                                # without lean
+    (dict(chunks=True, one_launch=True), "bf16"),                                 # bf16 weights
+])
+def test_chunks_outside_their_builds_are_refused(params, fmt):
+    rule = tiers.Rule("experts", "mma", {"tokens": (1, 2)}, dict(tile=8, warps=4, unroll=1, **params))
+    with pytest.raises(TierError, match="chunks"):
+        ex.rule_spec(rule, 1024, 256, "silu", "sm_90a", fmt, "nk")
