@@ -205,7 +205,6 @@ register(Op("experts", {
             "wide": FLAG,   # with gcol: a lane reads 32 contiguous bytes of a row a step (two groups, 256-wide steps)
             "gemm1_unroll": _n(1, 8),   # with gcol: experts_gemm1's steps a load batch where not unroll
             "one_launch": FLAG,   # both GEMMs in one launch: tickets, GEMM2's items waiting on their tile's GEMM1
-            "chunks": FLAG,   # with one_launch, lean: GEMM1 chunk-major, GEMM2's steps each waiting on its chunk
             "early_l2": FLAG}},   # the first item's first weight bytes to L2 before the wait
     public={"experts": "experts.experts"}, torch=("moe_experts",), shape=("hidden", "intermediate"), tunable=True))
 

@@ -81,10 +81,6 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
                                      or params.get("stage_act")):
         raise TierError(f"{where} sets one_launch, which builds without quantizing launches take (bf16 activations, "
                         "or f16x with fused_x and act_f16 = false), without early_l2 and stage_act")
-    if params.get("chunks") and not (params.get("one_launch") and params.get("lean") and fmt in ("fp8", "mxfp4")
-                                     and params.get("mtiles", 1) == 1):
-        raise TierError(f"{where} sets chunks, which fp8 and MXFP4 weights take with one_launch, lean and one m16 "
-                        "tile of weight rows an item (mtiles = 1)")
     if params.get("one_launch") and ("gemm1_blocks" in params or "gemm2_blocks" in params):
         raise TierError(f"{where} sets gemm1_blocks or gemm2_blocks with one_launch: both GEMMs then run in one "
                         "launch, of blocks_per_sm CTAs an SM")

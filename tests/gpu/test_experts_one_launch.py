@@ -9,7 +9,6 @@ import kerngen
 from kerngen import tiers
 from kerngen.ops import experts as ex
 from kerngen.plan import target_arch
-from kerngen.render import render
 from tests.gpu.test_experts import make as make_bf16
 from tests.gpu.test_experts_quantized import RULE_1_2, check_rows, make as make_q
 
@@ -21,16 +20,14 @@ QUANT = {"mxfp4": [dict(RULE_1_2, prefetch=False, lean=True, gcol=True, pdl=True
                    dict(RULE_1_2, prefetch=False, lean=True, pdl=True)],
          "fp8": [dict(RULE_1_2, prefetch=False, lean=True, pdl=True), dict(RULE_1_2, pdl=True)]}
 SHAPES = [(1024, 256, "silu"), (2880, 2880, "gpt_oss"), (3584, 2048, "situglu")]
-CHUNKS = {fmt: [dict(p, chunks=True) for p in QUANT[fmt]] for fmt in QUANT}   # GEMM2's steps wait on their chunk
 
 
 def kernels(fmt, H, I, tile, act, **params):
     """(one_launch kernels, the two-launch kernels) of one launch shape."""
     base = {**dict(warps=4, unroll=1, blocks_per_sm=4), **params, "tile": tile}
     ranges = {"tokens": (1, params["fused_x"])} if params.get("fused_x") else {}
-    two = {k: v for k, v in base.items() if k != "chunks"}   # (chunks: a one_launch form)
-    out = tuple(ex.Kernels(ex.rule_spec(tiers.Rule("experts", "mma", ranges, b), H, I, act, target_arch(0), fmt, "nk"),
-                           0) for b in ({**base, "one_launch": True}, two))
+    out = tuple(ex.Kernels(ex.rule_spec(tiers.Rule("experts", "mma", ranges, {**base, **one}), H, I, act,
+                                        target_arch(0), fmt, "nk"), 0) for one in ({"one_launch": True}, {}))
     assert out[0].one and not out[1].one
     return out
 
@@ -99,28 +96,6 @@ def test_quantized_gives_the_bits_of_two_launches(fmt, case, H, I, act, T):
     same_bits_as_two_launches(fmt, H, I, act, 8, T, QUANT[fmt][case], seed=T + H + case)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
-@pytest.mark.parametrize("case", [0, 1])
-@pytest.mark.parametrize("H,I,act", SHAPES)
-@pytest.mark.parametrize("T", [1, 2, 7])
-def test_chunks_give_the_bits_of_two_launches(fmt, case, H, I, act, T):
-    """chunks: GEMM1's items chunk-major, each GEMM2 step waiting on its own 128 columns (2, 16 and 22.5 chunks a
-    tile: gpt-oss-120b's last chunk holds 64 columns), call after call, against the two launches and the reference."""
-    if fmt == "fp8" and (H % 128 or I % 128):
-        pytest.skip("fp8 block scales need multiples of 128")
-    one, _ = same_bits_as_two_launches(fmt, H, I, act, 8, T, CHUNKS[fmt][case], seed=T + H + case + 40)
-    assert "kg_chunk_wait(chunk_sync" in render(one.spec)
-
-
-@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
-def test_chunks_over_many_tiles_and_local_experts(fmt):
-    """chunks with hundreds of tiles of one row (every tile's chunk counters zeroed by the last CTA, then one token
-    again) and with local experts."""
-    same_bits_as_two_launches(fmt, 1024, 256, "silu", 1, 64, CHUNKS[fmt][0], E=128, K=8, seed=8)
-    same_bits_as_two_launches(fmt, 1024, 256, "silu", 1, 1, CHUNKS[fmt][0], E=128, K=8, seed=9)
-    same_bits_as_two_launches(fmt, 2048, 2048, "silu", 8, 2, CHUNKS[fmt][0], local=(4, 8), seed=10)
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_local_experts_and_many_tiles(fmt):
     """Experts 4..11 of 16 (tiles of the others unused), and 64 tokens on 8 of 128 experts in tiles of one row
@@ -132,11 +107,10 @@ def test_local_experts_and_many_tiles(fmt):
         same_bits_as_two_launches(fmt, 1024, 256, "silu", 1, 1, params, E=128, K=8, seed=7)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "mxfp4-chunks"])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_inside_a_cuda_graph(fmt):
     """One launch captured, replayed on new logits five times, each replay's bits the two launches' (eager)."""
-    params = BF16[0] if fmt == "bf16" else CHUNKS["mxfp4"][0] if fmt == "mxfp4-chunks" else QUANT[fmt][0]
-    fmt = fmt.split("-")[0]
+    params = BF16[0] if fmt == "bf16" else QUANT[fmt][0]
     H, I, T, K, E = 2880, 2880, 2, 4, 16
     one, two = kernels(fmt, H, I, 8, "gpt_oss", **params)
     x, logits, w, s, bias = inputs(fmt, T, K, E, H, I, "gpt_oss", seed=11)
