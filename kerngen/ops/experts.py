@@ -120,9 +120,8 @@ class Kernels:
                              pdl=self._pdl),
                     Launcher(self._mod, "experts_gemm2", self.device, grid2, block, params, dyn["experts_gemm2"],
                              pdl=self._pdl))
-            if w2_smem(self.spec) and self.device >= 0:   # experts_gemm2's CTAs fit beside experts_gemm1's
-                for launcher in pair:
-                    prefer_shared(launcher.fn)
+            if w2_smem(self.spec) and self.device >= 0:   # room for experts_gemm2's CTAs on the SMs they reach
+                prefer_shared(pair[1].fn)
             if self.qx:   # a warp per 128 values; grids striding over the rows (x: at most tiles * tile)
                 def quant(name, cols):
                     if name not in self._quants:

@@ -81,10 +81,10 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
                                      or params.get("stage_act")):
         raise TierError(f"{where} sets one_launch, which builds without quantizing launches take (bf16 activations, "
                         "or f16x with fused_x and act_f16 = false), without early_l2 and stage_act")
-    if params.get("w2_smem") and not (fmt == "mxfp4" and fused and params.get("lean") and not params.get("act_f16", True)
+    if (params.get("w2_smem") or params.get("w2_ahead")) and not (fmt == "mxfp4" and fused and params.get("lean") and not params.get("act_f16", True)
                                       and not params.get("one_launch")):
-        raise TierError(f"{where} sets w2_smem, which MXFP4 weights take with fused_x, lean, act_f16 = false and two "
-                        "launches (not one_launch)")
+        raise TierError(f"{where} sets w2_smem or w2_ahead, which MXFP4 weights take with fused_x, lean, act_f16 = "
+                        "false and two launches (not one_launch)")
     if params.get("one_launch") and ("gemm1_blocks" in params or "gemm2_blocks" in params):
         raise TierError(f"{where} sets gemm1_blocks or gemm2_blocks with one_launch: both GEMMs then run in one "
                         "launch, of blocks_per_sm CTAs an SM")
