@@ -176,14 +176,6 @@ def allow_smem(fn, dynamic: int) -> None:
             "raising the dynamic shared memory limit")
 
 
-def prefer_shared(fn) -> None:
-    """Ask that the SMs running the function split their L1 / shared memory toward the most shared memory (carveout
-    100%): a kernel whose CTAs must find room beside it (a programmatic dependent launch's) keeps its SMs so split."""
-    drv = _drv()
-    _ok(drv.cuFuncSetAttribute(fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100),
-        "setting the function's shared memory carveout")
-
-
 def resident(fn, threads: int, dynamic: int = 0) -> int:
     """CTAs of `threads` threads with `dynamic` bytes of dynamic shared memory that one SM of the function's device
     holds at once: the driver's occupancy calculator (registers, shared memory, warp and CTA slots; kerngen.occupancy

@@ -205,8 +205,6 @@ register(Op("experts", {
             "wide": FLAG,   # with gcol: a lane reads 32 contiguous bytes of a row a step (two groups, 256-wide steps)
             "gemm1_unroll": _n(1, 8),   # with gcol: experts_gemm1's steps a load batch where not unroll
             "one_launch": FLAG,   # both GEMMs in one launch: tickets, GEMM2's items waiting on their tile's GEMM1
-            "w2_smem": FLAG,   # MXFP4 with fused_x: gemm2's first item's weights into shared memory before its wait
-            "w2_ahead": FLAG,   # MXFP4 with fused_x: gemm2's first item's weights toward L2 before its wait
             "early_l2": FLAG}},   # the first item's first weight bytes to L2 before the wait
     public={"experts": "experts.experts"}, torch=("moe_experts",), shape=("hidden", "intermediate"), tunable=True))
 

@@ -23,7 +23,7 @@ from .. import plan as plan_mod
 from .. import tiers
 from ..errors import InputError
 from .. import env
-from ..launch import EagerGraphs, Launcher, current_stream, prefer_shared
+from ..launch import EagerGraphs, Launcher, current_stream
 from ..occupancy import Launch
 from ..dispatch import Dispatch, OpDispatch
 from . import _common
@@ -37,7 +37,7 @@ from .experts_plan import (FUSED_SMEM, MMA_MAX_TILE, PARAMS, PARAMS_A8, PARAMS_S
                            SYNC_LINE, dynamic_smem, explain_rule, explain_spec, fused_smem, gemm_kernels,
                            model_specs, one_launch, params_struct, quant_kernels, quant_launches,
                            quantizes_activations, rule_format, rule_shape, rule_spec, spec, sync_ints, tag_constants,
-                           tile_of, w2_smem)
+                           tile_of)
 
 VARIANTS = ("mma",)
 # KERNGEN_EAGER_GRAPHS unset: eager calls of at most so many tokens replay repeated launches from a CUDA graph (one
@@ -120,8 +120,6 @@ class Kernels:
                              pdl=self._pdl),
                     Launcher(self._mod, "experts_gemm2", self.device, grid2, block, params, dyn["experts_gemm2"],
                              pdl=self._pdl))
-            if w2_smem(self.spec) and self.device >= 0:   # room for experts_gemm2's CTAs on the SMs they reach
-                prefer_shared(pair[1].fn)
             if self.qx:   # a warp per 128 values; grids striding over the rows (x: at most tiles * tile)
                 def quant(name, cols):
                     if name not in self._quants:

@@ -81,10 +81,6 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
                                      or params.get("stage_act")):
         raise TierError(f"{where} sets one_launch, which builds without quantizing launches take (bf16 activations, "
                         "or f16x with fused_x and act_f16 = false), without early_l2 and stage_act")
-    if (params.get("w2_smem") or params.get("w2_ahead")) and not (fmt == "mxfp4" and fused and params.get("lean") and not params.get("act_f16", True)
-                                      and not params.get("one_launch")):
-        raise TierError(f"{where} sets w2_smem or w2_ahead, which MXFP4 weights take with fused_x, lean, act_f16 = "
-                        "false and two launches (not one_launch)")
     if params.get("one_launch") and ("gemm1_blocks" in params or "gemm2_blocks" in params):
         raise TierError(f"{where} sets gemm1_blocks or gemm2_blocks with one_launch: both GEMMs then run in one "
                         "launch, of blocks_per_sm CTAs an SM")
@@ -144,29 +140,15 @@ def fused_smem(rows: int, cols: int) -> int:
     return rows * (2 * cols + 4 * -(-cols // QBLOCK))
 
 
-def w2_smem(s: plan_mod.KernelSpec) -> bool:
-    """Does spec `s`'s experts_gemm2 copy its first item's weights into shared memory before its wait (its rule's
-    w2_smem, where an item's 16 rows and their scales are whole 16-byte copies: H % 16 == 0, H * I % 512 == 0)?"""
-    c = dict(s.constants)
-    return bool(dict(s.params).get("w2_smem")) and c["H"] % 16 == 0 and c["H"] * c["I"] % 512 == 0
-
-
-def w2_smem_bytes(I: int) -> int:
-    """w2_smem's shared memory: 16 MXFP4 weight rows of I values and their e8m0 scales."""
-    return 16 * (I // 2 + I // 32)
-
-
 def dynamic_smem(s: plan_mod.KernelSpec) -> dict[str, int]:
     """Each GEMM's dynamic shared memory: fused_x rows of x (experts_gemm1), with stage_act rows of the intermediate
-    (experts_gemm2), with w2_smem an item's weight rows and scales (experts_gemm2); none otherwise. one_launch:
-    experts_gemm12's, GEMM1's."""
+    (experts_gemm2); none otherwise. one_launch: experts_gemm12's, GEMM1's."""
     p, c = dict(s.params), dict(s.constants)
     fx = p.get("fused_x", 0) if p.get("f16x") else 0
     if one_launch(s):
         return {"experts_gemm12": fused_smem(fx, c["H"])}
     return {"experts_gemm1": fused_smem(fx, c["H"]),
-            "experts_gemm2": (fused_smem(fx, c["I"]) if fx and p.get("stage_act") and p.get("act_f16", True)
-                              else w2_smem_bytes(c["I"]) if w2_smem(s) else 0)}
+            "experts_gemm2": fused_smem(fx, c["I"]) if fx and p.get("stage_act") and p.get("act_f16", True) else 0}
 
 
 def quant_kernels(s: plan_mod.KernelSpec) -> tuple[str, ...]:

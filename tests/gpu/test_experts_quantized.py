@@ -764,56 +764,6 @@ def test_gemm1_unroll_gives_the_bits_of_one_step_a_batch(H, I, act, T):
     assert torch.equal(two[rows].view(torch.int16), one[rows].view(torch.int16))
 
 
-@pytest.mark.parametrize("mode", ["w2_smem", "w2_ahead"])
-@pytest.mark.parametrize("T,E,K", [(1, 16, 4), (2, 16, 4), (1, 128, 4), (2, 128, 8)])
-@pytest.mark.parametrize("H,I,act", [(1024, 256, "silu"), (2880, 2880, "gpt_oss"), (3584, 2048, "situglu")])
-def test_w2_smem_gives_the_bits_of_the_rule(H, I, act, T, E, K, mode):
-    """w2_smem (each experts_gemm2 CTA's first item's weight rows and scales copied into shared memory before its
-    wait, its steps read from there) and w2_ahead (those rows sent toward L2) give the 1-token rule's bits: CTAs of
-    one item and, at 2 tokens of 8 experts (more items than CTAs at 2880), CTAs whose later items read global
-    memory; call after call (the copies of one call never read by the next), and within the reference's bound."""
-    x, logits, w, s = make("mxfp4", T, K, E, H, I, seed=H + 11 * T + E)
-    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
-    kw = dict(interleaved=act == "gpt_oss", a0={"gpt_oss": 1.702, "situglu": 1.0, "silu": 0.0}[act],
-              a1={"gpt_oss": 7.0, "situglu": 2.0, "silu": 0.0}[act])
-    plain, smem = (shape_kernels("mxfp4", H, I, 8, act, **p) for p in (GCOL, dict(GCOL, **{mode: True})))
-    assert ex.dynamic_smem(smem.spec)["experts_gemm2"] == (16 * (I // 2 + I // 32) if mode == "w2_smem" else 0)
-    want = run_f16x(plain, x, r, w, s, **kw)
-    rows = r.permuted_to_token >= 0
-    for _ in range(2):
-        got = run_f16x(smem, x, r, w, s, **kw)
-        assert torch.equal(got[rows].view(torch.int16), want[rows].view(torch.int16))
-    ref_kw = dict(activation=act, interleaved=act == "gpt_oss", linear_beta=2.0 if act == "situglu" else 0.0)
-    check_rows(got, ex.reference(x, r, *w, **s, **ref_kw), r)
-
-
-def test_w2_smem_inside_a_cuda_graph_on_new_logits():
-    """w2_smem captured once and replayed on new logits (each replay's CTAs copy the rows of the experts that
-    routing names then): the plain rule's bits each time."""
-    H, I, T, K, E = 2880, 2880, 1, 4, 128
-    x, logits, w, s = make("mxfp4", T, K, E, H, I, seed=31)
-    kw = dict(interleaved=True, a0=1.702, a1=7.0)
-    plain, smem = (shape_kernels("mxfp4", H, I, 8, "gpt_oss", **p) for p in (GCOL, dict(GCOL, w2_smem=True)))
-    ws = kerngen.RoutingWorkspace(T, E, K, 8)
-    route = lambda: kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, workspace=ws)  # noqa: E731
-    out = torch.zeros(route().permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
-    call = lambda: smem(x, route(), *w, out, **s, **kw)  # noqa: E731
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    for i in range(4):
-        logits.copy_(torch.randn_like(logits))
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
-        want = run_f16x(plain, x, r, w, s, **kw)
-        rows = r.permuted_to_token >= 0
-        assert torch.equal(out[rows].view(torch.int16), want[rows].view(torch.int16)), i
-
-
 def test_mxfp4_scales_not_2_byte_aligned_are_refused():
     """MXFP4 scale tensors at an odd address (a view of a signature seen before included): a kerngen error naming
     the scales, before a 16-bit scale load could fault."""
