@@ -444,3 +444,34 @@ def test_every_racecheck_build_of_the_shipped_models_compiles(spec, tmp_path):
     built = jit.build(spec, store=DiskCache(tmp_path))
     assert built.files["kernel.cubin"][:4] == b"\x7fELF"
     assert_no_spills(built.files)
+
+
+@pytest.mark.parametrize("variant,params", [
+    ("topk", dict(warps=4, warps_per_token=4)),
+    ("fused", dict(warps=16, warps_per_token=8, ctas=1, clusters=8, max_tokens=8)),
+])
+def test_a_routing_rule_may_launch_without_pdl(monkeypatch, variant, params):
+    """`pdl = false` on a routing rule: its first launch (the top-k, or the fused top-k and permutation, and the
+    ids-only launch) goes without the programmatic-dependent-launch attribute (a producer that never triggers, as a
+    router GEMM, is only delayed by it); left out, with it, as before. The kernel's source is the same either way."""
+    from kerngen import plan as plan_mod
+    from kerngen import render
+    from kerngen.ops import routing as rt
+    seen = []
+
+    class Stub:
+        def __init__(self, module, name, device, grid, block, params, smem=0, pdl=False):
+            seen.append((name, pdl))
+
+    monkeypatch.setattr(rt, "Launcher", Stub)
+    monkeypatch.setattr(rt, "resolve", lambda spec: None)
+    tag, consts = rt.tag_constants(896, 16, "sigmoid_bias", 1, 1, True, "float32", "float32", "float32", False)
+    specs = {}
+    for pdl in (None, False, True):
+        p = dict(params, **({} if pdl is None else {"pdl": pdl}))
+        specs[pdl] = s = plan_mod.spec_for(tiers.Rule("routing", variant, {"tokens": (1, 8)}, p), tag, consts,
+                                           "sm_90a")
+        seen.clear()
+        rt.Route(s, 1, 0, permute=False)
+        assert seen and all(on == (pdl is not False) for _, on in seen), (pdl, seen)
+    assert render.render(specs[False]) == render.render(specs[None]) == render.render(specs[True])

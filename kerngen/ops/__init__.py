@@ -158,9 +158,10 @@ def _routing(variant: str, p: dict) -> str | None:
 register(Op("routing", {
     "fused": {"backend": NVRTC, "warps": _n(1, 32, required=True), "warps_per_token": _n(1, 32, required=True),
               "ctas": _n(1, 8, required=True), "clusters": _n(1, SMS, required=True),
-              "max_tokens": _n(1, 64, required=True)},   # a 64-bit token mask per expert
+              "max_tokens": _n(1, 64, required=True),   # a 64-bit token mask per expert
+              "pdl": FLAG},   # the launch's programmatic-dependent-launch attribute (default true)
     "topk": {"backend": NVRTC, "warps": _n(1, 32, required=True), "warps_per_token": _n(1, 32, required=True),
-             "early_trigger": FLAG}},
+             "early_trigger": FLAG, "pdl": FLAG}},
     between=_routing, public={"route": "routing.route", "PreRouting": "prerouting.PreRouting"},
     torch=("route", "route_permute"), shape=("experts", "top_k"), tunable=True))
 

@@ -112,6 +112,7 @@ class Route:
         if warps < 1 or wpt < 1 or warps % wpt or warps * 32 > 1024:
             raise InputError(OP, "tier params", "warps in [1, 32], a multiple of warps_per_token", str(s.params))
         self.fused = s.variant == "fused"
+        pdl = bool(p.get("pdl", True))   # (false: a producer that never triggers, a router GEMM, is only delayed by it)
         if self.fused:
             if T > int(p["max_tokens"]):
                 raise InputError(OP, "tier params", f"max_tokens >= {T} for the fused variant", str(s.params))
@@ -121,15 +122,15 @@ class Route:
                                  str(s.params))
             mod = resolve(s)
             self.topk = Launcher(mod, "routing_fused", dev, (ctas * clusters, 1, 1), (warps * 32, 1, 1), PARAMS,
-                                 pdl=True)
+                                 pdl=pdl)
             # ids and weights only: one cluster (the others exist to share the permutation's stores)
             self.ids_only = Launcher(mod, "routing_fused", dev, (ctas, 1, 1), (warps * 32, 1, 1), PARAMS,
-                                     pdl=True)
+                                     pdl=pdl)
             self.permute = None
         elif s.variant == "topk":
             groups = warps // wpt
             self.topk = Launcher(resolve(s), "routing_topk", dev, (max(1, -(-T // groups)), 1, 1),
-                                 (warps * 32, 1, 1), PARAMS, pdl=True)
+                                 (warps * 32, 1, 1), PARAMS, pdl=pdl)
             self.ids_only = self.topk
             self.permute = (permute_op.dispatch(dev, E=consts["E"], K=consts["K"], align=consts.get("ALIGN", False))
                             .served(T) if permute else None)
