@@ -58,3 +58,34 @@ def test_fused_on_plain_ctas_matches_the_reference_at_2_to_16_tokens(ctas1_tiers
         for rep in range(REPEATS):
             # ids and weights against rt.reference, the permutation against pm.permute_reference, every field
             check(make(T, E, seed=1000 * T + rep), kw, bias=bias, tile=tile, workspace=ws)
+
+
+@pytest.mark.parametrize("tile", [None, 16])
+@pytest.mark.parametrize("variant,params", [
+    ("topk", dict(warps=4, warps_per_token=4, early_trigger=True, pdl=False)),
+    ("fused", dict(warps=16, warps_per_token=8, ctas=1, clusters=8, max_tokens=8, pdl=False)),
+])
+def test_rules_without_pdl_match_the_reference(tmp_path, monkeypatch, variant, params, tile):
+    """A routing rule with `pdl = false` (its first launch without the programmatic-dependent-launch attribute),
+    each call right behind a torch kernel that writes the logits: ids, weights and the permutation as the reference,
+    kimi-k3 at 1 to 8 tokens, many times."""
+    path = tmp_path / "nopdl.toml"
+    path.write_text(f'schema = 1\n\n[[tier]]\nop = "routing"\nvariant = "{variant}"\nnum_experts = [896, 896]\n'
+                    "tokens = [1, 8]\nparams = { " + ", ".join(f"{k} = {toml_value(v)}" for k, v in params.items())
+                    + " }\n")
+    monkeypatch.setenv("KERNGEN_TIERS", str(path))
+    kerngen.clear()
+    try:
+        m, kw = model_args("kimi-k3")
+        E = m.num_experts
+        bias = make_bias(E, m.routing)
+        ws = pm.RoutingWorkspace(8, E, m.top_k, tile)
+        for T in range(1, 9):
+            rule = tiers.load().rule("routing", {"num_experts": E, "top_k": m.top_k, "tokens": T})
+            assert rule.variant == variant and rule.params["pdl"] is False, rule
+            for rep in range(REPEATS):
+                logits = make(T, E, seed=100 * T + rep)
+                logits.mul_(1.0)   # the producer: a torch kernel, which never triggers its dependents
+                check(logits, kw, bias=bias, tile=tile, workspace=ws)
+    finally:
+        kerngen.clear()
