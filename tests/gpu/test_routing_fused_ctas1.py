@@ -9,7 +9,6 @@ import torch
 import kerngen
 from kerngen import tiers
 from kerngen.ops import permute as pm
-from kerngen.ops import routing as rt
 from tests.gpu.test_routing import check, make, make_bias, model_args
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
