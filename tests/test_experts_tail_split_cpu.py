@@ -34,6 +34,7 @@ def test_tail_split_builds_fit_and_join_their_parts(H, I, act, split, tmp_path):
         assert resident("sm_90a", use[name]["REG"], launch.threads, use[name]["SHARED"] + launch.dynamic_smem) >= 8
     src = render.render(s)
     assert f"min({split}, (int)gridDim.x / tail)" in src and "tail_join(p, unit - full" in src
+    assert f"constexpr int TAIL_COUNTS = {ex.TAIL_COUNTS};" in src   # the host sizes the buffer by the same place
     plain = render.render(spec(H, I, act))
     assert "tail_join" not in plain and "sbeg" not in plain
 

@@ -37,7 +37,7 @@ from .experts_plan import (FUSED_SMEM, MMA_MAX_TILE, PARAMS, PARAMS_A8, PARAMS_S
                            SYNC_LINE, dynamic_smem, explain_rule, explain_spec, fused_smem, gemm_kernels,
                            model_specs, one_launch, params_struct, quant_kernels, quant_launches,
                            quantizes_activations, rule_format, rule_shape, rule_spec, spec, sync_ints, tag_constants,
-                           tile_of, tail_ints, tail_split)
+                           tile_of, tail_ints, tail_split, TAIL_COUNTS)
 
 VARIANTS = ("mma",)
 # KERNGEN_EAGER_GRAPHS unset: eager calls of at most so many tokens replay repeated launches from a CUDA graph (one

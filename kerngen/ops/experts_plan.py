@@ -184,10 +184,16 @@ def tail_split(s: plan_mod.KernelSpec) -> bool:
     return p.get("tail_split", 0) >= 2 and bool(p.get("gcol")) and not one_launch(s)
 
 
+TAIL_COUNTS = 8192   # tail_split: the counts' place in its buffer (templates/experts/mma.cu.j2), at least any grid
+
+
 def tail_ints(ctas: int) -> int:
-    """tail_split's buffer for a grid of `ctas` CTAs, in int32: a count a tail item (at most ctas), padded to 16
-    bytes, then a float4 of each of 32 lanes for each part (at most ctas)."""
-    return ((ctas + 3) & ~3) + ctas * 32 * 4
+    """tail_split's buffer for a grid of at most `ctas` CTAs, in int32: TAIL_COUNTS counts (one a tail item, whatever
+    the grid: a count is never read as a partial sum when the grid changes), then a float4 of each of 32 lanes for
+    each part (at most ctas)."""
+    if ctas > TAIL_COUNTS:
+        raise ValueError(f"tail_split: a grid of {ctas} CTAs, more than its {TAIL_COUNTS} counts")
+    return TAIL_COUNTS + ctas * 32 * 4
 
 
 def sync_ints(tiles: int) -> int:
