@@ -10,7 +10,7 @@ from kerngen import tiers
 from kerngen.ops import experts as ex
 from kerngen.plan import target_arch
 from tests.gpu.test_experts import make as make_bf16
-from tests.gpu.test_experts_quantized import RULE_1_2, check_rows, make as make_q
+from tests.gpu.test_experts_quantized import RULE_1_2, check_rows, make as make_q, replays_on_new_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_cache")]
 
@@ -114,24 +114,8 @@ def test_inside_a_cuda_graph(fmt):
     H, I, T, K, E = 2880, 2880, 2, 4, 16
     one, two = kernels(fmt, H, I, 8, "gpt_oss", **params)
     x, logits, w, s, bias = inputs(fmt, T, K, E, H, I, "gpt_oss", seed=11)
-    ws = kerngen.RoutingWorkspace(T, E, K, 8)
-    route = lambda: kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, workspace=ws)  # noqa: E731
-    out = torch.zeros(route().permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
-    call = lambda: one(x, route(), *w, out, **s, **act_kw("gpt_oss"), **bias)  # noqa: E731
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    for i in range(5):
-        logits.copy_(torch.randn_like(logits))
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
-        want = run(two, x, r, w, s, **act_kw("gpt_oss"), **bias)
-        rows = r.permuted_to_token >= 0
-        assert torch.equal(out[rows], want[rows]), i
+    replays_on_new_logits(lambda r, out: one(x, r, *w, out, **s, **act_kw("gpt_oss"), **bias), logits, K, H,
+                          lambda r: run(two, x, r, w, s, **act_kw("gpt_oss"), **bias), 5)
 
 
 def test_two_streams_at_once():

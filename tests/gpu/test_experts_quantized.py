@@ -799,24 +799,29 @@ def test_tail_split_inside_a_cuda_graph_on_new_logits():
     x, logits, w, s = make("mxfp4", T, K, E, H, I, seed=37)
     kw = dict(interleaved=True, a0=1.702, a1=7.0)
     k = shape_kernels("mxfp4", H, I, 8, "gpt_oss", **dict(GCOL, tail_split=2))
-    ws = kerngen.RoutingWorkspace(T, E, K, 8)
+    replays_on_new_logits(lambda r, out: k(x, r, *w, out, **s, **kw), logits, K, H,
+                          lambda r: run_f16x(k, x, r, w, s, **kw), 4)
+
+
+def replays_on_new_logits(call, logits, K, H, want, times):
+    """call(routing, out) on a routing of `logits` (tiles of 8, one workspace) captured once in a CUDA graph and
+    replayed `times` times on new logits: each replay's rows the bits of want(routing of those logits)."""
+    ws = kerngen.RoutingWorkspace(logits.shape[0], logits.shape[1], K, 8)
     route = lambda: kerngen.route(logits, top_k=K, method="softmax_topk", tile=8, workspace=ws)  # noqa: E731
     out = torch.zeros(route().permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
-    call = lambda: k(x, route(), *w, out, **s, **kw)  # noqa: E731
-    call()
+    call(route(), out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        call()
-    for i in range(4):
+        call(route(), out)
+    for i in range(times):
         logits.copy_(torch.randn_like(logits))
         out.zero_()
         graph.replay()
         torch.cuda.synchronize()
         r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
-        want = run_f16x(k, x, r, w, s, **kw)
         rows = r.permuted_to_token >= 0
-        assert torch.equal(out[rows].view(torch.int16), want[rows].view(torch.int16)), i
+        assert torch.equal(out[rows].view(torch.int16), want(r)[rows].view(torch.int16)), i
 
 
 def test_mxfp4_scales_not_2_byte_aligned_are_refused():
