@@ -180,8 +180,7 @@ class Kernels:
         sync = self._sync.get(stream)
         if self.split:   # (tail_split: counts and partial sums for experts_gemm1's grid, whatever the tiles)
             if sync is None:
-                sync = self._sync[stream] = torch.zeros(tail_ints(self._ctas["experts_gemm1"]), dtype=torch.int32,
-                                                        device=device)
+                sync = self._sync[stream] = new_tail(self._ctas["experts_gemm1"], device)
             return sync
         if sync is None or sync.shape[0] < sync_ints(tiles):
             self._outgrown(sync)
@@ -221,8 +220,7 @@ class Kernels:
             fields += self._no_q
         if self.one or self.split:   # the caller's scratch: counters of this call's own too (zeroed; nothing kept)
             sync = (self.sync(stream, tiles, x.device) if own
-                    else torch.zeros(tail_ints(self._ctas["experts_gemm1"]), dtype=torch.int32, device=x.device)
-                    if self.split else new_sync(tiles, x.device))
+                    else new_tail(self._ctas["experts_gemm1"], x.device) if self.split else new_sync(tiles, x.device))
             fields += (sync.data_ptr(),)
         if self.graphs is None or T > self.graph_tokens or not self.graphs.launch(stream, pair, fields):
             for launch in pair:
@@ -241,6 +239,14 @@ def _pow2(n: int) -> int:
 def new_sync(tiles: int, device) -> torch.Tensor:
     """Zeroed one_launch counters for this many tiles."""
     return torch.zeros(sync_ints(tiles), dtype=torch.int32, device=device)
+
+
+def new_tail(ctas: int, device) -> torch.Tensor:
+    """tail_split's buffer for a grid of at most `ctas` CTAs: its counts zeroed (each partial sum is written before
+    it is read)."""
+    buf = torch.empty(tail_ints(ctas), dtype=torch.int32, device=device)
+    buf[:TAIL_COUNTS].zero_()
+    return buf
 
 
 def kernel(s: plan_mod.KernelSpec, tokens: int, device: int) -> Kernels:
