@@ -176,7 +176,7 @@ class Kernels:
     def sync(self, stream: int, tiles: int, device: torch.device) -> torch.Tensor:
         """one_launch: the stream's tickets and counts (int32, each on its own 128 bytes: tickets, CTAs done, each
         tile's GEMM1 items; zero between launches: the last CTA of each launch zeroes what it used), grown to the most
-        tiles seen."""
+        tiles seen. tail_split: the stream's counts and partial sums (new_tail), one size for any tiles."""
         sync = self._sync.get(stream)
         if self.split:   # (tail_split: counts and partial sums for experts_gemm1's grid, whatever the tiles)
             if sync is None:
