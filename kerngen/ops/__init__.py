@@ -205,7 +205,6 @@ register(Op("experts", {
             "gcol": FLAG,   # MXFP4, 1-2 tokens: gemm1's mma columns each one 32-value group, its scale in fp32
             "wide": FLAG,   # with gcol: a lane reads 32 contiguous bytes of a row a step (two groups, 256-wide steps)
             "gemm1_unroll": _n(1, 8),   # with gcol: experts_gemm1's steps a load batch where not unroll
-            "tail_split": _n(2, 4),   # with gcol, two launches: gemm1's last partial round split along K
             "one_launch": FLAG,   # both GEMMs in one launch: tickets, GEMM2's items waiting on their tile's GEMM1
             "early_l2": FLAG}},   # the first item's first weight bytes to L2 before the wait
     public={"experts": "experts.experts"}, torch=("moe_experts",), shape=("hidden", "intermediate"), tunable=True))

@@ -81,10 +81,6 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
                                      or params.get("stage_act")):
         raise TierError(f"{where} sets one_launch, which builds without quantizing launches take (bf16 activations, "
                         "or f16x with fused_x and act_f16 = false), without early_l2 and stage_act")
-    if params.get("tail_split") and (not params.get("gcol") or params.get("one_launch")
-                                     or params.get("gemm1_unroll", params.get("unroll", 1)) != 1):
-        raise TierError(f"{where} sets tail_split, which gcol builds of two launches take at one step a load batch "
-                        "in experts_gemm1")
     if params.get("one_launch") and ("gemm1_blocks" in params or "gemm2_blocks" in params):
         raise TierError(f"{where} sets gemm1_blocks or gemm2_blocks with one_launch: both GEMMs then run in one "
                         "launch, of blocks_per_sm CTAs an SM")
@@ -177,25 +173,6 @@ def one_launch(s: plan_mod.KernelSpec) -> bool:
     return bool(dict(s.params).get("one_launch")) and not c.get("KN") and c["I"] % 64 == 0
 
 
-def tail_split(s: plan_mod.KernelSpec) -> bool:
-    """Does spec `s`'s experts_gemm1 split its last partial round of items along K (its rule's tail_split, a gcol
-    build of two launches)? Its parts' sums and counts then live in the launch's sync buffer."""
-    p = dict(s.params)
-    return p.get("tail_split", 0) >= 2 and bool(p.get("gcol")) and not one_launch(s)
-
-
-TAIL_COUNTS = 8192   # tail_split: the counts' place in its buffer (templates/experts/mma.cu.j2), at least any grid
-
-
-def tail_ints(ctas: int) -> int:
-    """tail_split's buffer for a grid of at most `ctas` CTAs, in int32: TAIL_COUNTS counts (one a tail item, whatever
-    the grid: a count is never read as a partial sum when the grid changes), then a float4 of each of 32 lanes for
-    each part (at most ctas)."""
-    if ctas > TAIL_COUNTS:
-        raise ValueError(f"tail_split: a grid of {ctas} CTAs, more than its {TAIL_COUNTS} counts")
-    return TAIL_COUNTS + ctas * 32 * 4
-
-
 def sync_ints(tiles: int) -> int:
     """one_launch's counters for this many tiles, in int32: tickets, CTAs done, then each tile's, a line each."""
     return SYNC_LINE * (2 + tiles)
@@ -212,7 +189,7 @@ def params_struct(s: plan_mod.KernelSpec) -> Params:
     (PARAMS_SCALED), and with quantized activations (A8, f16x) their buffers (PARAMS_A8)."""
     base = (PARAMS_A8 if quantizes_activations(s)
             else PARAMS_SCALED if dict(s.constants).get("FORMAT", "bf16") != "bf16" else PARAMS)
-    return _with_sync(base) if one_launch(s) or tail_split(s) else base
+    return _with_sync(base) if one_launch(s) else base
 
 
 @functools.cache

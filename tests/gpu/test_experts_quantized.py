@@ -764,45 +764,6 @@ def test_gemm1_unroll_gives_the_bits_of_one_step_a_batch(H, I, act, T):
     assert torch.equal(two[rows].view(torch.int16), one[rows].view(torch.int16))
 
 
-@pytest.mark.parametrize("split", [2, 3])
-@pytest.mark.parametrize("T,E,K", [(1, 16, 4), (2, 16, 4), (1, 128, 4), (2, 128, 8), (1, 16, 3)])
-@pytest.mark.parametrize("H,I,act", [(1024, 256, "silu"), (2880, 2880, "gpt_oss"), (3584, 2048, "situglu")])
-def test_tail_split_matches_the_reference_and_repeats_its_bits(H, I, act, T, E, K, split):
-    """tail_split (experts_gemm1's last partial round split along K, the parts' sums joined by the item's last part)
-    against the dequantized reference with the weight-only kernels' tolerance, and the same bits call after call (the
-    parts added in their order; each launch leaves its counts zeroed), with and without a caller's scratch. On 132
-    SMs (1056 CTAs) the 2880 shape's tail splits in two at one token of 4 experts (384 tail items) and two tokens of
-    8 (480), in three at one token of 3 (24); the others have no tail or one too long to split."""
-    x, logits, w, s = make("mxfp4", T, K, E, H, I, seed=H + 13 * T + E + split)
-    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=8)
-    kw = dict(interleaved=act == "gpt_oss", a0={"gpt_oss": 1.702, "situglu": 1.0, "silu": 0.0}[act],
-              a1={"gpt_oss": 7.0, "situglu": 2.0, "silu": 0.0}[act])
-    k = shape_kernels("mxfp4", H, I, 8, act, **dict(GCOL, tail_split=split))
-    assert k.split
-    got = run_f16x(k, x, r, w, s, **kw)
-    rows = r.permuted_to_token >= 0
-    for _ in range(3):
-        again = run_f16x(k, x, r, w, s, **kw)
-        assert torch.equal(again[rows].view(torch.int16), got[rows].view(torch.int16))
-    act_buf = torch.empty(r.tile_to_expert.shape[0] * 8, I, dtype=torch.bfloat16, device="cuda")
-    out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
-    k(x, r, *w, out, act_buf, w13_scale=s["w13_scale"], w2_scale=s["w2_scale"], **kw)
-    assert torch.equal(out[rows].view(torch.int16), got[rows].view(torch.int16))
-    ref_kw = dict(activation=act, interleaved=act == "gpt_oss", linear_beta=2.0 if act == "situglu" else 0.0)
-    check_rows(got, ex.reference(x, r, *w, **s, **ref_kw), r)
-
-
-def test_tail_split_inside_a_cuda_graph_on_new_logits():
-    """tail_split captured once and replayed on new logits: each replay's rows as the eager call's (its counts left
-    zeroed by every launch)."""
-    H, I, T, K, E = 2880, 2880, 1, 4, 128
-    x, logits, w, s = make("mxfp4", T, K, E, H, I, seed=37)
-    kw = dict(interleaved=True, a0=1.702, a1=7.0)
-    k = shape_kernels("mxfp4", H, I, 8, "gpt_oss", **dict(GCOL, tail_split=2))
-    replays_on_new_logits(lambda r, out: k(x, r, *w, out, **s, **kw), logits, K, H,
-                          lambda r: run_f16x(k, x, r, w, s, **kw), 4)
-
-
 def replays_on_new_logits(call, logits, K, H, want, times):
     """call(routing, out) on a routing of `logits` (tiles of 8, one workspace) captured once in a CUDA graph and
     replayed `times` times on new logits: each replay's rows the bits of want(routing of those logits)."""
