@@ -79,6 +79,24 @@ def test_the_read_pattern_probe_loads_its_steps_and_spins(chunk, unroll, spin):
     assert mma_loop(text, "read_pattern") is None   # (no tensor cores: only loads)
 
 
+@pytest.mark.parametrize("columns,unroll,spin", [(64, 1, 0), (128, 2, 0), (256, 2, 64)])
+def test_the_read_pattern_column_strips_load_8_vectors_a_lane_and_step(columns, unroll, spin):
+    """read_pattern's `--columns` kernel (the transposed weights' column strips) compiles for sm_90a with `unroll` steps
+    of 8 streaming 16-byte loads a lane and about `spin` more instructions a step; a strip that does not split a warp
+    into whole 16-byte lanes is refused."""
+    from kerngen.compile import nvrtc_compile
+    from kerngen.resources import opcodes
+    from tools.diagnose import read_pattern
+    cubin, _ = nvrtc_compile(read_pattern.columns_source(columns, unroll, spin), "read_columns", "sm_90a",
+                             "read_columns", None)
+    ops = opcodes({"kernel.cubin": cubin})
+    assert ops.count("LDG.E.EF.128") >= 8 * unroll and "HMMA.16816.F32.BF16" not in ops
+    assert sum(o.startswith("SHF.L.W") for o in ops) >= spin
+    for bad in (48, 1024):
+        with pytest.raises(ValueError, match="columns"):
+            read_pattern.columns_source(bad, 1, 0)
+
+
 @pytest.mark.parametrize("bulk,row_chunk,stages,spin", [(4096, 0, 4, 0), (8192, 0, 8, 64), (16384, 0, 2, 128),
                                                          (0, 256, 4, 0), (0, 192, 8, 128)])
 def test_the_read_pattern_bulk_ring_copies_by_tma_and_reads_shared_memory(bulk, row_chunk, stages, spin):

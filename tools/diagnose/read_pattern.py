@@ -5,6 +5,7 @@ experts' items and K steps, read only, against the streaming-read floor.
     python3 -m tools.diagnose.read_pattern [--rows 23040] [--row-bytes 1440] [--layers 4]
         [--chunk 16,32,64] [--unroll 1,2,4] [--ctas 4,8] [--warps 4] [--spin 0,128]
         [--bulk 4096,8192 | --row-chunk 256,512] [--stages 4,8]
+    python3 -m tools.diagnose.read_pattern --columns 64,128,256 --rows 11520 --row-bytes 11520 --k-rows 2880
 
 A persistent grid (`--ctas` CTAs of `--warps` warps an SM) loops over items of 16 rows (of `--row-bytes` bytes;
 `--rows` rows in all: gpt-oss-120b's experts_gemm1 at one token is 4 experts x 5760 rows x 1440 bytes, 1440 items
@@ -25,7 +26,14 @@ pair, as above) before releasing it; `--chunk` and `--unroll` do not apply. `--r
 C bytes of each of an item's 16 rows (the K range a kernel's steps would take next), copied by 16 bulk copies, a
 row each, and read as the kernels read a step (a lane 16 bytes of rows g and g + 8).
 
-In either mode a configuration of which an SM does not hold `--ctas` CTAs (the driver's occupancy query) is
+`--columns C` times the transposed weights' pattern instead (bf16 `[E, K, N]` read in place, as the experts kernels'
+`transposed` builds read gpt-oss's and Llama-4's `[E, H, 2I]` / `[E, I, H]`): the `--rows` rows are `--rows /
+--k-rows` matrices of `--k-rows` K rows of `--row-bytes` bytes; an item is a strip of C contiguous bytes of every K
+row of one matrix (the shipped build: 64); a warp takes every `--warps`-th step of an item, a step being 8 loads a
+lane of 16 bytes (C / 16 lanes a K row, so 4 KiB a warp step: 64 K rows at C = 64, 32 at 128, 16 at 256), `--unroll`
+steps' loads issued before any is used, `--spin` as above.
+
+In every mode a configuration of which an SM does not hold `--ctas` CTAs (the driver's occupancy query) is
 reported, not launched. Needs a GPU; `source(...)` and `bulk_source(...)` render anywhere.
 """
 from __future__ import annotations
@@ -86,6 +94,58 @@ def source(chunk: int, unroll: int, spin: int, warps: int = 4) -> str:
         raise ValueError(f"--chunk: multiples of 16 bytes, got {chunk}")
     return jinja2.Template(SRC).render(chunk=chunk, unroll=unroll, spin=spin, warps=warps)
 
+
+
+COLUMNS = r"""
+struct P { const unsigned char* w; unsigned* sink; long long rows; int row_bytes; int k_rows; };
+constexpr int C = {{ columns }}, UNROLL = {{ unroll }}, SPIN = {{ spin }}, WARPS = {{ warps }};
+constexpr int LPR = C / 16, RPL = 32 / LPR, NL = 8, RPS = RPL * NL;   // lanes a K row, K rows a load and a step
+extern "C" __global__ void __launch_bounds__(WARPS * 32) read_columns(const __grid_constant__ P p) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, c = (lane % LPR) * 16, r = lane / LPR;
+    const int strips = (p.row_bytes + C - 1) / C, steps = (p.k_rows + RPS - 1) / RPS;
+    const long long items = p.rows / p.k_rows * strips;
+    unsigned acc[4] = {0u, 0u, 0u, 0u};
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const long long m = item / strips;
+        const int col = (int)(item % strips) * C + c;
+        const unsigned char* base = p.w + m * p.k_rows * (long long)p.row_bytes + col;
+        for (int s0 = w; s0 < steps; s0 += WARPS * UNROLL) {
+            uint4 v[UNROLL][NL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+                for (int l = 0; l < NL; ++l) {
+                    const int k = (s0 + u * WARPS) * RPS + l * RPL + r;
+                    const bool in = s0 + u * WARPS < steps && k < p.k_rows && col < p.row_bytes;
+                    v[u][l] = in ? __ldcs(reinterpret_cast<const uint4*>(base + (long long)k * p.row_bytes))
+                                 : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+                for (int l = 0; l < NL; ++l) {
+                    const unsigned x[4] = {v[u][l].x, v[u][l].y, v[u][l].z, v[u][l].w};
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[i] ^= x[i];
+#pragma unroll
+                    for (int i = 0; i < SPIN / NL; ++i)   // SPIN instructions a step: four chains
+                        acc[i & 3] = __funnelshift_l(acc[i & 3], x[(i + 1) & 3], 3) ^ 0x9e3779b9u;
+                }
+        }
+    }
+    if ((acc[0] ^ acc[1] ^ acc[2] ^ acc[3]) == 0x1234567u) p.sink[0] = 1u;   // keeps the loads
+}
+"""
+
+
+def columns_source(columns: int, unroll: int, spin: int, warps: int = 4) -> str:
+    """The CUDA C++ of one `--columns` configuration (strips of `columns` bytes of every K row, `unroll` steps' loads
+    at once, `spin` instructions a lane and step, `warps` warps splitting an item's steps)."""
+    import jinja2
+    if columns not in (16, 32, 64, 128, 256, 512):
+        raise ValueError(f"--columns: 16, 32, 64, 128, 256 or 512 bytes (whole 16-byte lanes dividing a warp), "
+                         f"got {columns}")
+    return jinja2.Template(COLUMNS).render(columns=columns, unroll=unroll, spin=spin, warps=warps)
 
 BULK = r"""
 struct P { const unsigned char* w; unsigned* sink; long long rows; int row_bytes; };
@@ -207,7 +267,12 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="4,8", help="slots of the --bulk / --row-chunk ring")
     ap.add_argument("--row-chunk", default="", help="bytes of each of an item's 16 rows a ring slot holds, copied a row "
                     "at a time (the bulk-copy ring with pieces of the rows' K range instead of --bulk)")
+    ap.add_argument("--columns", default="", help="bytes of each K row an item takes: the transposed weights' "
+                    "pattern (items are column strips of --k-rows K rows) instead of rows")
+    ap.add_argument("--k-rows", type=int, default=2880, help="--columns: K rows of a matrix (--rows holds several)")
     a = ap.parse_args(argv)
+    if a.columns and (a.k_rows <= 0 or a.rows % a.k_rows):
+        ap.error("--k-rows must divide --rows")
     if a.rows % 16 or a.row_bytes % 16:
         ap.error("--rows must be a multiple of 16 and --row-bytes of 16")
     from ..bench.lib import probe_kernel, read_bandwidth_tbs, require_gpu
@@ -227,7 +292,7 @@ def main(argv=None) -> int:
     floor = nbytes / (tbs * 1e12) * 1e6
     print(f"{a.rows} rows x {a.row_bytes} bytes ({nbytes / 2**20:.1f} MiB), {a.layers} layers cycled; streaming read "
           f"{tbs:.2f} TB/s: floor {floor:.2f} µs")
-    def timed(k, tag: str, ctas: int) -> None:
+    def timed(k, tag: str, ctas: int, *extra: int) -> None:
         """k over the layers in turn (captured in turn: the graph cycles them), timed after the producer; one line.
         Not launched where an SM holds fewer than `ctas` of its CTAs (the driver's occupancy query)."""
         fit = resident(k.fn, k.block[0], k.smem)
@@ -239,11 +304,19 @@ def main(argv=None) -> int:
         def step():
             w = layers[turn[0] % len(layers)]
             turn[0] += 1
-            k(current_stream(dev), w.data_ptr(), sink.data_ptr(), a.rows, a.row_bytes)
+            k(current_stream(dev), w.data_ptr(), sink.data_ptr(), a.rows, a.row_bytes, *extra)
 
         us = after_producer_us(step, producer, calls=4 * len(layers))
         print(f"{tag}:  {us:8.2f} µs  {100 * floor / us:5.1f}% of the floor")
 
+    if a.columns:
+        for cols, unroll, ctas, spin, warps in itertools.product(ints(a.columns), ints(a.unroll), ints(a.ctas),
+                                                                 ints(a.spin), ints(a.warps)):
+            k, _ = probe_kernel(columns_source(cols, unroll, spin, warps), "read_columns", ctas, 32 * warps,
+                                "QQqii")
+            timed(k, f"columns {cols:3d} B  unroll {unroll}  {ctas} CTAs of {warps} warps an SM  spin {spin:4d}",
+                  ctas, a.k_rows)
+        return 0
     if a.bulk or a.row_chunk:
         pieces = [(0, c) for c in ints(a.row_chunk)] if a.row_chunk else [(b, 0) for b in ints(a.bulk)]
         for (bulk, rc), stages, ctas, spin, warps in itertools.product(pieces, ints(a.stages), ints(a.ctas),
