@@ -35,10 +35,12 @@ def test_the_racecheck_builds_report_nothing(tmp_path):
 
 def test_the_shipped_builds_report_only_the_known_pattern(tmp_path):
     out = racecheck("0", tmp_path)
-    writes = re.findall(r"Write Thread \(\d+,0,0\) at (\S+)\+0x[0-9a-f]+ in routing_fused\.cu:(\d+)", out)
+    writes = re.findall(r"Write Thread \(\d+,0,0\) at (.+?)\+0x[0-9a-f]+ in routing_fused\.cu:(\d+)", out)
     reads = re.findall(r"Read Thread \(\d+,0,0\) at (\w+)\(.*?\)\+0x[0-9a-f]+ in routing_fused\.cu:(\d+)", out)
     hazards = re.findall(r"Potential (\w+) hazard detected at __shared__", out)
     assert hazards and set(hazards) == {"RAW"} and len(writes) == len(reads) == len(hazards), out[-3000:]
-    assert {w for w, _ in writes} == {"routing_fused"} and {r for r, _ in reads} == {"one_token_layout"}
+    # (the stores are named by the kernel, or by route_token where the tool reports the inlined frame)
+    assert all(w == "routing_fused" or re.match(r"(void )?route_token\b", w) for w, _ in writes), writes[:3]
+    assert {r for r, _ in reads} == {"one_token_layout"}
     # the stores of the token's picks in route_token, their loads in one_token_layout (a line or two each)
     assert len({line for _, line in writes}) <= 2 and len({line for _, line in reads}) <= 2
