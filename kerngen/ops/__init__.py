@@ -206,6 +206,7 @@ register(Op("experts", {
             "wide": FLAG,   # with gcol: a lane reads 32 contiguous bytes of a row a step (two groups, 256-wide steps)
             "gemm1_unroll": _n(1, 8),   # with gcol: experts_gemm1's steps a load batch where not unroll
             "one_launch": FLAG,   # both GEMMs in one launch: tickets, GEMM2's items waiting on their tile's GEMM1
+            "tickets": FLAG,   # two launches whose CTAs take their items from a counter (not a fixed stride)
             "early_l2": FLAG}},   # the first item's first weight bytes to L2 before the wait
     public={"experts": "experts.experts"}, torch=("moe_experts",), shape=("hidden", "intermediate"), tunable=True))
 

@@ -37,7 +37,7 @@ from .experts_plan import (FUSED_SMEM, MMA_MAX_TILE, PARAMS, PARAMS_A8, PARAMS_S
                            SYNC_LINE, dynamic_smem, explain_rule, explain_spec, fused_smem, gemm_kernels,
                            model_specs, one_launch, params_struct, quant_kernels, quant_launches,
                            quantizes_activations, rule_format, rule_shape, rule_spec, spec, sync_ints, tag_constants,
-                           tile_of)
+                           tickets, tile_of, uses_sync)
 
 VARIANTS = ("mma",)
 # KERNGEN_EAGER_GRAPHS unset: eager calls of at most so many tokens replay repeated launches from a CUDA graph (one
@@ -53,7 +53,7 @@ class Kernels:
     intermediate scratch (and one_launch's tickets) per stream."""
     __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "qx", "fused_x", "_mod", "_warps", "_pdl", "_ctas",
                  "_H", "_I", "_grids", "_act", "_kept", "_cols", "_q", "_quants", "_no_q", "graphs", "graph_tokens",
-                 "_per_tile", "one", "_sync")
+                 "_per_tile", "one", "sync_buf", "_sync")
 
     def __init__(self, s: plan_mod.KernelSpec, device: int):
         if s.variant not in VARIANTS:
@@ -72,6 +72,7 @@ class Kernels:
         self._cols = (16, 32) if c.get("KN") else (8 * mt, 16 * mt)   # an item's columns: GEMM1, GEMM2
         self._per_tile = (-(-self._I // self._cols[0]), -(-self._H // self._cols[1]))   # items a tile: GEMM1, GEMM2
         self.one = one_launch(s)   # both GEMMs in one launch, whose tickets and counts live in _sync (per stream)
+        self.sync_buf = uses_sync(s)   # one_launch or tickets: a sync buffer a stream
         self._sync: dict[int, torch.Tensor] = {}
         self._mod = resolve(s)
         self._pdl = bool(p.get("pdl", False))
@@ -173,9 +174,9 @@ class Kernels:
         return act
 
     def sync(self, stream: int, tiles: int, device: torch.device) -> torch.Tensor:
-        """one_launch: the stream's tickets and counts (int32, each on its own 128 bytes: tickets, CTAs done, each
-        tile's GEMM1 items; zero between launches: the last CTA of each launch zeroes what it used), grown to the most
-        tiles seen."""
+        """one_launch and tickets: the stream's counters (int32, each on its own 128 bytes; one_launch: tickets, CTAs
+        done, each tile's GEMM1 items; tickets: GEMM1's tickets and CTAs done, then GEMM2's; zero between launches:
+        the last CTA of each launch zeroes what it used), grown to the most tiles seen."""
         sync = self._sync.get(stream)
         if sync is None or sync.shape[0] < sync_ints(tiles):
             self._outgrown(sync)
@@ -213,7 +214,7 @@ class Kernels:
             fields += q[1]
         else:
             fields += self._no_q
-        if self.one:   # the caller's scratch: counters of this call's own too (zeroed here; nothing kept)
+        if self.sync_buf:   # the caller's scratch: counters of this call's own too (zeroed here; nothing kept)
             sync = self.sync(stream, tiles, x.device) if own else new_sync(tiles, x.device)
             fields += (sync.data_ptr(),)
         if self.graphs is None or T > self.graph_tokens or not self.graphs.launch(stream, pair, fields):

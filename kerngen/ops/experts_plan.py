@@ -84,6 +84,9 @@ def rule_spec(rule: tiers.Rule, H: int, I: int, activation: str, arch_: str, fmt
     if params.get("one_launch") and ("gemm1_blocks" in params or "gemm2_blocks" in params):
         raise TierError(f"{where} sets gemm1_blocks or gemm2_blocks with one_launch: both GEMMs then run in one "
                         "launch, of blocks_per_sm CTAs an SM")
+    if params.get("tickets") and (params.get("one_launch") or params.get("early_l2")):
+        raise TierError(f"{where} sets tickets with one_launch (whose items are tickets already) or early_l2 (which "
+                        "sends a CTA's fixed first item toward L2)")
     if not params.get("act_f16", True) and params.get("mtiles", 1) != 1:
         raise TierError(f"{where} sets act_f16 = false with mtiles: GEMM2 on the bf16 intermediate takes one m16 "
                         "tile of weight rows an item")
@@ -173,9 +176,20 @@ def one_launch(s: plan_mod.KernelSpec) -> bool:
     return bool(dict(s.params).get("one_launch")) and not c.get("KN") and c["I"] % 64 == 0
 
 
+def tickets(s: plan_mod.KernelSpec) -> bool:
+    """Do spec `s`'s two GEMM launches take their items as tickets from counters in sync (the rule's tickets)?"""
+    return bool(dict(s.params).get("tickets")) and not one_launch(s)
+
+
+def uses_sync(s: plan_mod.KernelSpec) -> bool:
+    """Does spec `s` take a sync buffer (counters zeroed by each launch's last CTA): one_launch or tickets?"""
+    return one_launch(s) or tickets(s)
+
+
 def sync_ints(tiles: int) -> int:
-    """one_launch's counters for this many tiles, in int32: tickets, CTAs done, then each tile's, a line each."""
-    return SYNC_LINE * (2 + tiles)
+    """The sync buffer for this many tiles, in int32, a counter a 128-byte line: one_launch's tickets, CTAs done,
+    then each tile's; tickets' GEMM1 tickets and CTAs done, then GEMM2's (at least four lines)."""
+    return SYNC_LINE * (2 + max(tiles, 2))
 
 
 def gemm_kernels(s: plan_mod.KernelSpec) -> tuple[str, ...]:
@@ -189,12 +203,13 @@ def params_struct(s: plan_mod.KernelSpec) -> Params:
     (PARAMS_SCALED), and with quantized activations (A8, f16x) their buffers (PARAMS_A8)."""
     base = (PARAMS_A8 if quantizes_activations(s)
             else PARAMS_SCALED if dict(s.constants).get("FORMAT", "bf16") != "bf16" else PARAMS)
-    return _with_sync(base) if one_launch(s) else base
+    return _with_sync(base) if uses_sync(s) else base
 
 
 @functools.cache
 def _with_sync(base: Params) -> Params:
-    """one_launch's struct Params: `base`, then the tickets buffer (one struct, and launcher code, per base)."""
+    """one_launch's and tickets' struct Params: `base`, then the sync buffer (one struct, and launcher code, per
+    base)."""
     return Params(*base.fields, ("sync", "ptr"))
 
 

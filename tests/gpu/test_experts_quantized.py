@@ -818,3 +818,64 @@ def test_gcol_inside_a_cuda_graph():
     r3 = kerngen.route(logits3, top_k=4, method="softmax_topk", tile=8)
     with pytest.raises(kerngen.InputError, match="at most 2 tokens"):
         k(x3, r3, *w, torch.empty(r3.permuted_to_token.shape[0], 1024, dtype=torch.bfloat16, device="cuda"), **s)
+
+
+TICKET_SHAPES = [dict(f16x=True, mtiles=2, prefetch_x=True), dict(f16x=True, mtiles=2, prefetch_x=True, tile=16),
+                 dict(f16x=True, unroll=2, blocks_per_sm=4, min_blocks=4), dict(prefetch=False, lean=True)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("params", TICKET_SHAPES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+@pytest.mark.parametrize("T,E,K", [(3, 16, 4), (8, 128, 8), (40, 64, 8)])
+def test_tickets_give_the_bits_of_the_grid_stride(fmt, params, T, E, K):
+    """tickets (each GEMM's CTAs taking their items from a counter) change which CTA runs an item, not its sums: the
+    bits of the same launch shape without them, call after call (each launch's last CTA zeroes its counters), with a
+    caller's scratch too, and the dequantized reference's values."""
+    H, I = 2880, 2880
+    x, logits, w, s = make(fmt, T, K, E, H, I, seed=T + E + len(params))
+    tile = params.get("tile", 8)
+    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=tile)
+    shape = {k: v for k, v in params.items() if k != "tile"}
+    want = run_f16x(shape_kernels(fmt, H, I, tile, **shape), x, r, w, s)
+    k = shape_kernels(fmt, H, I, tile, **dict(shape, tickets=True))
+    assert k.sync_buf and not k.one
+    rows = r.permuted_to_token >= 0
+    for _ in range(3):
+        got = run_f16x(k, x, r, w, s)
+        assert torch.equal(got[rows].view(torch.int16), want[rows].view(torch.int16))
+    act = torch.empty(r.tile_to_expert.shape[0] * tile, I, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
+    k(x, r, *w, out, act, **s)
+    assert torch.equal(out[rows].view(torch.int16), want[rows].view(torch.int16))
+    check_rows(got, ex.reference(x, r, *w, **s), r)
+
+
+def test_tickets_inside_a_cuda_graph_on_new_logits():
+    """tickets captured once and replayed on new logits: each replay's rows the eager call's (the counters left
+    zeroed by every launch)."""
+    H, I, T, K, E = 2880, 2880, 8, 4, 128
+    x, logits, w, s = make("mxfp4", T, K, E, H, I, seed=41)
+    k = shape_kernels("mxfp4", H, I, 8, f16x=True, mtiles=2, prefetch_x=True, tickets=True)
+    replays_on_new_logits(lambda r, out: k(x, r, *w, out, **s), logits, K, H, lambda r: run_f16x(k, x, r, w, s), 4)
+
+
+@pytest.mark.parametrize("T", [20, 64, 200])
+def test_tickets_on_bf16_weights_give_the_bits_of_the_grid_stride(T):
+    """bf16 weights with the 17-256-token rule's launch shape (tiles of 16, two steps a batch, 8 CTAs an SM) and
+    tickets: the bits of the grid stride."""
+    H, I, E, K = 2048, 768, 128, 8
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = (torch.randn(T, H, device="cuda", generator=g) * 0.3).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / 32).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / 16).to(torch.bfloat16)
+    r = kerngen.route(torch.randn(T, E, device="cuda", generator=g), top_k=K, method="softmax_topk", tile=16)
+    shape = dict(warps=4, unroll=2, blocks_per_sm=8, min_blocks=8, pdl=True)
+    outs = []
+    for extra in ({}, {"tickets": True}, {"tickets": True}):
+        k = shape_kernels("bf16", H, I, 16, **shape, **extra)
+        out = torch.zeros(r.permuted_to_token.shape[0], H, dtype=torch.bfloat16, device="cuda")
+        k(x, r, w13, w2, out)
+        outs.append(out)
+    rows = r.permuted_to_token >= 0
+    assert all(torch.equal(o[rows].view(torch.int16), outs[0][rows].view(torch.int16)) for o in outs[1:])
+    check_rows(outs[1], ex.reference(x, r, w13, w2), r)
