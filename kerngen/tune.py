@@ -157,7 +157,8 @@ def experts_candidates(fmt: str = "bf16"):
     also at 32 warps an SM, 64 registers without prefetch); the K loop's whole steps with no bound checks (lean);
     MXFP4 at 1-2 tokens with each 32-value group's own mma columns (gcol, also with two groups a lane: wide, and
     both GEMMs in one launch); w8a8 with early_l2. bf16 also the shipped rules' shapes as one launch (one_launch),
-    tiles of 32 rows (GEMM1 at 5 CTAs an SM, GEMM2 at 8) and items of two m16 tiles of weight rows (mtiles)."""
+    tiles of 32 rows (GEMM1 at 5 CTAs an SM, GEMM2 at 8) and items of two m16 tiles of weight rows (mtiles). The
+    shipped two-launch shapes of 3-256 tokens also with tickets (items from a counter)."""
     if fmt == "bf16":
         for tile, warps, unroll, bps in itertools.product((8, 16), (4, 8), (2, 4), (2, 4)):
             yield "mma", dict(tile=tile, warps=warps, unroll=unroll, blocks_per_sm=bps, pdl=True)
@@ -167,6 +168,8 @@ def experts_candidates(fmt: str = "bf16"):
         for tile, unroll in ((16, 1), (16, 2), (32, 1)):   # two m16 tiles an item share the activations
             yield "mma", dict(tile=tile, warps=4, unroll=unroll, blocks_per_sm=5 if tile == 16 else 4, mtiles=2,
                               pdl=True)
+        # the 17-256-token shape with its CTAs taking items from a counter (tickets), registers bound to 8 CTAs
+        yield "mma", dict(tile=16, warps=4, unroll=2, blocks_per_sm=8, min_blocks=8, pdl=True, tickets=True)
         return
     for tile, unroll, bps, px in itertools.product((8, 16), (1, 2), (4, 5, 6), (False, True)):
         base = dict(tile=tile, warps=4, unroll=unroll, blocks_per_sm=bps, pdl=True, prefetch_x=px)
@@ -179,6 +182,9 @@ def experts_candidates(fmt: str = "bf16"):
         for tile, bps, px, early in itertools.product((8, 16), (3, 4), (False, True), (False, True)):
             yield "mma", dict(tile=tile, warps=4, unroll=1, blocks_per_sm=bps, pdl=True, prefetch_x=px, f16x=True,
                               mtiles=2, **({"early_l2": True} if early else {}))
+        for tile, bps in ((8, 4), (16, 3)):   # the 3-256-token shapes with tickets, registers bound to their CTAs
+            yield "mma", dict(tile=tile, warps=4, unroll=1, blocks_per_sm=bps, min_blocks=bps, pdl=True,
+                              prefetch_x=True, f16x=True, mtiles=2, tickets=True)
         for early in (False, True):   # two steps a batch, no early weight loads, registers bound to 4 CTAs
             yield "mma", dict(tile=8, warps=4, unroll=2, blocks_per_sm=4, min_blocks=4, pdl=True, prefetch=False,
                               prefetch_x=True, f16x=True, **({"early_l2": True} if early else {}))
