@@ -50,7 +50,7 @@ class Kernels:
     """The mma variant of one spec on one device: two launches (one with one_launch) on a persistent grid of
     blocks_per_sm CTAs per SM (no more than an SM holds of each kernel, and at most one per work item) looping over
     the used tiles' items. The grid follows the routing's tile count, so the launchers are kept per tile count; the
-    intermediate scratch (and one_launch's tickets) per stream."""
+    intermediate scratch (and the sync buffer of one_launch's or tickets' counters) per stream."""
     __slots__ = ("spec", "tile", "device", "scaled", "a8", "x16", "qx", "fused_x", "_mod", "_warps", "_pdl", "_ctas",
                  "_H", "_I", "_grids", "_act", "_kept", "_cols", "_q", "_quants", "_no_q", "graphs", "graph_tokens",
                  "_per_tile", "one", "sync_buf", "_sync")
