@@ -97,6 +97,30 @@ def test_minus_inf_and_nan(name, T):
     check(logits, kw, bias=make_bias(m.num_experts, m.routing, T), tile=8)
 
 
+@pytest.mark.parametrize("T", [1, 5, 8, 64, 300])
+@pytest.mark.parametrize("case", ["plain", "ties", "ninf", "one_lane"])
+@pytest.mark.parametrize("name", MODELS)
+def test_ids_only_calls_on_hard_rows(name, case, T):
+    """Calls without a tile (ids and weights only: the permute = false rules, kimi-k3's top-k of 4 warps a token whose
+    threshold is the least of its warps' estimates) on exact ties, mostly -inf / NaN rows, and rows whose finite keys
+    all sit in one lane's experts (the warps' estimates then hold zeros and the exact threshold runs)."""
+    m, kw = model_args(name)
+    E = m.num_experts
+    bias = make_bias(E, m.routing, T, ties=case == "ties")
+    if case == "ties":
+        logits = make(T, E, dtype=torch.bfloat16, seed=T, ties=True)
+    elif case == "ninf":
+        logits = make(T, E, seed=T, ninf=0.95, nan=0.02)
+    else:
+        logits = make(T, E, seed=T)
+        if case == "one_lane":   # finite keys only at experts 0, 128, 256, ... (lane 0 of warp 0 on 4 warps a token)
+            keep = torch.zeros_like(logits, dtype=torch.bool)
+            keep[:, ::128] = True
+            keep[:, 1] = True
+            logits[~keep] = float("-inf")
+    check(logits, kw, bias=bias)
+
+
 @pytest.mark.parametrize("T", [1, 8, 16, 300])
 @pytest.mark.parametrize("seed", range(4))
 def test_grouped_groups_with_one_finite_key_are_kept(seed, T):
