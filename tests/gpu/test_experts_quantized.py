@@ -863,12 +863,10 @@ def test_tickets_inside_a_cuda_graph_on_new_logits():
 def test_tickets_on_bf16_weights_give_the_bits_of_the_grid_stride(T):
     """bf16 weights with the 17-256-token rule's launch shape (tiles of 16, two steps a batch, 8 CTAs an SM) and
     tickets: the bits of the grid stride."""
+    from tests.gpu.test_experts import make as make_bf16
     H, I, E, K = 2048, 768, 128, 8
-    g = torch.Generator(device="cuda").manual_seed(T)
-    x = (torch.randn(T, H, device="cuda", generator=g) * 0.3).to(torch.bfloat16)
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / 32).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / 16).to(torch.bfloat16)
-    r = kerngen.route(torch.randn(T, E, device="cuda", generator=g), top_k=K, method="softmax_topk", tile=16)
+    x, logits, w13, w2, _, _ = make_bf16(T, K, E, H, I, seed=T)
+    r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=16)
     shape = dict(warps=4, unroll=2, blocks_per_sm=8, min_blocks=8, pdl=True)
     outs = []
     for extra in ({}, {"tickets": True}, {"tickets": True}):
