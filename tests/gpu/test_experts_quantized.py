@@ -7,6 +7,7 @@ import torch
 
 import kerngen
 from kerngen.ops import experts as ex
+from tests.gpu.test_experts import make as make_bf16
 from tests.test_experts_fp8_cpu import fp8_weights
 from tests.test_experts_mxfp4_cpu import mx_weights
 
@@ -863,7 +864,6 @@ def test_tickets_inside_a_cuda_graph_on_new_logits():
 def test_tickets_on_bf16_weights_give_the_bits_of_the_grid_stride(T):
     """bf16 weights with the 17-256-token rule's launch shape (tiles of 16, two steps a batch, 8 CTAs an SM) and
     tickets: the bits of the grid stride."""
-    from tests.gpu.test_experts import make as make_bf16
     H, I, E, K = 2048, 768, 128, 8
     x, logits, w13, w2, _, _ = make_bf16(T, K, E, H, I, seed=T)
     r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=16)
