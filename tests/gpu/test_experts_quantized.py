@@ -831,8 +831,9 @@ TICKET_SHAPES = [dict(f16x=True, mtiles=2, prefetch_x=True), dict(f16x=True, mti
 def test_tickets_give_the_bits_of_the_grid_stride(fmt, params, T, E, K):
     """tickets (each GEMM's CTAs taking their items from a counter) change which CTA runs an item, not its sums: the
     bits of the same launch shape without them, call after call (each launch's last CTA zeroes its counters), with a
-    caller's scratch too, and the dequantized reference's values."""
-    H, I = 2880, 2880
+    caller's scratch too, and the dequantized reference's values. MXFP4 at gpt-oss's widths (rows that end mid-step);
+    fp8 at widths of whole 128 x 128 scale blocks, as its format requires."""
+    H, I = (2880, 2880) if fmt == "mxfp4" else (3072, 1536)
     x, logits, w, s = make(fmt, T, K, E, H, I, seed=T + E + len(params))
     tile = params.get("tile", 8)
     r = kerngen.route(logits, top_k=K, method="softmax_topk", tile=tile)
