@@ -12,7 +12,8 @@ from kerngen.errors import TierError
 from kerngen.ops import experts as ex
 
 # (format, tokens) of the shipped two-launch rules it is meant for, whose items take many rounds of the grid: bf16's
-# 17-256-token rule, the quantized formats' 3-128-token f16x rules (two m16 tiles an item)
+# 17-256-token rule, the quantized formats' 3-128-token f16x rules (two m16 tiles an item; MXFP4's from 16 tokens
+# ships with tickets, `plain` below is that rule without them)
 CASES = [("bf16", 64), ("bf16", 128), ("fp8", 8), ("fp8", 64), ("mxfp4", 8), ("mxfp4", 64)]
 
 
@@ -23,7 +24,7 @@ def shipped(fmt: str, T: int, model: str = "kimi-k3"):
     m = t.models[model]
     rule = t.rule("experts", {"hidden": m.hidden, "tokens": T, "arch": "sm_90a", "format": fmt,
                               "num_experts": m.num_experts, "top_k": m.top_k})
-    plain = {k: v for k, v in rule.params.items() if k != "one_launch"}
+    plain = {k: v for k, v in rule.params.items() if k not in ("one_launch", "tickets")}
     return m, tiers.Rule("experts", "mma", rule.ranges, plain), tiers.Rule("experts", "mma", rule.ranges,
                                                                               dict(plain, tickets=True,
                                                                                    min_blocks=plain.get(
