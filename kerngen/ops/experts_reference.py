@@ -27,8 +27,8 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """fp32 weights [.., N, K] of bf16 ones (scale None), of fp8 ones with their [.., N/128, K/128] block scales, or
     of MXFP4 blocks [.., N, K/32, 16] (two e2m1 values a byte, low nibble first) with their e8m0 scales
     [.., N, K/32] (2^(s - 127) each)."""
-    if scale is None:
-        return w.float()
+    if scale is None:   # contiguous fp32: the products' sums do not depend on how the weights are strided
+        return w.float(memory_format=torch.contiguous_format)
     if w.dtype == torch.uint8:
         lut = torch.tensor(E2M1, dtype=torch.float32, device=w.device)
         vals = torch.stack([lut[(w & 15).long()], lut[(w >> 4).long()]], dim=-1).flatten(-2)   # [.., N, K/32, 32]
