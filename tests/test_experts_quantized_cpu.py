@@ -17,8 +17,8 @@ FORMATS = {"fp8": ({"deepseek-v3", "kimi-k2"}, fp8_args), "mxfp4": ({"gpt-oss-12
 
 
 def specs(fmt):
-    """Every shipped model's experts kernels in `fmt` (warmup's list) and each activation at two shapes: the 3-15-token
-    rule at the largest routing tile, and the 64-token rule at its own tile (MXFP4: with tickets)."""
+    """Every shipped model's experts kernels in `fmt` (warmup's list) and each activation at two shapes: the 8-token
+    rule at the largest routing tile, and the 64-token rule at its own tile (MXFP4's with tickets)."""
     t = tiers.load()
     out = [s for m in t.models.values() for s in ex.model_specs(m, t, "sm_90a") if dict(s.constants)["FORMAT"] == fmt]
     for act in ex.ACTIVATIONS:
