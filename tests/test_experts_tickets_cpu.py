@@ -12,8 +12,8 @@ from kerngen.errors import TierError
 from kerngen.ops import experts as ex
 
 # (format, tokens) of the shipped two-launch rules it is meant for, whose items take many rounds of the grid: bf16's
-# 17-256-token rule, the quantized formats' 3-128-token f16x rules (two m16 tiles an item; MXFP4's from 16 tokens
-# ships with tickets, `plain` below is that rule without them)
+# 17-256-token rule, the quantized formats' 3-128-token f16x rules (two m16 tiles an item; MXFP4's from 16 tokens and
+# fp8's from 8 ship with tickets, `plain` below is that rule without them)
 CASES = [("bf16", 64), ("bf16", 128), ("fp8", 8), ("fp8", 64), ("mxfp4", 8), ("mxfp4", 64)]
 
 
