@@ -1023,6 +1023,31 @@ def test_norm_async_hands_the_sums_over_without_a_gpu_wide_fence(variant, T, tmp
         assert src(mk(norm_async=True)) == src(mk(norm_async=False))
 
 
+def test_late_launch_triggers_the_projection_after_the_gather(tmp_path):
+    """late_launch (split): latent_tail_norm's one griddepcontrol.launch_dependents comes after its rows are gathered
+    (the sums of squares stored, a barrier) instead of at entry, before its grid wait; the projection's code is the
+    rule's; no spills; refused without split; norm_gemm takes no such param."""
+    m = tiers.load().model("kimi-k3")
+    base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
+    mk = lambda **over: lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, **over}),  # noqa: E731
+                                     m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
+    norm = lambda s: render.render(s).split("latent_tail_norm(const")[1].split("latent_tail_proj(const")[0]  # noqa: E731
+    proj = lambda s: render.render(s).split("latent_tail_proj(const")[1]  # noqa: E731
+    early, late = norm(mk(late_launch=False)), norm(mk(late_launch=True))
+    for src in (early, late):
+        assert src.count("kg_launch_dependents();") == 1
+    assert early.index("kg_launch_dependents();") < early.index("kg_grid_wait();")
+    assert late.index("kg_grid_wait();") < late.index("part_s[tid] = sum_sq8(y);") < late.index(
+        "kg_launch_dependents();") < late.index("rstd_s = rstd_of")
+    assert proj(mk(late_launch=True)) == proj(mk(late_launch=False))
+    b = jit.build(mk(late_launch=True), store=DiskCache(tmp_path))
+    assert_no_spills(b.files)
+    one = {k: v for k, v in base.items() if k not in lt.SPLIT_ONLY}
+    with pytest.raises(kerngen.InputError, match="late_launch"):
+        lt.persistent(lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**one, "split": False, "late_launch": True}),
+                                   m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a"))
+
+
 @pytest.mark.parametrize("mt,unroll", [(16, 2), (24, 2), (32, 2)])
 def test_split_builds_serve_up_to_32_tokens_without_spills(mt, unroll, tmp_path):
     """Split builds take max_tokens up to 32 (up to four n-blocks of 8 tokens a step): kimi-k3's rule with n_global

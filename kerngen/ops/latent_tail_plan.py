@@ -84,7 +84,7 @@ def split(s: plan_mod.KernelSpec) -> bool:
 
 # fused params that only split builds take
 SPLIT_ONLY = ("even_rows", "n_global", "proj_registers", "l2_lines", "weights_delay", "beside_norm", "norm_async",
-              "next_early")
+              "next_early", "late_launch")
 
 
 def even_rows(s: plan_mod.KernelSpec) -> bool:
