@@ -303,7 +303,8 @@ def latent_tail_candidates():
     the split projection with even shares of the rows (also over a grid that leaves each norm CTA's SM a slot:
     beside_norm), with n read from global memory, with a register bound beside the norm CTA, with less of the first
     item sent toward L2 before the wait, with the norm's sums handed over by st.async (norm_async), with each next
-    item's first steps loaded before an item's epilogue (next_early), and at three CTAs an SM, and norm_gemm (any
+    item's first steps loaded before an item's epilogue (next_early), launched once the norm's rows are in
+    (late_launch), and at three CTAs an SM, and norm_gemm (any
     token count) at each cluster size with 2, 4, 8 or 16 rows loaded at once (fewer: fewer registers, more norm CTAs
     an SM), h in fp32 or bf16, with 2 or 4 vectors a norm thread, and with norm_async at 2, 4 and 8 CTAs a token."""
     for mt, warps, unroll, bps, split, early in itertools.product((8, 16), (8, 16), (2, 4), (1, 2), (False, True),
@@ -339,6 +340,11 @@ def latent_tail_candidates():
         yield "fused", dict(max_tokens=mt, warps=8, unroll=unroll, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, l2_lines=16, next_early=True,
                             **({"norm_async": True} if mt == 8 else {}))
+    for lines in (16, 32, 40):   # the projection launched once the norm's rows are in (late_launch): the shipped
+        #                          1-8-token rule's shape, with more of the first item toward L2
+        yield "fused", dict(max_tokens=8, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
+                            early_weights=True, n_global=True, l2_lines=lines, norm_async=True, next_early=True,
+                            late_launch=True)
     for mt, unroll in itertools.product((16, 24, 32), (1, 2)):   # the split rule past 8 tokens (up to 4 n-blocks)
         yield "fused", dict(max_tokens=mt, warps=8, unroll=unroll, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, l2_lines=16)
