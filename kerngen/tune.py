@@ -340,11 +340,11 @@ def latent_tail_candidates():
         yield "fused", dict(max_tokens=mt, warps=8, unroll=unroll, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, l2_lines=16, next_early=True,
                             **({"norm_async": True} if mt == 8 else {}))
-    for lines in (16, 32, 40):   # the projection launched once the norm's rows are in (late_launch): the shipped
-        #                          1-8-token rule's shape, with more of the first item toward L2
+    for late, lines in ((1, 16), (2, 16), (2, 32), (2, 40)):   # the projection launched once the norm's routing
+        #   (1) or rows (2) are in (late_launch): the shipped 1-8-token rule's shape, with more of the first item toward L2
         yield "fused", dict(max_tokens=8, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, l2_lines=lines, norm_async=True, next_early=True,
-                            late_launch=True)
+                            late_launch=late)
     for mt, unroll in itertools.product((16, 24, 32), (1, 2)):   # the split rule past 8 tokens (up to 4 n-blocks)
         yield "fused", dict(max_tokens=mt, warps=8, unroll=unroll, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, l2_lines=16)

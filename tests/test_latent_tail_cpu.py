@@ -11,7 +11,7 @@ import torch.distributed as dist
 import kerngen
 import kerngen.torch_ops  # noqa: F401  (registers torch.ops.kerngen.*)
 from kerngen import jit, render, resources, tiers, warmup
-from kerngen.errors import EnvError
+from kerngen.errors import EnvError, TierError
 from kerngen.cache import DiskCache
 from kerngen.compile import nvrtc_compile
 from kerngen.ops import _common
@@ -1023,29 +1023,33 @@ def test_norm_async_hands_the_sums_over_without_a_gpu_wide_fence(variant, T, tmp
         assert src(mk(norm_async=True)) == src(mk(norm_async=False))
 
 
-def test_late_launch_triggers_the_projection_after_the_gather(tmp_path):
-    """late_launch (split): latent_tail_norm's one griddepcontrol.launch_dependents comes after its rows are gathered
-    (the sums of squares stored, a barrier) instead of at entry, before its grid wait; the projection's code is the
-    rule's; no spills; refused without split; norm_gemm takes no such param."""
+def test_late_launch_triggers_the_projection_after_the_routing_or_the_gather(tmp_path):
+    """late_launch (split): latent_tail_norm's one griddepcontrol.launch_dependents comes at entry, before its grid
+    wait (0), once its routing is in shared memory, before the rows' loads (1), or after its rows are gathered (the
+    sums of squares stored, a barrier; 2); the projection's code is the rule's; no spills; refused without split."""
     m = tiers.load().model("kimi-k3")
     base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
     mk = lambda **over: lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, **over}),  # noqa: E731
                                      m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
     norm = lambda s: render.render(s).split("latent_tail_norm(const")[1].split("latent_tail_proj(const")[0]  # noqa: E731
     proj = lambda s: render.render(s).split("latent_tail_proj(const")[1]  # noqa: E731
-    early, late = norm(mk(late_launch=False)), norm(mk(late_launch=True))
-    for src in (early, late):
+    at = [norm(mk(late_launch=n)) for n in (0, 1, 2)]
+    assert at[0] == norm(mk())
+    for src in at:
         assert src.count("kg_launch_dependents();") == 1
-    assert early.index("kg_launch_dependents();") < early.index("kg_grid_wait();")
-    assert late.index("kg_grid_wait();") < late.index("part_s[tid] = sum_sq8(y);") < late.index(
-        "kg_launch_dependents();") < late.index("rstd_s = rstd_of")
-    assert proj(mk(late_launch=True)) == proj(mk(late_launch=False))
-    b = jit.build(mk(late_launch=True), store=DiskCache(tmp_path))
-    assert_no_spills(b.files)
+    spot = [src.index("kg_launch_dependents();") for src in at]
+    assert spot[0] < at[0].index("kg_grid_wait();")
+    assert at[1].index("w_s[i] = kg_to_float") < spot[1] < at[1].index("gather_y<NORM_KC>")
+    assert at[2].index("part_s[tid] = sum_sq8(y);") < spot[2] < at[2].index("rstd_s = rstd_of")
+    for n in (1, 2):
+        assert proj(mk(late_launch=n)) == proj(mk())
+        assert_no_spills(jit.build(mk(late_launch=n), store=DiskCache(tmp_path)).files)
     one = {k: v for k, v in base.items() if k not in lt.SPLIT_ONLY}
     with pytest.raises(kerngen.InputError, match="late_launch"):
-        lt.persistent(lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**one, "split": False, "late_launch": True}),
+        lt.persistent(lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**one, "split": False, "late_launch": 2}),
                                    m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a"))
+    with pytest.raises(TierError, match="late_launch"):
+        tiers.check_params("latent_tail", "latent_tail", "fused", {**base, "late_launch": 3})
 
 
 @pytest.mark.parametrize("mt,unroll", [(16, 2), (24, 2), (32, 2)])

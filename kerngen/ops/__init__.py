@@ -232,7 +232,8 @@ register(Op("latent_tail", {
               "l2_lines": _n(0, 4096),   # split: lines of each first-item row sent toward L2
               "items_per_cta": _n(1, 64),   # the grid: at most ceil(items / items_per_cta) CTAs
               "weights_delay": _n(0, 100000),   # split: ns before the projection's first loads
-              "late_launch": FLAG,   # split: the norm kernel lets the projection launch once its rows are in
+              "late_launch": _n(0, 2),   # split: the norm kernel lets the projection launch once its routing (1)
+              #                            or its rows (2) are in, not at entry (0)
               "beside_norm": FLAG,   # split: a projection CTA fewer an SM for each norm CTA
               "next_early": FLAG,   # split with early_weights: the next item's first steps loaded before the epilogue
               "split": FLAG},   # the norm in a first kernel of its own, the projection waiting on it

@@ -220,8 +220,9 @@ SPLIT_SHAPES = [{"even_rows": True}, {"n_global": True}, {"even_rows": True, "n_
                 {"n_global": True, "even_rows": True, "beside_norm": True, "l2_lines": 16},
                 {"n_global": True, "norm_async": True}, {"norm_async": True, "norm_loads": 8},
                 {"n_global": True, "norm_async": True, "l2_lines": 16, "even_rows": True, "beside_norm": True},
-                {"n_global": True, "norm_async": True, "late_launch": True},
-                {"n_global": True, "late_launch": True, "l2_lines": 40, "beside_norm": True}]
+                {"n_global": True, "norm_async": True, "late_launch": 1},
+                {"n_global": True, "norm_async": True, "late_launch": 2},
+                {"n_global": True, "late_launch": 2, "l2_lines": 40, "beside_norm": True}]
 
 
 @pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=variant_id)
