@@ -303,10 +303,10 @@ def latent_tail_candidates():
     the split projection with even shares of the rows (also over a grid that leaves each norm CTA's SM a slot:
     beside_norm), with n read from global memory, with a register bound beside the norm CTA, with less of the first
     item sent toward L2 before the wait, with the norm's sums handed over by st.async (norm_async), with each next
-    item's first steps loaded before an item's epilogue (next_early), launched once the norm's rows are in
-    (late_launch), and at three CTAs an SM, and norm_gemm (any
-    token count) at each cluster size with 2, 4, 8 or 16 rows loaded at once (fewer: fewer registers, more norm CTAs
-    an SM), h in fp32 or bf16, with 2 or 4 vectors a norm thread, and with norm_async at 2, 4 and 8 CTAs a token."""
+    item's first steps loaded before an item's epilogue (next_early), launched once the norm's routing or rows are
+    in (late_launch), and at three CTAs an SM, and norm_gemm (any token count) at each cluster size with 2, 4, 8 or
+    16 rows loaded at once (fewer: fewer registers, more norm CTAs an SM), h in fp32 or bf16, with 2 or 4 vectors a
+    norm thread, and with norm_async at 2, 4 and 8 CTAs a token."""
     for mt, warps, unroll, bps, split, early in itertools.product((8, 16), (8, 16), (2, 4), (1, 2), (False, True),
                                                                   (False, True)):
         yield "fused", dict(max_tokens=mt, warps=warps, unroll=unroll, cluster=8, blocks_per_sm=bps, pdl=True,
