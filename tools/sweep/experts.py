@@ -13,7 +13,8 @@ up to 4 layers cycled, a routing per call, CUDA graphs, each step after a 4 MB p
 the floor is the active experts' quantized weight and scale bytes at the streaming-read bandwidth. Prints the tier
 rule's time, its variant without prefetch and that with lean (whole K steps with no bound checks), and with `sweep` the six fastest of 4 warps x unroll x blocks_per_sm x
 prefetch_x (for -x16 formats also two m16 tiles an item, two weight buffers taking turns, 8 warps an item, no early
-weight loads, and early_l2: the first weights toward L2 before the wait, beside the rule as "rule-early"; `deep`
+weight loads, early_l2: the first weights toward L2 before the wait, beside the rule as "rule-early", and tickets:
+items from a counter); `deep`
 times instead only the f16x shapes of 3-6 steps a load batch: more weight bytes in flight a warp at few tokens;
 `fused` only the 1-2-token shapes of fused_x = 2 at 6-8 CTAs of 4 warps, one or two steps a load batch, with and
 without lean and act_f16, MXFP4 with gcol too (and one_launch, two steps a batch in experts_gemm1 alone:
@@ -105,9 +106,10 @@ def main():
             if not a8:   # without early weight loads, the whole K steps with no bound checks
                 cands.append(("nopf-lean", build({**dict(rule.params), "prefetch": False, "lean": True})))
             if (a8 or x16 or dict(rule.params).get("f16x")) and not dict(rule.params).get("one_launch"):
-                # the rule with its first weights to L2 before the wait (one_launch has no wait between its GEMMs)
-                cands.append(("rule-early", build({**dict(rule.params), "early_l2": True,
-                                                   **({} if a8 else {"f16x": True})})))
+                # the rule with its first weights to L2 before the wait (one_launch has no wait between its GEMMs;
+                # early_l2 takes no tickets: a tickets rule's grid stride)
+                cands.append(("rule-early", build({**{k: v for k, v in dict(rule.params).items() if k != "tickets"},
+                                                   "early_l2": True, **({} if a8 else {"f16x": True})})))
             if deep:   # 3-6 steps a load batch (with and without the next batch's loads issued first)
                 for u, b, pf, mt in itertools.product((3, 4, 6), (3, 4), (False, True), (1, 2)):
                     cands.append((f"w4 u{u} b{b} t{mt}" + " nopf" * (not pf) + " h deep",
@@ -172,6 +174,12 @@ def main():
                                                  prefetch_x=px, f16x=True, early_l2=True,
                                                  **({"mtiles": 2} if mt == 2 else {}),
                                                  **({"min_blocks": 4} if u == 2 else {})))))
+                if x16:   # the same shapes with their CTAs taking items from a counter (tickets; the fp8 rule of
+                    #     8-128 tokens), and two steps a batch without early weight loads (116 registers at fp8)
+                    for u, pf in ((1, True), (2, False)):
+                        cands.append((f"w4 u{u} b4 t2" + " nopf" * (not pf) + " x h tk",
+                                      build(dict(warps=4, unroll=u, blocks_per_sm=4, pdl=True, prefetch=pf,
+                                                 prefetch_x=True, f16x=True, mtiles=2, tickets=True))))
                 if x16:   # no early weight loads (prefetch = false), a register bound from 6 CTAs
                     for u, b, mt in itertools.product((1, 2), (4, 6, 8), (1, 2)):
                         cands.append((f"w4 u{u} b{b} t{mt} nopf h",
