@@ -16,7 +16,8 @@ time is taken off (--rows-written: the producer then also rewrites gemm2_out, th
 L2 as after the experts' second GEMM in a model; without it they come from DRAM). Consecutive steps use `--layers`
 different up_proj copies, as consecutive layers do, so the weights are read from memory and not L2. The floor is the
 up projection's weights, L * H * 2 bytes, at the measured copy bandwidth (the streaming-read rate the experts bench
-uses). Every result is checked against the reference before it is timed. --rule times params beside the tier rule's:
+uses); "read" is a kernel that only reads those bytes (the read-bandwidth probe's, on the same cycled copies, after
+the same producer): what its launch, ramp-up and drain leave of the floor, and "% read" kerngen's share of it. Every result is checked against the reference before it is timed. --rule times params beside the tier rule's:
 laid over the tier rule's params at each T it serves with the fused kernel (e.g. early_weights=true, or split=true:
 the norm kernel and the projection waiting on it); when they name max_tokens, one fused launch shape on its own at
 every T <= its max_tokens; when they name a variant (variant=norm_gemm: the norm kernel, torch.mm and the adds),
@@ -31,7 +32,7 @@ import json
 import torch
 
 import kerngen
-from .lib import copy_bandwidth_tbs, elementwise_producer, require_gpu, timed
+from .lib import copy_bandwidth_tbs, elementwise_producer, require_gpu, stream_reader, timed
 from kerngen.ops import latent_tail as lt
 from kerngen.plan import spec_for, target_arch
 from kerngen.tiers import Rule
@@ -141,6 +142,7 @@ def case(T, K, L, H, bw, args):
                      ("compiled_all", all_compiled)):
         check(fn(ups[0]), ref, f"T={T} {name}")
         row[f"{name}_us"] = timed(cycle(fn), producer, args.chained)
+    row["read_us"] = timed(cycle(stream_reader()), producer, args.chained)   # up_proj's bytes, read and nothing else
     row["rule_us"] = []   # one entry a --rule (None where it times nothing at this T)
     for rule in args.rule:
         params = rule_params(rule, lt.spec(L, H, K, "float32", T, target_arch()), T)
@@ -188,7 +190,7 @@ def main(argv=None) -> int:
           "; floor = L*H*2 bytes at that bandwidth"
           + "".join(f"; rule {i + 1}: {r}" for i, r in enumerate(args.rule)))
     print(f"{'T':>4s} {'variant':>9s} {'kerngen':>9s} {'unfused':>9s} {'compiled':>9s} {'all comp':>9s} {'floor':>7s} "
-          f"{'% floor':>8s} {'vs best peer':>12s}" + "".join(f"  rule {i + 1}" for i in range(len(args.rule))))
+          f"{'% floor':>8s} {'vs best peer':>12s} {'read':>7s} {'% read':>7s}" + "".join(f"  rule {i + 1}" for i in range(len(args.rule))))
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
         r = case(T, K, L, H, bw, args)
@@ -197,6 +199,7 @@ def main(argv=None) -> int:
         print(f"{T:4d} {r['variant']:>9s} {r['kerngen_us']:9.2f} {r['unfused_us']:9.2f} {r['compiled_us']:9.2f} "
               f"{r['compiled_all_us']:9.2f} "
               f"{r['floor_us']:7.2f} {100 * r['floor_us'] / r['kerngen_us']:7.1f}% {peer / r['kerngen_us']:11.2f}x"
+              f" {r['read_us']:7.2f} {100 * r['read_us'] / r['kerngen_us']:6.1f}%"
               + "".join("  -" if us is None else f"  {us:.2f} ({r['kerngen_us'] / us:.2f}x)" for us in r["rule_us"]))
     if args.json:
         with open(args.json, "w") as f:

@@ -83,19 +83,27 @@ extern "C" __global__ void __launch_bounds__(512) stream_read(const __grid_const
 """
 
 
-def read_bandwidth_tbs(nbytes: int = 4 << 30) -> float:
-    """Streaming-read bandwidth, TB/s: a kernel that only reads `nbytes` (16-byte streaming loads, a grid of 4 CTAs
-    of 512 threads an SM) in a CUDA graph, best of its replays: the floor of a kernel that reads its weights once."""
+def stream_reader():
+    """The streaming-read kernel of read_bandwidth_tbs on this GPU (4 CTAs of 512 threads an SM): returns
+    read(tensor), which launches it over the tensor's bytes (a multiple of 16) on torch's current stream."""
     from kerngen.compile import nvrtc_compile
     from kerngen.launch import Launcher, Module, current_stream
     from kerngen.plan import target_arch
     dev = torch.cuda.current_device()
     cubin, _ = nvrtc_compile(_READ_SRC, "stream_read", target_arch(dev), "stream_read", None)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    src = torch.randn(nbytes // 4, device="cuda")
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")
     launcher = Launcher(Module(cubin, "stream_read"), "stream_read", dev, (4 * sms, 1, 1), (512, 1, 1), "QqQ")
-    run = lambda: launcher(current_stream(dev), src.data_ptr(), nbytes // 16, sink.data_ptr())  # noqa: E731
+    return lambda t: launcher(current_stream(dev), t.data_ptr(), t.numel() * t.element_size() // 16,
+                              sink.data_ptr())
+
+
+def read_bandwidth_tbs(nbytes: int = 4 << 30) -> float:
+    """Streaming-read bandwidth, TB/s: a kernel that only reads `nbytes` (16-byte streaming loads, a grid of 4 CTAs
+    of 512 threads an SM) in a CUDA graph, best of its replays: the floor of a kernel that reads its weights once."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    read = stream_reader()
+    run = lambda: read(src)  # noqa: E731
     for _ in range(20):
         run()
     us = graph_time_us(run, calls=5, replays=10)
