@@ -1074,3 +1074,44 @@ def test_split_builds_serve_up_to_32_tokens_without_spills(mt, unroll, tmp_path)
         with pytest.raises(kerngen.InputError, match="max_tokens at most 16"):
             lt.persistent(lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, one), m.hidden, m.model_hidden, m.top_k,
                                        "float32", "sm_90a"))
+
+
+def test_grid_norm_and_n_flag_build_their_counted_kernels(tmp_path):
+    """grid_norm (split): one kernel, latent_tail_grid, whose running CTAs take tickets for y's slices, count them
+    (release) and wait on the count (acquire) before each computes n into its shared memory; n_flag (split): the norm
+    kernel counts its CTAs once n is written and the projection waits on that count instead of the norm grid's end
+    (no griddepcontrol.wait), reading n with coherent loads; both zero their counters as their last CTA leaves. The
+    1-8-token rule with either builds without spills at 2 CTAs an SM; grid_norm refuses n_global; neither is taken
+    without split."""
+    m = tiers.load().model("kimi-k3")
+    base = dict(lt.spec(m.hidden, m.model_hidden, m.top_k, "float32", 1, "sm_90a").params)
+    mk = lambda **over: lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**base, **over}),  # noqa: E731
+                                     m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a")
+    gn, nf = mk(grid_norm=True, n_global=False), mk(n_flag=True)
+    assert lt.grid_norm(gn) and not lt.n_flag(gn) and lt.n_flag(nf) and not lt.grid_norm(nf)
+    assert lt.uses_sync(gn) and lt.uses_sync(nf) and not lt.uses_sync(mk())
+    assert list(lt.persistent(gn)) == [lt.GRID] and sorted(lt.persistent(nf)) == [lt.NORM, lt.PROJ]
+    assert lt.launch_shape(gn, -1)[0][0] == 2 * tiers.SMS
+    src = render.render(gn)
+    assert "latent_tail_norm(const" not in src and "latent_tail_proj(const" not in src
+    body = src.split("latent_tail_grid(const")[1]
+    assert body.index("kg_grid_wait();") < body.index("atomicAdd(p.sync, 1)") < body.index("red.release.gpu") \
+        < body.index("ld.acquire.gpu") < body.index("rstd_of(") < body.index("project(p, ns") \
+        < body.index("kg_zero_counts(p, 2, 2)")
+    src = render.render(nf)
+    norm = src.split("latent_tail_norm(const")[1].split("latent_tail_proj(const")[0]
+    proj = src.split("latent_tail_proj(const")[1]
+    assert norm.index("kg_grid_wait();") < norm.index("red.release.gpu")
+    assert "kg_grid_wait();" not in proj and proj.index("ld.acquire.gpu") < proj.index("project(p, p.n")
+    assert "v[h] = __ldca(" in src and "v[h] = __ldca(" not in render.render(mk())
+    for s, name in ((gn, lt.GRID), (nf, lt.PROJ)):
+        b = jit.build(s, store=DiskCache(tmp_path))
+        assert_no_spills(b.files)
+        assert dict(resources.usage(b.files))[name]["REG"] * 256 * 2 <= 65536
+    with pytest.raises(kerngen.InputError, match="grid_norm"):
+        lt.persistent(mk(grid_norm=True, n_global=True))
+    one = {k: v for k, v in base.items() if k not in lt.SPLIT_ONLY}
+    for over in ({"grid_norm": True}, {"n_flag": True}):
+        with pytest.raises(kerngen.InputError, match=next(iter(over))):
+            lt.persistent(lt.rule_spec(tiers.Rule(lt.OP, "fused", {}, {**one, "split": False, **over}),
+                                       m.hidden, m.model_hidden, m.top_k, "float32", "sm_90a"))
