@@ -304,10 +304,9 @@ def latent_tail_candidates():
     beside_norm), with n read from global memory, with a register bound beside the norm CTA, with less of the first
     item sent toward L2 before the wait, with the norm's sums handed over by st.async (norm_async), with each next
     item's first steps loaded before an item's epilogue (next_early), launched once the norm's routing or rows are
-    in (late_launch), in one launch (grid_norm) or waiting on the norm CTAs' count (n_flag), and at three CTAs an SM,
-    and norm_gemm (any token count) at each cluster size with 2, 4, 8 or 16 rows loaded at once (fewer: fewer
-    registers, more norm CTAs an SM), h in fp32 or bf16, with 2 or 4 vectors a norm thread, and with norm_async at 2,
-    4 and 8 CTAs a token."""
+    in (late_launch), and at three CTAs an SM, and norm_gemm (any token count) at each cluster size with 2, 4, 8 or
+    16 rows loaded at once (fewer: fewer registers, more norm CTAs an SM), h in fp32 or bf16, with 2 or 4 vectors a
+    norm thread, and with norm_async at 2, 4 and 8 CTAs a token."""
     for mt, warps, unroll, bps, split, early in itertools.product((8, 16), (8, 16), (2, 4), (1, 2), (False, True),
                                                                   (False, True)):
         yield "fused", dict(max_tokens=mt, warps=warps, unroll=unroll, cluster=8, blocks_per_sm=bps, pdl=True,
@@ -346,9 +345,6 @@ def latent_tail_candidates():
         yield "fused", dict(max_tokens=8, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, l2_lines=lines, norm_async=True, next_early=True,
                             late_launch=late)
-    for over in ({"grid_norm": True}, {"n_flag": True, "n_global": True}):   # one launch; a counted wait on the norm
-        yield "fused", dict(max_tokens=8, warps=8, unroll=4, cluster=8, blocks_per_sm=2, pdl=True, split=True,
-                            early_weights=True, l2_lines=16, next_early=True, **over)
     for mt, unroll in itertools.product((16, 24, 32), (1, 2)):   # the split rule past 8 tokens (up to 4 n-blocks)
         yield "fused", dict(max_tokens=mt, warps=8, unroll=unroll, cluster=8, blocks_per_sm=2, pdl=True, split=True,
                             early_weights=True, n_global=True, l2_lines=16)

@@ -184,14 +184,13 @@ def test_every_latent_tail_candidate_is_a_valid_rule():
     from kerngen.ops import latent_tail as lt
     cands = list(tune.latent_tail_candidates())
     assert {v for v, _ in cands} == {"fused", "norm_gemm"}
-    assert len(cands) == 64 + 8 + 8 + 8 + 4 + 4 + 2 + 2 + 3 + 4 + 2 + 6 + 2 + 32 + 8 + 6 + 6
+    assert len(cands) == 64 + 8 + 8 + 8 + 4 + 4 + 2 + 2 + 3 + 4 + 6 + 2 + 32 + 8 + 6 + 6
     assert sum(p.get("addmm") is True for _, p in cands) == 6 and all(
         p.get("gemm_bf16") for _, p in cands if p.get("addmm"))
     assert sum(p.get("even_rows") is True for _, p in cands) == 8 + 4 + 2 + 1
-    assert sum(p.get("n_global") is True for _, p in cands) == 8 + 4 + 4 + 2 + 2 + 3 + 4 + 1 + 6 + 2
-    assert sum("l2_lines" in p for _, p in cands) == 7 + 3 + 4 + 2 + 6
-    assert sum(p.get("next_early") is True for _, p in cands) == 3 + 4 + 2
-    assert sum(p.get("grid_norm") is True for _, p in cands) == 1 and sum(p.get("n_flag") is True for _, p in cands) == 1
+    assert sum(p.get("n_global") is True for _, p in cands) == 8 + 4 + 4 + 2 + 2 + 3 + 4 + 6 + 2
+    assert sum("l2_lines" in p for _, p in cands) == 7 + 3 + 4 + 6
+    assert sum(p.get("next_early") is True for _, p in cands) == 3 + 4
     assert sum(p.get("late_launch") == 2 for _, p in cands) == 3 and sum("late_launch" in p for _, p in cands) == 4
     assert max(p.get("max_tokens", 0) for _, p in cands) == 32
     assert sum(p.get("norm_async") is True for _, p in cands) == 2 + 2 + 4 + 6

@@ -236,8 +236,6 @@ register(Op("latent_tail", {
               #                            or its rows (2) are in, not at entry (0)
               "beside_norm": FLAG,   # split: a projection CTA fewer an SM for each norm CTA
               "next_early": FLAG,   # split with early_weights: the next item's first steps loaded before the epilogue
-              "grid_norm": FLAG,   # split: one launch, y by ticket over the running CTAs, n computed by each CTA
-              "n_flag": FLAG,   # split: the projection waits on the norm CTAs' count, not the norm grid's end
               "split": FLAG},   # the norm in a first kernel of its own, the projection waiting on it
     "norm_gemm": {"backend": NVRTC, "cluster": _n(1, 8), "pdl": FLAG,   # norm kernel, torch.mm, add
                   "norm_loads": _n(1, 16),   # rows a norm thread loads at once (default 16)

@@ -49,10 +49,9 @@ from ._common import DTYPE_NAMES, arch, check_buffer, resolve
 from .finalize import finalize
 from .latent_tail_checks import MAX_K, OP, _BF16, _W, check_args  # noqa: F401
 from .latent_tail_reference import latent_sum, normalize, project, reference  # noqa: F401
-from .latent_tail_plan import (ADD, FUNCTION, GRID, MAX_FUSED_TOKENS, NORM, PARAMS, PARAMS_ADD,  # noqa: F401
-                               PARAMS_SPLIT, PARAMS_SYNC, PROJ, SMEM_PER_CTA, SPLIT_ONLY, SYNC_INTS, even_rows,
-                               explain_spec, grid_norm, model_specs, n_flag, n_global, persistent, rule_spec, spec,
-                               split, tag_constants, uses_sync)
+from .latent_tail_plan import (ADD, FUNCTION, MAX_FUSED_TOKENS, NORM, PARAMS, PARAMS_ADD, PARAMS_SPLIT,  # noqa: F401
+                               PROJ, SMEM_PER_CTA, SPLIT_ONLY, even_rows, explain_spec, model_specs, n_global,
+                               persistent, rule_spec, spec, split, tag_constants)
 
 VARIANTS = ("fused", "norm_gemm", "unfused")
 
@@ -66,7 +65,7 @@ def launch_shape(s: plan_mod.KernelSpec, device: int, tokens: int = 0) -> tuple[
     one more than others (kimi-k3: 448 items over 264 CTAs). With beside_norm (split builds, at `tokens`), one CTA
     fewer for each of the norm kernel's CTAs (tokens * cluster), whose SM holds a projection CTA fewer beside it: every
     projection CTA then starts at once, none waits on an SM for a norm CTA to end (kimi-k3 T = 1: 256 CTAs)."""
-    name = GRID if grid_norm(s) else PROJ if split(s) else FUNCTION
+    name = PROJ if split(s) else FUNCTION
     p = dict(s.params)
     launch, cl = persistent(s)[name], 1 if split(s) else p.get("cluster", 1)
     H = dict(s.constants)["H"]
@@ -74,7 +73,7 @@ def launch_shape(s: plan_mod.KernelSpec, device: int, tokens: int = 0) -> tuple[
     ctas = _common.persistent_ctas(OP, resolve(s) if device >= 0 else None, name, device, launch)
     if p.get("items_per_cta"):
         ctas = min(ctas, -(-((H + 15) // 16) // p["items_per_cta"]))
-    if p.get("beside_norm") and split(s) and not grid_norm(s) and tokens > 0:
+    if p.get("beside_norm") and split(s) and tokens > 0:
         ctas = max(1, ctas - tokens * p.get("cluster", 1))
     grid = max(cl, min(items, ctas) // cl * cl)
     return (grid, 1, 1), (launch.threads, 1, 1), launch.dynamic_smem
@@ -88,63 +87,36 @@ def norm_shape(s: plan_mod.KernelSpec, tokens: int) -> tuple[tuple, tuple]:
 class Split:
     """A split build at one token count: latent_tail_norm writes n [tokens, L] into a scratch buffer of the stream
     (kept per stream, shared by the shape's split kernels through `scratch`), latent_tail_proj streams up_proj and
-    waits on it (PDL: both launched with the programmatic-serialization attribute when the rule says pdl). With
-    n_flag both also take the stream's sync buffer (the norm CTAs' count the projection waits on); with grid_norm
-    one kernel (latent_tail_grid) does it all, its scratch y [tokens, L] fp32 and its counters in the sync buffer."""
-    __slots__ = ("spec", "launches", "_L", "_rows", "_scratch", "_cols", "_sync")
+    waits on it (PDL: both launched with the programmatic-serialization attribute when the rule says pdl)."""
+    __slots__ = ("spec", "norm", "proj", "_L", "_rows", "_scratch")
 
     def __init__(self, s: plan_mod.KernelSpec, tokens: int, device: int, scratch: dict | None = None):
         mod, pdl = resolve(s), bool(dict(s.params).get("pdl", False))
+        grid, block = norm_shape(s, tokens)
         self.spec, self._L, self._rows = s, dict(s.constants)["L"], dict(s.params)["max_tokens"]
         self._scratch = {} if scratch is None else scratch
-        self._sync = uses_sync(s)
-        self._cols = 2 * self._L if grid_norm(s) else self._L   # (grid_norm: y in fp32, two bf16 columns a value)
-        fmt = PARAMS_SYNC if self._sync else PARAMS_SPLIT
+        self.norm = Launcher(mod, NORM, device, grid, block, PARAMS_SPLIT, pdl=pdl)
         grid, block, smem = launch_shape(s, device, tokens)
-        if grid_norm(s):
-            self.launches = (Launcher(mod, GRID, device, grid, block, fmt, smem=smem, pdl=pdl),)
-        else:
-            self.launches = (Launcher(mod, NORM, device, *norm_shape(s, tokens), fmt, pdl=pdl),
-                             Launcher(mod, PROJ, device, grid, block, fmt, smem=smem, pdl=pdl))
-
-    @property
-    def norm(self) -> Launcher:
-        return self.launches[0]
-
-    @property
-    def proj(self) -> Launcher:
-        return self.launches[-1]
+        self.proj = Launcher(mod, PROJ, device, grid, block, PARAMS_SPLIT, smem=smem, pdl=pdl)
 
     def scratch(self, stream: int, device: torch.device) -> torch.Tensor:
-        """n's buffer on `stream`: [rows, L] bf16 (grid_norm: y's, [rows, 2L] bf16, the bytes of [rows, L] fp32),
-        rows the most max_tokens of the shape's split rules seen."""
-        key = stream if self._cols == self._L else ("y", stream)
-        n = self._scratch.get(key)
+        """n's buffer on `stream`: [rows, L] bf16, rows the most max_tokens of the shape's split rules seen."""
+        n = self._scratch.get(stream)
         if n is None or n.shape[0] < self._rows:
             if n is not None:   # kept: a CUDA graph captured on the stream before may launch with it
                 self._scratch.setdefault("outgrown", []).append(n)
-            n = self._scratch[key] = torch.empty((self._rows, self._cols), dtype=torch.bfloat16, device=device)
+            n = self._scratch[stream] = torch.empty((self._rows, self._L), dtype=torch.bfloat16, device=device)
         return n
-
-    def sync(self, stream: int, device: torch.device) -> torch.Tensor:
-        """The stream's counters (SYNC_INTS int32, zeroed once; every launch leaves them zero)."""
-        t = self._scratch.get(("sync", stream))
-        if t is None:
-            t = self._scratch[("sync", stream)] = torch.zeros(SYNC_INTS, dtype=torch.int32, device=device)
-        return t
 
     def run(self, g, e2p, w, nw, up, shared, residual, eps, out, fresh: bool = False) -> torch.Tensor:
         stream = current_stream(g.get_device())
-        n = (torch.empty((e2p.shape[0], self._cols), dtype=torch.bfloat16, device=g.device) if fresh
+        n = (torch.empty((e2p.shape[0], self._L), dtype=torch.bfloat16, device=g.device) if fresh
              else self.scratch(stream, g.device))
         fields = (g.data_ptr(), e2p.data_ptr(), w.data_ptr(), nw.data_ptr(), up.data_ptr(),
                   0 if shared is None else shared.data_ptr(), 0 if residual is None else residual.data_ptr(),
                   out.data_ptr(), g.stride(0), g.shape[0], e2p.shape[0], eps, n.data_ptr())
-        if self._sync:   # (fresh: this call's own counters, zeroed here)
-            fields += ((torch.zeros(SYNC_INTS, dtype=torch.int32, device=g.device) if fresh
-                        else self.sync(stream, g.device)).data_ptr(),)
-        for launch in self.launches:
-            launch(stream, *fields)
+        self.norm(stream, *fields)
+        self.proj(stream, *fields)
         return out
 
 

@@ -19,8 +19,6 @@ PARAMS = Params(("g", "ptr"), ("idx", "ptr"), ("w", "ptr"), ("nw", "ptr"), ("up"
                 ("residual", "ptr"), ("out", "ptr"), ("ld", "int"), ("rows", "int"), ("tokens", "int"),
                 ("eps", "float"))
 PARAMS_SPLIT = Params(*PARAMS.fields, ("n", "ptr"))   # split builds: both kernels, the scratch n last
-PARAMS_SYNC = Params(*PARAMS_SPLIT.fields, ("sync", "ptr"))   # grid_norm and n_flag builds: their counters last
-SYNC_INTS = 3 * 32   # a grid_norm or n_flag build's counters: three, 128 bytes apart
 # struct AddParams of templates/latent_tail/norm_gemm.cu.j2
 PARAMS_ADD = Params(("h", "ptr"), ("shared", "ptr"), ("residual", "ptr"), ("out", "ptr"), ("vectors", "int"))
 
@@ -76,7 +74,6 @@ def explain_spec(tbl: tiers.Table, arch_: str, *, hidden: int, top_k: int, token
 
 FUNCTION = "latent_tail_fused"
 NORM, PROJ = "latent_tail_norm", "latent_tail_proj"   # the split build's two kernels
-GRID = "latent_tail_grid"   # a grid_norm build's one kernel
 ADD = "latent_tail_add"   # a norm_gemm build's second kernel (the first is NORM)
 
 
@@ -87,24 +84,7 @@ def split(s: plan_mod.KernelSpec) -> bool:
 
 # fused params that only split builds take
 SPLIT_ONLY = ("even_rows", "n_global", "proj_registers", "l2_lines", "weights_delay", "beside_norm", "norm_async",
-              "next_early", "late_launch", "grid_norm", "n_flag")
-
-
-def grid_norm(s: plan_mod.KernelSpec) -> bool:
-    """A split rule with grid_norm = true: one launch (latent_tail_grid) whose running CTAs compute y by ticket,
-    and every CTA its own n from it, instead of the norm kernel and the projection."""
-    return split(s) and bool(dict(s.params).get("grid_norm", False))
-
-
-def n_flag(s: plan_mod.KernelSpec) -> bool:
-    """A split rule with n_flag = true: the projection waits on a count of the norm kernel's CTAs (each adds one
-    once its n is written) instead of the norm grid's completion."""
-    return split(s) and not grid_norm(s) and bool(dict(s.params).get("n_flag", False))
-
-
-def uses_sync(s: plan_mod.KernelSpec) -> bool:
-    """A build whose kernels count in a sync buffer of the stream (SYNC_INTS int32, zero between launches)."""
-    return grid_norm(s) or n_flag(s)
+              "next_early", "late_launch")
 
 
 def even_rows(s: plan_mod.KernelSpec) -> bool:
@@ -153,15 +133,6 @@ def persistent(s: plan_mod.KernelSpec) -> dict[str, Launch]:
     nb = -(-mt // 8)
     dyn = mt * (L + 8) * 2
     red = max(warps - 1, 1) * nb * 4 * 32 * 4
-    if grid_norm(s):
-        if n_global(s):
-            raise InputError(OP, "tier params", "grid_norm without n_global (each CTA computes n into its shared "
-                             "memory)", str(s.params))
-        static = mt * (L // 8) * 4 + mt * cl * 4 + mt * 4 + 4 + red
-        if static > 48 * 1024 or static + dyn > SMEM_PER_CTA:
-            raise InputError(OP, "tier params", f"shared memory within the CTA's {SMEM_PER_CTA} bytes (static <= 48 KiB)",
-                             f"{static} static + {dyn} dynamic bytes from {s.params} at L = {L}")
-        return {GRID: Launch(nt, dyn, p.get("blocks_per_sm", 1))}
     if split(s):
         norm = _norm_launch(s)
         dyn = 0 if n_global(s) else dyn   # (n_global: the projection keeps no copy of n)
