@@ -17,7 +17,8 @@ L2 as after the experts' second GEMM in a model; without it they come from DRAM)
 different up_proj copies, as consecutive layers do, so the weights are read from memory and not L2. The floor is the
 up projection's weights, L * H * 2 bytes, at the measured copy bandwidth (the streaming-read rate the experts bench
 uses); "read" is a kernel that only reads those bytes (the read-bandwidth probe's, on the same cycled copies, after
-the same producer): what its launch, ramp-up and drain leave of the floor, and "% read" kerngen's share of it. Every result is checked against the reference before it is timed. --rule times params beside the tier rule's:
+the same producer): what its launch, ramp-up and drain leave of the floor, and "% read" its time over kerngen's.
+Every result is checked against the reference before it is timed. --rule times params beside the tier rule's:
 laid over the tier rule's params at each T it serves with the fused kernel (e.g. early_weights=true, or split=true:
 the norm kernel and the projection waiting on it); when they name max_tokens, one fused launch shape on its own at
 every T <= its max_tokens; when they name a variant (variant=norm_gemm: the norm kernel, torch.mm and the adds),
@@ -190,7 +191,8 @@ def main(argv=None) -> int:
           "; floor = L*H*2 bytes at that bandwidth"
           + "".join(f"; rule {i + 1}: {r}" for i, r in enumerate(args.rule)))
     print(f"{'T':>4s} {'variant':>9s} {'kerngen':>9s} {'unfused':>9s} {'compiled':>9s} {'all comp':>9s} {'floor':>7s} "
-          f"{'% floor':>8s} {'vs best peer':>12s} {'read':>7s} {'% read':>7s}" + "".join(f"  rule {i + 1}" for i in range(len(args.rule))))
+          f"{'% floor':>8s} {'vs best peer':>12s} {'read':>7s} {'% read':>7s}"
+          + "".join(f"  rule {i + 1}" for i in range(len(args.rule))))
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
         r = case(T, K, L, H, bw, args)
