@@ -165,6 +165,20 @@ def test_quantized_line():
         "[block_n/stages/warps 64/3/4, 128/4/8] | grouped_mm  1764.9 | fp8 nk x1 layers")
     line = bench.summary({**row, "format": "mxfp4", "bf16_us": None, "peer_us": None, "peer_cfg": None})
     assert "| kerngen bf16 - | grouped_mm  1764.9 | mxfp4 nk x1 layers" in line and "triton" not in line
+    # the read kernel's time over the floor's bytes, where the row has it
+    assert bench.summary({**row, "read_us": 600.0}).startswith(
+        "deepseek-v3      T=  8 tile= 8 active=  57.5 floor   571.8 µs read   600.0 ( 95%) | kerngen   691.5 (  83%)")
+
+
+def test_prefix_reads_the_bytes_the_floor_counts():
+    """The read kernel's spans: the first bytes of a weight tensor's storage (a transposed view's as it lies), whole
+    16-byte vectors, never past its end."""
+    w = torch.arange(2 * 64 * 32, dtype=torch.int16).view(2, 64, 32)
+    p = bench.prefix(w, 1000.7)
+    assert p.dtype == torch.uint8 and p.numel() == 992 and p.data_ptr() == w.data_ptr()
+    assert bench.prefix(w, 1e12).numel() == w.numel() * 2
+    t = w.transpose(1, 2)   # [E, N, K] view of [E, K, N] storage
+    assert bench.prefix(t, 64).data_ptr() == w.data_ptr() and bench.prefix(t, 64).numel() == 64
 
 
 def _w8a8(x, w13, w2, I):

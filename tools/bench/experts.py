@@ -11,7 +11,9 @@ Both run on the same inputs in the same process: one graph captures `calls` step
 (random logits), so consecutive steps read different experts, as the layers of a model do. Each step follows a
 producer kernel (an elementwise write of 4 MB, as an attention output projection leaves, that does not
 trigger early) unless --chained; its time is taken off. The floor is the step's active expert weight bytes at the
-streaming-read bandwidth (a kernel that only reads, lib.read_bandwidth_tbs). Every result is checked against
+streaming-read bandwidth (a kernel that only reads, lib.read_bandwidth_tbs); "read" is that kernel launched twice a
+step after the same producer, over as many bytes of w13 and of w2 as the floor counts (the first experts' storage,
+the layers in turn): what two launches' ramp-up and drain leave of the floor. Every result is checked against
 kerngen's torch reference before it is timed. --sweep times every candidate launch shape of the format
 (CANDIDATES) at each case and prints the best (for the tier table); --rule times one launch shape at every T (past
 the rules too) beside the tier table's rule, on the same inputs.
@@ -45,7 +47,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 import kerngen
-from .lib import elementwise_producer, graph_time_us, read_bandwidth_tbs, require_gpu, timed
+from .lib import elementwise_producer, graph_time_us, read_bandwidth_tbs, require_gpu, stream_reader, timed
 from kerngen import jit
 from kerngen.errors import TierError
 from kerngen.ops import experts as ex
@@ -94,6 +96,14 @@ PEER_FP8_TOL = 1e-1
 def floor_us(active: float, H: int, I: int, fmt: str, bw_tbs: float) -> float:
     """µs to read `active` experts' weights (3·H·I each in `fmt`, their scales included) at bw_tbs TB/s."""
     return active * 3 * H * I * BYTES_PER_WEIGHT[fmt] / (bw_tbs * 1e12) * 1e6
+
+
+def prefix(w: torch.Tensor, nbytes: float) -> torch.Tensor:
+    """The first `nbytes` (at most all of them, whole 16-byte vectors) of a weight tensor's storage, as bytes (a
+    transposed view's contiguous storage read as it lies)."""
+    t = w if w.is_contiguous() else w.transpose(1, 2)
+    flat = t.reshape(-1).view(torch.uint8)
+    return flat[: min(int(nbytes), flat.numel()) // 16 * 16]
 
 
 def layer_bytes(H: int, I: int, E: int, fmt: str) -> float:
@@ -270,6 +280,18 @@ def case(name, T, bw, args, kernels_of, bf16_kernel):
     it = iter(range(10 ** 9))
     gstep = lambda: grouped_step(x, r1[next(it) % calls], w13, w2, b13, b2, act)  # noqa: E731
     grouped_us = timed(gstep, producer, args.chained)
+    # "read": two launches of a kernel that only reads (the read-bandwidth probe's), w13's and w2's first bytes, as
+    # many as the floor counts (the active experts' weights and scales), the layers in turn
+    read, per = stream_reader(), active * H * I * BYTES_PER_WEIGHT[fmt]
+    spans = [(prefix(q[0], 2 * per), prefix(q[1], per)) for q in quant]
+    steps = iter(range(10 ** 9))
+
+    def read_step():
+        a, b = spans[next(steps) % len(spans)]
+        read(a)
+        read(b)
+    read_us = timed(read_step, producer, args.chained)
+    del spans
     bf16_us = None
     if bf is not None and (k16 := bf16_kernel(H, I, tile, act_name, T, E, K)) is not None:
         bf16_us = kerngen_us("bf16 " + k16[0], k16[1], [(a, b, {}) for a, b in bf])
@@ -284,7 +306,8 @@ def case(name, T, bw, args, kernels_of, bf16_kernel):
     for label, k in kernels_of(H, I, tile, act_name, T, E, K):
         rows.append(dict(model=name, T=T, tile=k.tile, kernel=label, us=kerngen_us(label, k, ws, t=k.tile),
                          grouped_us=grouped_us,
-                         floor_us=floor, active=active, format=fmt, layers=layers, layout=args.layout,
+                         floor_us=floor, read_us=read_us, active=active, format=fmt, layers=layers,
+                         layout=args.layout,
                          peer_us=peer_us, bf16_us=bf16_us, peer_cfg=peer_cfg, a8_us=a8_us))
     return rows
 
@@ -478,11 +501,12 @@ def peer_configs(cfgs) -> str:
 
 
 def summary(b: dict) -> str:
-    """The printed line of a case (its fastest row `b`). Quantized formats: the floor, kerngen (% of the floor),
-    kerngen's bf16 kernels on the same weights dequantized (kerngen's speedup over them), Triton (% of the floor,
-    kerngen's speedup over it, its configs), grouped_mm."""
+    """The printed line of a case (its fastest row `b`): the floor, the read kernel's time (its % of the floor),
+    kerngen (% of the floor); quantized formats then kerngen's bf16 kernels on the same weights dequantized
+    (kerngen's speedup over them), Triton (% of the floor, kerngen's speedup over it, its configs), grouped_mm."""
+    read = (f" read {b['read_us']:7.1f} ({100 * b['floor_us'] / b['read_us']:3.0f}%)" if b.get("read_us") else "")
     head = (f"{b['model']:16s} T={b['T']:3d} tile={b['tile']:2d} active={b['active']:6.1f} floor "
-            f"{b['floor_us']:7.1f} µs | kerngen {b['us']:7.1f} ({100 * b['floor_us'] / b['us']:4.0f}%) "
+            f"{b['floor_us']:7.1f} µs{read} | kerngen {b['us']:7.1f} ({100 * b['floor_us'] / b['us']:4.0f}%) "
             f"[{b['kernel']}] | ")
     tail = f"{b['format']} {b['layout']} x{b['layers']} layers"
     if b["format"] == "bf16":
