@@ -291,7 +291,6 @@ def case(name, T, bw, args, kernels_of, bf16_kernel):
         read(a)
         read(b)
     read_us = timed(read_step, producer, args.chained)
-    del spans
     bf16_us = None
     if bf is not None and (k16 := bf16_kernel(H, I, tile, act_name, T, E, K)) is not None:
         bf16_us = kerngen_us("bf16 " + k16[0], k16[1], [(a, b, {}) for a, b in bf])
