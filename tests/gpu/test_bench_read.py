@@ -14,8 +14,7 @@ def test_experts_bench_reads_the_floors_bytes(tmp_path, capsys):
     from tools.bench import experts
     out = tmp_path / "rows.json"
     assert experts.main(["--models", "qwen3-30b-a3b", "--tokens", "1,8", "--layers", "2", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
-    rows = rows["rows"] if isinstance(rows, dict) else rows
+    rows = json.loads(out.read_text())   # (a list of rows)
     assert {r["T"] for r in rows} == {1, 8}
     for r in rows:
         assert 0.5 * r["floor_us"] < r["read_us"] < 4 * r["us"], r

@@ -1,6 +1,7 @@
 """Timing helpers shared by tools/bench: CUDA-graph timing, the floors (empty kernel, copy and read bandwidth)."""
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -84,15 +85,20 @@ extern "C" __global__ void __launch_bounds__(512) stream_read(const __grid_const
 
 
 def stream_reader():
-    """The streaming-read kernel of read_bandwidth_tbs on this GPU (4 CTAs of 512 threads an SM): returns
-    read(tensor), which launches it over the tensor's bytes (a multiple of 16) on torch's current stream."""
+    """The streaming-read kernel of read_bandwidth_tbs on the current GPU (4 CTAs of 512 threads an SM): returns
+    read(tensor), which launches it over the tensor's bytes (a multiple of 16) on torch's current stream. Built once
+    a device (the benches ask for it at every case)."""
+    return _stream_reader(torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_reader(dev: int):
     from kerngen.compile import nvrtc_compile
     from kerngen.launch import Launcher, Module, current_stream
     from kerngen.plan import target_arch
-    dev = torch.cuda.current_device()
     cubin, _ = nvrtc_compile(_READ_SRC, "stream_read", target_arch(dev), "stream_read", None)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    sink = torch.zeros(1, dtype=torch.int32, device=f"cuda:{dev}")
     launcher = Launcher(Module(cubin, "stream_read"), "stream_read", dev, (4 * sms, 1, 1), (512, 1, 1), "QqQ")
     return lambda t: launcher(current_stream(dev), t.data_ptr(), t.numel() * t.element_size() // 16,
                               sink.data_ptr())
