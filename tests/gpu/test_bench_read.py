@@ -18,7 +18,8 @@ def test_experts_bench_reads_the_floors_bytes(tmp_path, capsys):
     assert {r["T"] for r in rows} == {1, 8}
     for r in rows:
         assert 0.5 * r["floor_us"] < r["read_us"] < 4 * r["us"], r
-    assert " read " in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert " read " in printed and "% of read)" in printed
 
 
 def test_latent_tail_bench_reads_up_projs_bytes(tmp_path):

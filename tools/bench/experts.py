@@ -501,11 +501,13 @@ def peer_configs(cfgs) -> str:
 
 def summary(b: dict) -> str:
     """The printed line of a case (its fastest row `b`): the floor, the read kernel's time (its % of the floor),
-    kerngen (% of the floor); quantized formats then kerngen's bf16 kernels on the same weights dequantized
-    (kerngen's speedup over them), Triton (% of the floor, kerngen's speedup over it, its configs), grouped_mm."""
+    kerngen (% of the floor, and of the read kernel's speed where the row has it); quantized formats then kerngen's
+    bf16 kernels on the same weights dequantized (kerngen's speedup over them), Triton (% of the floor, kerngen's
+    speedup over it, its configs), grouped_mm."""
     read = (f" read {b['read_us']:7.1f} ({100 * b['floor_us'] / b['read_us']:3.0f}%)" if b.get("read_us") else "")
+    of_read = f", {100 * b['read_us'] / b['us']:3.0f}% of read" if b.get("read_us") else ""
     head = (f"{b['model']:16s} T={b['T']:3d} tile={b['tile']:2d} active={b['active']:6.1f} floor "
-            f"{b['floor_us']:7.1f} µs{read} | kerngen {b['us']:7.1f} ({100 * b['floor_us'] / b['us']:4.0f}%) "
+            f"{b['floor_us']:7.1f} µs{read} | kerngen {b['us']:7.1f} ({100 * b['floor_us'] / b['us']:4.0f}%{of_read}) "
             f"[{b['kernel']}] | ")
     tail = f"{b['format']} {b['layout']} x{b['layers']} layers"
     if b["format"] == "bf16":
