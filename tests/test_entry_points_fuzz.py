@@ -56,6 +56,25 @@ ENTRY_POINTS = {
                      interleaved=lambda: False, b13=lambda: None, tile=lambda: None, alpha=lambda: 1.702,
                      w13_scale=lambda: None, out=lambda: None, scratch=lambda: None,
                      fp8_activations=lambda: False)),
+    "torch.ops.kerngen.route_permute": (lambda **a: torch.ops.kerngen.route_permute(*a.values()),
+                                        dict(logits=logits, top_k=lambda: 2, method=lambda: "softmax_topk",
+                                             tile=lambda: 4)),
+    "torch.ops.kerngen.finalize": (lambda **a: torch.ops.kerngen.finalize(*a.values()),
+                                   dict(g=lambda: torch.zeros(6, 64, dtype=torch.bfloat16), e2p=e2p,
+                                        w=lambda: torch.zeros(3, 2))),
+    "torch.ops.kerngen.moe_tail": (lambda **a: torch.ops.kerngen.moe_tail(*a.values()),
+                                   dict(g=lambda: torch.zeros(6, 64, dtype=torch.bfloat16), e2p=e2p,
+                                        w=lambda: torch.zeros(3, 2), nw=lambda: torch.ones(64, dtype=torch.bfloat16))),
+    "torch.ops.kerngen.latent_tail": (lambda **a: torch.ops.kerngen.latent_tail(*a.values()),
+                                      dict(g=lambda: torch.zeros(6, 64, dtype=torch.bfloat16), e2p=e2p,
+                                           w=lambda: torch.zeros(3, 2), nw=lambda: torch.ones(64, dtype=torch.bfloat16),
+                                           up=lambda: torch.zeros(32, 64, dtype=torch.bfloat16))),
+    "torch.ops.kerngen.moe_experts": (lambda **a: torch.ops.kerngen.moe_experts(*a.values()),
+                                      dict(x=lambda: torch.zeros(3, 16, dtype=torch.bfloat16), ids=e2p,
+                                           w=lambda: torch.zeros(3, 2),
+                                           w13=lambda: torch.zeros(8, 16, 16, dtype=torch.bfloat16),
+                                           w2=lambda: torch.zeros(8, 16, 8, dtype=torch.bfloat16),
+                                           activation=lambda: "silu")),
     "RoutingWorkspace": (lambda **a: kerngen.RoutingWorkspace(a.pop("T"), a.pop("E"), a.pop("K"), **a),
                          dict(T=lambda: 4, E=lambda: 64, K=lambda: 2, tile=lambda: None,
                               local_experts=lambda: None, device=lambda: "cpu")),
@@ -70,6 +89,8 @@ def test_wrong_arguments_are_kerngen_errors(name, seed):
     args = {k: make() for k, make in defaults.items()}
     for k in rnd.sample(sorted(args), rnd.randint(1, 2)):
         args[k] = rnd.choice(JUNK)
+    if name.startswith("torch.ops") and seed % 2:   # meta tensors: the shape-only implementations (torch.compile's)
+        args = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     try:
         fn(**args)
     except kerngen.KerngenError:

@@ -253,3 +253,65 @@ def test_shape_only_calls_refuse_tensors_on_two_devices(op, meta):
         getattr(torch.ops.kerngen, op)(*a.values())
     out = getattr(torch.ops.kerngen, op)(*(t.to("meta") for t in a.values()))   # all on one device: its shape
     assert out.device.type == "meta" and tuple(out.shape) == (T, H)
+
+
+def test_latent_tail_route_permute_and_moe_experts_opcheck():
+    """The other ops' schema, fake and dynamic-shape implementations (the fakes run the ops' checks on plain shapes
+    and only the ranks on symbolic ones)."""
+    g, e2p, w = finalize_args(H=64)
+    nw, up = torch.rand(64).to(torch.bfloat16), torch.randn(96, 64).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.kerngen.latent_tail.default, (g, e2p, w, nw, up))
+    torch.library.opcheck(torch.ops.kerngen.route_permute.default, (torch.randn(6, 32), 4, "softmax_topk", 8))
+    x, ids, tw, w13, w2 = _experts_args()
+    torch.library.opcheck(torch.ops.kerngen.moe_experts.default, (x, ids, tw, w13, w2, "silu"))
+
+
+def _fake_cuda(mode, t):
+    """t as a FakeTensor on cuda:0 (what torch.compile's tracing of a GPU model hands the shape-only
+    implementations), made without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return FakeTensor(mode, t.to("meta"), torch.device("cuda", 0))
+
+
+def test_shape_only_calls_on_gpu_fakes_check_and_read_no_address(recwarn):
+    """On fake CUDA tensors the shape-only implementations give each output's shape, name a wrong argument as the
+    kernels do (the alignment checks skipped: a fake has no address), and never touch a data pointer (torch warns
+    then, and will raise)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from kerngen.ops import experts_torch, finalize_torch, latent_tail_torch, routing_torch, tail_torch
+    mode = FakeTensorMode()
+    f = lambda t: _fake_cuda(mode, t)   # noqa: E731
+    x, ids, tw, w13, w2 = (f(t) for t in _experts_args())
+    g, e2p, w = (f(t) for t in finalize_args(T=3, K=2, H=64, rows=6))
+    nw, up = f(torch.ones(64, dtype=torch.bfloat16)), f(torch.zeros(96, 64, dtype=torch.bfloat16))
+    with mode:
+        assert tuple(experts_torch._moe_experts_fake(x, ids, tw, w13, w2, "silu").shape) == (3, 64)
+        assert tuple(finalize_torch._finalize_fake(g, e2p, w).shape) == (3, 64)
+        assert tuple(tail_torch._moe_tail_fake(g, e2p, w, nw).shape) == (3, 64)
+        assert tuple(latent_tail_torch._latent_tail_fake(g, e2p, w, nw, up).shape) == (3, 96)
+        ids_out, _ = routing_torch._route_fake(f(torch.randn(3, 16)), 2, "softmax_topk")
+        assert tuple(ids_out.shape) == (3, 2)
+        with pytest.raises(kerngen.InputError, match="'w2' must be of shape"):
+            experts_torch._moe_experts_fake(x, ids, tw, w13, f(torch.zeros(8, 64, 16, dtype=torch.bfloat16)), "silu")
+        with pytest.raises(kerngen.InputError, match="'up_proj'"):
+            latent_tail_torch._latent_tail_fake(g, e2p, w, nw, f(torch.zeros(96, 32, dtype=torch.bfloat16)))
+        with pytest.raises(kerngen.InputError, match="'top_k'"):
+            routing_torch._route_permute_fake(f(torch.randn(3, 16)), 17, "softmax_topk", 8)
+    assert not [m for m in recwarn if "data pointer" in str(m.message)]
+
+
+@pytest.mark.parametrize("op, args", [
+    ("moe_experts", lambda: (lambda a: (a[0], a[1][None], a[2][None], *a[3:], "silu"))(_experts_args())),
+    ("moe_experts", lambda: (None, *_experts_args()[1:], "silu")),
+    ("route_permute", lambda: (torch.randn(16), 2, "softmax_topk", 4)),
+    ("route", lambda: (torch.randn(16), 2, "softmax_topk")),
+    ("finalize", lambda: (torch.randn(64).to(torch.bfloat16), *finalize_args()[1:])),
+])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_wrong_ranks_and_missing_tensors_are_input_errors(op, args, device):
+    """A tensor of the wrong rank (3-D top-k ids, 1-D logits or rows) or None where a tensor goes is the op's
+    InputError naming it, on the CPU and shape-only paths alike (they once read the shape first: ValueError,
+    IndexError, AttributeError)."""
+    a = [t.to(device) if isinstance(t, torch.Tensor) else t for t in args()]
+    with pytest.raises(kerngen.InputError, match="must be (a torch.Tensor|2-dimensional)"):
+        getattr(torch.ops.kerngen, op)(*a)

@@ -78,8 +78,15 @@ def require_gpu(what: str) -> None:
 
 
 def check_aligned(op: str, name: str, t: torch.Tensor, nbytes: int = 16, why: str = "128-bit loads"):
+    if type(t) is not torch.Tensor and _fake(t):   # torch.compile's tracing: no address to check yet
+        return
     if t.data_ptr() % nbytes:
         raise InputError(op, name, f"{nbytes}-byte aligned ({why})", f"address offset {t.data_ptr() % nbytes}")
+
+
+def _fake(t) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t)
 
 
 def check_buffer(op: str, name: str, t, dtype, shape: tuple, device, align: int = 0) -> None:

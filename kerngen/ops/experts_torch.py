@@ -11,7 +11,7 @@ from . import _common
 from . import experts as _ex
 from . import finalize as _fin
 from . import permute as _pm
-from ._torch import one_device
+from ._torch import concrete, dims, one_device
 
 
 @torch.library.custom_op("kerngen::moe_experts", mutates_args=(), device_types="cuda")
@@ -25,6 +25,7 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     MXFP4 weights with their scales; bf16 ones may be the transposed views of [E, H, 2I] / [E, I, H]; gpt-oss's
     gate: interleaved, alpha, limit; fp8 weights: fp8_activations, the w8a8 path). fp8 and MXFP4 token counts no
     rule serves read which experts were hit on the host (not capturable)."""
+    _dims(x, topk_ids, w13, w2)
     E, T = w13.shape[0], x.shape[0]
     ids = _ids(topk_ids, "topk_ids")
     _check_weights(topk_weights, ids, x)
@@ -40,6 +41,22 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
                 interleaved=interleaved, alpha=alpha, limit=limit, out=g, scratch=scratch,
                 fp8_activations=fp8_activations)
     return _fin.finalize(g, r.expanded_to_permuted, _weights(topk_weights))
+
+
+def _dims(x, topk_ids, w13, w2) -> None:
+    """The ranks every implementation reads shapes from (w13 / w2: [E, N, K] bf16 or fp8, [E, N, K / 32, 16] MXFP4);
+    the rest is kerngen.experts' checks."""
+    dims("moe_experts", x=(x, (2,)), topk_ids=(topk_ids, (2,)), w13=(w13, (3, 4)), w2=(w2, (3, 4)))
+
+
+def _shape_routing(ids: Tensor, w: Tensor, E: int):
+    """A tile-1 permutation of ids' shapes, its tensors empty: what kerngen.experts' checks read of a routing (they
+    read no data), for the shape-only implementation."""
+    T, K = ids.shape
+
+    def empty(*shape):
+        return ids.new_empty(shape, dtype=torch.int32)
+    return _pm.Routing(ids, w, empty(E), empty(E + 1), empty(T, K), empty(T * K), empty(T * K), empty(), tile=1)
 
 
 def _ids(topk_ids: Tensor, name: str) -> Tensor:
@@ -80,6 +97,7 @@ def _tile(x: Tensor, w13: Tensor, w2: Tensor, activation: str, a8: bool = False,
 def _moe_experts_cpu(x, topk_ids, topk_weights, w13, w2, activation, b13=None, b2=None, w13_scale=None,
                      w2_scale=None, interleaved=False, alpha=1.702, limit=7.0, fp8_activations=False):
     check_env()
+    _dims(x, topk_ids, w13, w2)
     ids = _ids(topk_ids, "topk_ids")
     _check_weights(topk_weights, ids, x)
     r = _pm.Routing(ids, topk_weights, **_pm.permute_reference(ids, w13.shape[0], 1), tile=1)
@@ -93,6 +111,13 @@ def _moe_experts_cpu(x, topk_ids, topk_weights, w13, w2, activation, b13=None, b
 @moe_experts.register_fake
 def _moe_experts_fake(x, topk_ids, topk_weights, w13, w2, activation, b13=None, b2=None, w13_scale=None,
                       w2_scale=None, interleaved=False, alpha=1.702, limit=7.0, fp8_activations=False):
+    _dims(x, topk_ids, w13, w2)
     one_device("experts", x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2,
                w13_scale=w13_scale, w2_scale=w2_scale)
+    ids = _ids(topk_ids, "topk_ids")
+    _check_weights(topk_weights, ids, x)
+    if concrete(x, ids, w13, w2, b13, b2, w13_scale, w2_scale):
+        _ex.check(x, _shape_routing(ids, topk_weights, w13.shape[0]), w13, w2, activation=activation, b13=b13, b2=b2,
+                  w13_scale=w13_scale, w2_scale=w2_scale, interleaved=interleaved, alpha=alpha, limit=limit,
+                  fp8_activations=fp8_activations, cuda=False)
     return x.new_empty((topk_ids.shape[0], x.shape[1]), dtype=torch.bfloat16)

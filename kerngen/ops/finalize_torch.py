@@ -6,7 +6,7 @@ from torch import Tensor
 
 from ..dispatch import check_env
 from . import finalize as _fin
-from ._torch import one_device
+from ._torch import concrete, dims, one_device
 
 
 @torch.library.custom_op("kerngen::finalize", mutates_args=(), device_types="cuda")
@@ -24,6 +24,9 @@ def _finalize_cpu(gemm2_out, expanded_to_permuted, topk_weights, hidden=None):
 
 @finalize.register_fake
 def _finalize_fake(gemm2_out, expanded_to_permuted, topk_weights, hidden=None):
+    dims("finalize", gemm2_out=(gemm2_out, (2,)), expanded_to_permuted=(expanded_to_permuted, (2,)))
     one_device("finalize", gemm2_out=gemm2_out, expanded_to_permuted=expanded_to_permuted, topk_weights=topk_weights)
+    if concrete(gemm2_out, expanded_to_permuted, topk_weights):
+        _fin.check_args(gemm2_out, expanded_to_permuted, topk_weights, hidden, cuda=False)
     H = gemm2_out.shape[1] if hidden is None else hidden
     return gemm2_out.new_empty((expanded_to_permuted.shape[0], H))

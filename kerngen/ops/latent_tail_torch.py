@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..dispatch import check_env
 from . import latent_tail as _lt
-from ._torch import one_device
+from ._torch import concrete, dims, one_device
 
 
 @torch.library.custom_op("kerngen::latent_tail", mutates_args=(), device_types="cuda")
@@ -31,6 +31,11 @@ def _latent_tail_cpu(gemm2_out, expanded_to_permuted, topk_weights, norm_weight,
 @latent_tail.register_fake
 def _latent_tail_fake(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, eps=1e-6, shared=None,
                       residual=None):
+    dims("latent_tail", gemm2_out=(gemm2_out, (2,)), expanded_to_permuted=(expanded_to_permuted, (2,)),
+         up_proj=(up_proj, (2,)))
     one_device("latent_tail", gemm2_out=gemm2_out, expanded_to_permuted=expanded_to_permuted,
                topk_weights=topk_weights, norm_weight=norm_weight, up_proj=up_proj, shared=shared, residual=residual)
+    if concrete(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, shared, residual):
+        _lt.check_args(gemm2_out, expanded_to_permuted, topk_weights, norm_weight, up_proj, shared, residual, eps,
+                       cuda=False)
     return gemm2_out.new_empty((expanded_to_permuted.shape[0], up_proj.shape[0]))

@@ -8,12 +8,13 @@ from torch import Tensor
 from ..dispatch import check_env
 from . import permute as _pm
 from . import routing as _rt
-from ._torch import one_device
+from ._torch import concrete, dims, one_device
 
 
 @torch.library.custom_op("kerngen::route", mutates_args=(), device_types="cuda")
 def route(logits: Tensor, top_k: int, method: str, bias: Tensor | None = None, n_group: int = 1,
           topk_group: int = 1, routed_scaling_factor: float = 1.0, renormalize: bool = True) -> tuple[Tensor, Tensor]:
+    dims(_rt.OP, logits=(logits, (2,)))
     # a workspace of this call's own, one allocation a view: a custom op's outputs may not alias each other
     ws = _pm.RoutingWorkspace(max(logits.shape[0], 1), logits.shape[1], top_k, None, device=logits.device,
                               separate=True)
@@ -35,7 +36,11 @@ def _route_cpu(logits, top_k, method, bias=None, n_group=1, topk_group=1, routed
 @route.register_fake
 def _route_fake(logits, top_k, method, bias=None, n_group=1, topk_group=1, routed_scaling_factor=1.0,
                 renormalize=True):
+    dims(_rt.OP, logits=(logits, (2,)))
     one_device("route", logits=logits, bias=bias)
+    if concrete(logits, bias):
+        _rt.check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, rsf=routed_scaling_factor,
+                       cuda=False)
     T = logits.shape[0]
     return (logits.new_empty((T, top_k), dtype=torch.int32), logits.new_empty((T, top_k), dtype=torch.float32))
 
@@ -48,6 +53,7 @@ def route_permute(logits: Tensor, top_k: int, method: str, tile: int, bias: Tens
                                                                        Tensor, Tensor]:
     """route with the whole permutation: (topk_ids, topk_weights, expert_counts, expert_offsets,
     expanded_to_permuted, permuted_to_token, tile_to_expert, num_permuted_rows); num_local = -1: all experts."""
+    dims(_rt.OP, logits=(logits, (2,)))
     E = logits.shape[1]
     local = (local_start, E - local_start if num_local < 0 else num_local)
     ws = _pm.RoutingWorkspace(max(logits.shape[0], 1), E, top_k, tile, local_experts=local, device=logits.device,
@@ -67,6 +73,7 @@ def _permutation(r) -> tuple:
 def _route_permute_cpu(logits, top_k, method, tile, bias=None, n_group=1, topk_group=1, routed_scaling_factor=1.0,
                        renormalize=True, local_start=0, num_local=-1):
     check_env()
+    dims(_rt.OP, logits=(logits, (2,)))
     E = logits.shape[1]
     local = (local_start, E - local_start if num_local < 0 else num_local)
     _rt.check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, local,
@@ -80,8 +87,13 @@ def _route_permute_cpu(logits, top_k, method, tile, bias=None, n_group=1, topk_g
 @route_permute.register_fake
 def _route_permute_fake(logits, top_k, method, tile, bias=None, n_group=1, topk_group=1, routed_scaling_factor=1.0,
                         renormalize=True, local_start=0, num_local=-1):
+    dims(_rt.OP, logits=(logits, (2,)))
     one_device("route", logits=logits, bias=bias)
     T, E = logits.shape
+    if concrete(logits, bias):
+        _rt.check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile,
+                       (local_start, E - local_start if num_local < 0 else num_local), rsf=routed_scaling_factor,
+                       cuda=False)
     nl = E - local_start if num_local < 0 else num_local
     rows = _pm.max_rows(T, top_k, nl, tile)
     i32 = dict(dtype=torch.int32)
