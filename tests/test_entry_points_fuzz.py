@@ -8,7 +8,8 @@ import torch
 import kerngen
 
 JUNK = [None, [2], (1, 2, 3), "x", "", 2.5, float("nan"), float("inf"), -1, 0, 10**30, True, {}, object(),
-        torch.tensor(2), torch.zeros(3), torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, 2)]
+        torch.tensor(2), torch.zeros(3), torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, 2),
+        torch.zeros(3, 2, 4, dtype=torch.int32), torch.zeros(0, 2, dtype=torch.int32)]
 
 
 def logits():
@@ -75,6 +76,10 @@ ENTRY_POINTS = {
                                            w13=lambda: torch.zeros(8, 16, 16, dtype=torch.bfloat16),
                                            w2=lambda: torch.zeros(8, 16, 8, dtype=torch.bfloat16),
                                            activation=lambda: "silu")),
+    "PreRouting": (lambda **a: kerngen.PreRouting(**a),
+                   dict(model=lambda: None, num_experts=lambda: 8, top_k=lambda: 2, method=lambda: "softmax_topk",
+                        tile=lambda: None, local_experts=lambda: None, max_tokens=lambda: 4,
+                        weights_dtype=lambda: torch.float32, device=lambda: "cpu")),
     "RoutingWorkspace": (lambda **a: kerngen.RoutingWorkspace(a.pop("T"), a.pop("E"), a.pop("K"), **a),
                          dict(T=lambda: 4, E=lambda: 64, K=lambda: 2, tile=lambda: None,
                               local_experts=lambda: None, device=lambda: "cpu")),
@@ -97,6 +102,23 @@ def test_wrong_arguments_are_kerngen_errors(name, seed):
         pass   # named; the kernels themselves never run on the CPU
     except RuntimeError as e:   # torch's dispatcher refusing a schema mismatch before kerngen is reached
         assert name.startswith("torch.ops") and ("expected" in str(e) or "argument" in str(e)), e
+
+
+@pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
+def test_each_argument_replaced_by_each_junk_value_is_a_kerngen_error(name):
+    """The same, exhaustively for one argument at a time (a tensor where tile goes once reached a comparison that
+    torch refused: "Boolean value of Tensor ... is ambiguous")."""
+    fn, defaults = ENTRY_POINTS[name]
+    for arg in sorted(defaults):
+        for junk in JUNK:
+            args = {k: make() for k, make in defaults.items()}
+            args[arg] = junk
+            try:
+                fn(**args)
+            except kerngen.KerngenError:
+                pass
+            except RuntimeError as e:
+                assert name.startswith("torch.ops") and ("expected" in str(e) or "argument" in str(e)), (arg, e)
 
 
 def test_route_with_a_model_checks_the_expert_count_of_the_logits():

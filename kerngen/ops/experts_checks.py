@@ -141,10 +141,11 @@ def check_args(x, routing, w13, w2, activation, interleaved, b13, b2, input_weig
             check_aligned(OP, name, t)
     if tile is None:
         tile = routing.tile if getattr(routing, "tile", None) is not None else infer_tile(routing)
+    elif not isinstance(tile, int) or isinstance(tile, bool) or not 1 <= tile <= permute_op.MAX_TILE:
+        raise InputError(OP, "tile", f"the routing's tile, an integer in [1, {permute_op.MAX_TILE}]",
+                         f"a tensor of shape {tuple(tile.shape)}" if isinstance(tile, torch.Tensor) else repr(tile))
     elif getattr(routing, "tile", None) not in (None, tile):
         raise InputError(OP, "tile", f"the routing's tile ({routing.tile}) or None", repr(tile))
-    elif not isinstance(tile, int) or isinstance(tile, bool) or not 1 <= tile <= permute_op.MAX_TILE:
-        raise InputError(OP, "tile", f"the routing's tile, an integer in [1, {permute_op.MAX_TILE}]", repr(tile))
     if routing.tile_to_expert.shape[0] * tile > routing.permuted_to_token.shape[0]:
         raise InputError(OP, "tile", "the tile the routing was built with", f"{tile}")
     return tile, H, I, fmt, layout

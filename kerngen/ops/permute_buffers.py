@@ -80,7 +80,7 @@ class RoutingWorkspace:
             raise InputError("RoutingWorkspace", "tile", "the block size (an integer) for layout 'align'", "None")
         try:
             dev = torch.device("cuda") if device is None else torch.device(device)
-        except (RuntimeError, TypeError) as e:
+        except (RuntimeError, TypeError, ValueError) as e:   # ValueError: an index past a long long
             raise InputError("RoutingWorkspace", "device", "a CUDA device (e.g. 'cuda', 'cuda:1' or an index)",
                              repr(device)) from e
         if dev.type not in ("cuda", "cpu"):   # a CPU workspace holds reference results

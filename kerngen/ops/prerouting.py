@@ -107,7 +107,7 @@ class PreRouting:
         try:   # an index names a GPU even where torch sees none (torch.device(0) would ask for one)
             dev = (torch.device("cuda") if device is None else torch.device("cuda", device)
                    if isinstance(device, int) and not isinstance(device, bool) else torch.device(device))
-        except (RuntimeError, TypeError):
+        except (RuntimeError, TypeError, ValueError):   # ValueError: an index past a long long
             dev = None
         if dev is None or dev.type not in ("cuda", "cpu"):
             raise InputError(OP, "device", "a CUDA device (e.g. 'cuda', 'cuda:1' or an index) or 'cpu'", repr(device))
