@@ -328,3 +328,99 @@ def test_the_experts_phase_probe_takes_a_rule_of_a_few_params():
     assert a.rule == {"one_launch": True} and a.tokens == "1"
     with pytest.raises(SystemExit):
         probe.parse_args(["--rule", "one_launch"])
+
+
+FAKE_SGLANG = {   # SGLang's routers as their docstrings define them, in torch, recording the flags they were given
+    "moe_fused_gate": '''
+import torch
+CALLS = []
+def moe_fused_gate(x, bias, k, scoring_func, renormalize, routed_scaling_factor,
+                   apply_routed_scaling_factor_on_output, num_expert_group, topk_group):
+    CALLS.append(dict(renormalize=renormalize, rsf=routed_scaling_factor, groups=(num_expert_group, topk_group)))
+    s = torch.sigmoid(x.float())
+    key = s + bias.float()
+    T, E = key.shape
+    g = key.view(T, num_expert_group, -1).topk(2, -1).values.sum(-1)
+    keep = torch.zeros_like(g).scatter(1, g.topk(topk_group, -1).indices, 1.0)
+    key = key.masked_fill(keep.repeat_interleave(E // num_expert_group, 1) == 0, float("-inf"))
+    ids = key.topk(k, -1).indices
+    w = s.gather(-1, ids)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w * routed_scaling_factor, ids.int()
+''',
+    "moe_topk_softmax": '''
+import torch
+from sglang.srt.utils.custom_op import register_custom_op
+CALLS = []
+@register_custom_op(op_name="moe_topk_softmax_out", mutates_args=["topk_weights", "topk_ids", "workspace"])
+def moe_topk_softmax_out(topk_weights, topk_ids, gating_output, workspace, renormalize, moe_softcapping,
+                         correction_bias):
+    CALLS.append(dict(renormalize=renormalize, workspace=workspace.numel()))
+    p = gating_output.float().softmax(-1)
+    w, ids = p.topk(topk_ids.shape[1], -1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    topk_weights.copy_(w)
+    topk_ids.copy_(ids)
+''',
+    "moe_topk_sigmoid": '''
+import torch
+from sglang.srt.utils.custom_op import register_custom_op
+CALLS = []
+@register_custom_op(op_name="moe_topk_sigmoid_out", mutates_args=["topk_weights", "topk_ids"])
+def moe_topk_sigmoid_out(gating_output, topk_weights, topk_ids, workspace, renormalize, correction_bias,
+                         routed_scaling_factor, num_fused_shared_experts):
+    CALLS.append(dict(renormalize=renormalize))
+    w, ids = torch.sigmoid(gating_output.float()).topk(topk_ids.shape[1], -1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    topk_weights.copy_(w * routed_scaling_factor)
+    topk_ids.copy_(ids)
+''',
+}
+
+
+def test_routing_peers_give_each_model_the_router_of_its_method(tmp_path, monkeypatch):
+    """tools.bench.routing_peers hands every model of the tier table to SGLang's router for its method, with the
+    flags under which that router's documented result is kerngen's routing (checked here against kerngen's
+    reference, the routers written in torch as their docstrings define them): SGLang's JIT routers import a
+    custom-op registry that its kernels package lacks, which the bench stands in for."""
+    import kerngen
+    from kerngen.ops import routing as rt
+    from tools.bench import routing_peers as rp
+    moe, utils = tmp_path / "sglang" / "kernels" / "ops" / "moe", tmp_path / "sglang" / "srt" / "utils"
+    moe.mkdir(parents=True)
+    utils.mkdir(parents=True)   # as in the peers' tarball: sglang.srt.utils without custom_op
+    for d in (tmp_path / "sglang", tmp_path / "sglang" / "kernels", tmp_path / "sglang" / "kernels" / "ops", moe,
+              utils.parent, utils):
+        (d / "__init__.py").write_text("")
+    for name, src in FAKE_SGLANG.items():
+        (moe / f"{name}.py").write_text(src)
+    for mod in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        _check_peers(kerngen, rt, rp)
+    finally:   # the fake package and the stand-in leave with the test
+        for mod in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+            del sys.modules[mod]
+
+
+def _check_peers(kerngen, rt, rp):
+    models = rp.default_models().split(",")
+    assert set(models) == set(kerngen.models())   # every routing method has its peer
+    gen = torch.Generator().manual_seed(3)
+    for name in models:
+        m = kerngen.models()[name]
+        logits = torch.randn(5, m.num_experts, generator=gen)
+        bias = torch.randn(m.num_experts, generator=gen) * 0.05 if rp.PEERS[m.routing] == "moe_fused_gate" else None
+        w, ids = rp.peer_gate(m, logits, bias)()
+        rids, rw = rt.reference(logits, m.top_k, m.routing, bias, m.n_group, m.topk_group, m.routed_scaling_factor,
+                                m.renormalize)
+        ours, order = rids.long().sort(-1)
+        peer, porder = ids.long().sort(-1)
+        assert torch.equal(ours, peer), name
+        torch.testing.assert_close(w.float().gather(-1, porder), rw.gather(-1, order), rtol=1e-5, atol=1e-6,
+                                   msg=name)
+    assert sys.modules[rp.CUSTOM_OP].register_custom_op.__module__ == rp.__name__   # the stand-in was needed

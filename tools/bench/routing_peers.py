@@ -1,29 +1,89 @@
 #!/usr/bin/env python3
-"""Routing against SGLang's kernels: kerngen.route's top-k against SGLang's Triton `moe_fused_gate`, and
-kerngen.route with the permutation (one launch) against `moe_fused_gate` + SGLang's `moe_align_block_size`
-(its small-numel Triton kernel where SGLang's dispatcher picks it: T*K <= 64 and E + 1 > 64). Same process,
-same logits and bias, CUDA graphs; each case after a producer kernel (a 4 MB write that does not trigger early,
-its own time taken off) and chained (back to back).
+"""Routing against SGLang's kernels: kerngen.route's top-k against SGLang's router for the model's method, and
+kerngen.route with the permutation (one launch) against that router + SGLang's `moe_align_block_size` (its
+small-numel Triton kernel where SGLang's dispatcher picks it: T*K <= 64 and E + 1 > 64). Same process, same
+logits and bias, CUDA graphs; each case after a producer kernel (a 4 MB write that does not trigger early, its
+own time taken off) and chained (back to back).
 
-    python3 -m tools.bench.routing_peers --sglang DIR [--models kimi-k3,deepseek-v3,kimi-k2,glm-4.5]
+    python3 -m tools.bench.routing_peers --sglang DIR [--models kimi-k3,deepseek-v3,...]
                                          [--tokens 1,8,64,512,4096] [--block 16]
 
 DIR holds SGLang's `sglang/kernels` package (the peers' tarball unpacked) and its `msgspec` dependency on
-PYTHONPATH. Models: the sigmoid-with-bias routers the peer computes (DeepSeek-V3's grouped one included). After
-timing, the peer's ids are checked to be kerngen's as sets per token and its weights within 1e-5 of kerngen's
-(the two order ties differently only on exactly equal scores, which random logits do not give).
+PYTHONPATH. The router of each method (`PEERS`): sigmoid with bias (DeepSeek-V3's grouped one included) SGLang's
+Triton `moe_fused_gate`; softmax top-k (Qwen3, Mixtral; gpt-oss's softmax over the top k is the same with the
+weights renormalized) its JIT CUDA `moe_topk_softmax`; Llama-4's top-1 sigmoid its `moe_topk_sigmoid`, each with
+its outputs and scratch allocated once. Default: every model of the tier table. After timing, the peer's ids are
+checked to be kerngen's as sets per token and its weights within 1e-5 of kerngen's (the two order ties
+differently only on exactly equal scores, which random logits do not give).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+import types
 
 import torch
 
 import kerngen
 from .lib import elementwise_producer, graph_time_us, require_gpu
 
-MODELS = ("kimi-k3", "deepseek-v3", "kimi-k2", "glm-4.5")
+PEERS = {"sigmoid_bias": "moe_fused_gate", "grouped_sigmoid_bias": "moe_fused_gate",
+         "softmax_topk": "moe_topk_softmax", "topk_softmax": "moe_topk_softmax", "top1_sigmoid": "moe_topk_sigmoid"}
+CUSTOM_OP = "sglang.srt.utils.custom_op"   # SGLang's op registry, outside its kernels package
+
+
+def sglang_moe(module: str):
+    """sglang.kernels.ops.moe.<module>; where SGLang's custom-op registry (which its JIT routers' modules import,
+    and which the kernels package does not hold) is missing, a stand-in decorator that registers nothing: the
+    bench calls the functions themselves."""
+    path = f"sglang.kernels.ops.moe.{module}"
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError as e:
+        if e.name != CUSTOM_OP:
+            raise
+    shim = types.ModuleType(CUSTOM_OP)
+    shim.register_custom_op = lambda *args, **kw: (lambda fn: fn)
+    sys.modules[CUSTOM_OP] = shim
+    return importlib.import_module(path)
+
+
+def peer_gate(m, logits: torch.Tensor, bias: torch.Tensor | None):
+    """SGLang's router for model m's method, as a call returning (weights [T, K] fp32, ids [T, K]) into buffers
+    made once (the peer at its best: no allocation a call)."""
+    T, E = logits.shape
+    K = m.top_k
+    if PEERS[m.routing] == "moe_fused_gate":
+        fused_gate = sglang_moe("moe_fused_gate").moe_fused_gate
+        return lambda: fused_gate(logits, bias, K, scoring_func="sigmoid", renormalize=m.renormalize,
+                                  routed_scaling_factor=m.routed_scaling_factor,
+                                  apply_routed_scaling_factor_on_output=True, num_expert_group=m.n_group,
+                                  topk_group=m.topk_group)
+    w = torch.empty(T, K, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, K, dtype=torch.int32, device=logits.device)
+    pow2 = E & (E - 1) == 0
+    if PEERS[m.routing] == "moe_topk_softmax":   # the workspace as SGLang's topk_softmax sizes it
+        out = sglang_moe("moe_topk_softmax").moe_topk_softmax_out
+        ws = torch.empty(1 if pow2 and E <= 512 else T * E, dtype=torch.float32, device=logits.device)
+        renorm = m.renormalize or m.routing == "topk_softmax"   # softmax over the top k = renormalized weights
+
+        def softmax_gate():
+            out(w, ids, logits, ws, renorm, 0.0, None)
+            return w, ids
+        return softmax_gate
+    out = sglang_moe("moe_topk_sigmoid").moe_topk_sigmoid_out   # top1_sigmoid: sigmoid(logit) of the top one
+    ws = torch.empty(1 if pow2 and E <= 256 else T * E, dtype=torch.float32, device=logits.device)
+
+    def sigmoid_gate():
+        out(logits, w, ids, ws, False, None, m.routed_scaling_factor, 0)
+        return w, ids
+    return sigmoid_gate
+
+
+def default_models() -> str:
+    """Every model of the tier table whose routing method has a peer."""
+    return ",".join(n for n, m in kerngen.models().items() if m.routing in PEERS)
 
 
 def timed(fn, producer) -> tuple[float, float]:
@@ -51,20 +111,16 @@ def sglang_align(ids: torch.Tensor, E: int, block: int):
 
 
 def case(name: str, T: int, block: int, producer) -> dict:
-    from sglang.kernels.ops.moe.moe_fused_gate import moe_fused_gate
     m = kerngen.models()[name]
     E, K = m.num_experts, m.top_k
     gen = torch.Generator(device="cuda").manual_seed(T)
     logits = torch.randn(T, E, device="cuda", generator=gen)
     bias = torch.randn(E, device="cuda", generator=gen) * 0.05
+    if PEERS[m.routing] != "moe_fused_gate":
+        bias = None
     ws_topk = kerngen.RoutingWorkspace(T, E, K, None)
     ws_perm = kerngen.RoutingWorkspace(T, E, K, block)
-
-    def gate():
-        return moe_fused_gate(logits, bias, K, scoring_func="sigmoid", renormalize=m.renormalize,
-                              routed_scaling_factor=m.routed_scaling_factor,
-                              apply_routed_scaling_factor_on_output=True, num_expert_group=m.n_group,
-                              topk_group=m.topk_group)
+    gate = peer_gate(m, logits, bias)
     w_peer, ids_peer = gate()
     align = sglang_align(ids_peer.to(torch.int32), E, block)
 
@@ -93,7 +149,8 @@ def case(name: str, T: int, block: int, producer) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sglang", default=None, help="a folder to put first on sys.path (SGLang's kernels)")
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=None, help="comma-separated tier-table models (default: every one a peer "
+                    "routes)")
     ap.add_argument("--tokens", default="1,8,64,512,4096")
     ap.add_argument("--block", type=int, default=16, help="the permutation's tile / SGLang's block size")
     a = ap.parse_args(argv)
@@ -102,7 +159,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, a.sglang)
     producer = elementwise_producer()
     print("µs per call (after a producer / chained); topk: ids + weights; perm: with the permutation")
-    for name in a.models.split(","):
+    for name in (a.models or default_models()).split(","):
         for T in map(int, a.tokens.split(",")):
             r = case(name, T, a.block, producer)
             print(f"{name:12s} T={T:5d} | topk {r['topk_us']:6.2f} / {r['topk_chained_us']:6.2f}  gate "
