@@ -14,7 +14,8 @@ Triton `moe_fused_gate`; softmax top-k (Qwen3, Mixtral; gpt-oss's softmax over t
 weights renormalized) its JIT CUDA `moe_topk_softmax`; Llama-4's top-1 sigmoid its `moe_topk_sigmoid`, each with
 its outputs and scratch allocated once. Default: every model of the tier table. After timing, the peer's ids are
 checked to be kerngen's as sets per token and its weights within 1e-5 of kerngen's (the two order ties
-differently only on exactly equal scores, which random logits do not give).
+differently only on exactly equal scores, which random logits do not give). At one token the align step is the
+faster of the dispatcher's pick and SGLang's one-warp `moe_align_single_token`, in each setting.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import types
 import torch
 
 import kerngen
+from kerngen.ops.permute_reference import align_reference
 from .lib import elementwise_producer, graph_time_us, require_gpu
 
 PEERS = {"sigmoid_bias": "moe_fused_gate", "grouped_sigmoid_bias": "moe_fused_gate",
@@ -133,6 +135,23 @@ def case(name: str, T: int, block: int, producer) -> dict:
                       ("perm", lambda: kerngen.route(logits, bias=bias, model=name, tile=block, workspace=ws_perm)),
                       ("gate", gate), ("gate_align", gate_align)):
         row[label + "_us"], row[label + "_chained_us"] = (round(v, 2) for v in timed(fn, producer))
+    if T == 1:   # SGLang's one-warp align for a single token, where it is the faster: the peer at its best
+        one = sglang_moe("moe_align_single_token").moe_align_single_token
+
+        def gate_align_one():
+            w, i = gate()
+            one(i, block)
+        t1 = tuple(round(v, 2) for v in timed(gate_align_one, producer))
+        ids1 = gate()[1].to(torch.int32)
+        got = one(ids1, block)
+        want = align_reference(ids1, block, E)   # its used blocks: one an expert, experts ascending
+        used = int(want[2])
+        if not (torch.equal(got[0][:used], want[0][:used]) and torch.equal(got[1][:used // block],
+                                                                            want[1][:used // block])
+                and int(got[2][0]) == used):
+            raise SystemExit(f"{name} T=1: SGLang's single-token align differs from moe_align_block_size's layout")
+        row["gate_align_us"], row["gate_align_chained_us"] = (
+            min(a, b) for a, b in zip((row["gate_align_us"], row["gate_align_chained_us"]), t1))
     r = kerngen.route(logits, bias=bias, model=name, workspace=ws_topk)
     w_peer, ids_peer = gate()
     torch.cuda.synchronize()
