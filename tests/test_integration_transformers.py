@@ -433,3 +433,19 @@ def test_relayout_leaves_tensor_subclasses_as_they_are():
     kt.enable(model)
     assert e.gate_up_proj.is_contiguous() and e.down_proj.is_contiguous() and kx.weights_layout(e) == "kn"
     kt.disable(model)
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda: kt.enable(None), "model"), (lambda: kt.enable("qwen3"), "model"), (lambda: kt.disable(3), "model"),
+    (lambda: kt.enable(torch.nn.Linear(2, 2), routers="yes"), "routers"),
+    (lambda: kt.enable(torch.nn.Linear(2, 2), graphs="maybe"), "graphs"),
+    (lambda: kt.enable(torch.nn.Linear(2, 2), graphs=1), "graphs"),
+    (lambda: kt.enable(torch.nn.Linear(2, 2), relayout=None), "relayout"),
+])
+def test_enable_and_disable_name_a_wrong_argument(call, arg):
+    """Not a module, or a flag that is not a bool, is kerngen's InputError naming it (a model of None once reached
+    named_modules: AttributeError), before anything is patched."""
+    from kerngen.errors import InputError
+    with pytest.raises(InputError) as e:
+        call()
+    assert e.value.arg == arg

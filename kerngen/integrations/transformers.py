@@ -47,7 +47,7 @@ except ModuleNotFoundError as e:
     raise ModuleNotFoundError("kerngen.integrations.transformers needs transformers 5 or newer, which is not "
                               "installed: pip install 'kerngen[transformers]'", name=e.name) from None
 
-from kerngen.errors import KerngenError
+from kerngen.errors import InputError, KerngenError
 from kerngen.ops import permute as _pm
 from . import transformers_experts as _kx
 from . import transformers_graphs as _kg
@@ -71,6 +71,18 @@ class UnsupportedModelError(KerngenError):
         self.family, self.module, self.reason = family, module, reason
         super().__init__(f"kerngen.integrations.transformers: model family '{family}' ({module}) is not supported: "
                          f"{reason}")
+
+
+def _check_call(fn: str, model, **flags) -> None:
+    """enable / disable's arguments: a torch.nn.Module, and each flag=(value, allowed types) one of them (a bool is
+    not an int here: "yes" or 1 for routers is a mistake, not a truthy value)."""
+    if not isinstance(model, nn.Module):
+        raise InputError(f"integrations.transformers.{fn}", "model", "a torch.nn.Module (the transformers model)",
+                         type(model).__name__)
+    for name, (value, types) in flags.items():
+        if type(value) not in types:
+            raise InputError(f"integrations.transformers.{fn}", name,
+                             "True, False or None" if type(None) in types else "True or False", repr(value))
 
 
 def _dispatches(m: nn.Module) -> bool:
@@ -158,6 +170,8 @@ def enable(model: nn.Module, *, routers: bool = True, graphs: bool | None = None
     (slower, and past 16 tokens transformers' grouped GEMM). Calling it again changes nothing and returns the same
     names.
     """
+    _check_call("enable", model, routers=(routers, (bool,)), graphs=(graphs, (bool, type(None))),
+                relayout=(relayout, (bool,)))
     bound = _kg.tokens_bound(graphs)
     plan = _plan(model, routers, bound > 0)
     if relayout:
@@ -191,6 +205,7 @@ def enable(model: nn.Module, *, routers: bool = True, graphs: bool | None = None
 
 def disable(model: nn.Module) -> list[str]:
     """Undo enable: transformers' routers and the previous experts implementation; returns the restored names."""
+    _check_call("disable", model)
     restored = []
     for name, m in model.named_modules():
         if _patched(m):
