@@ -63,8 +63,12 @@ def models() -> dict:
 
 def preload(model: str, **kw) -> dict:
     """Load every kernel `model` needs on the current GPU at start-up; returns count, compiled, seconds."""
+    from . import tiers
     from .ops._common import require_gpu
     from .warmup import preload as _preload
+    if not isinstance(model, str):
+        raise InputError("preload", "model", "a model name of the tier table (a str)", repr(model))
+    tiers.load(kw.get("tiers_file")).model(model)   # an unknown name is its TierError, with or without a GPU
     require_gpu(f"kerngen.preload({model!r})")
     return _preload(model, **kw)
 
@@ -84,6 +88,8 @@ def clear() -> None:
 def strict(on: bool | None = True) -> None:
     """Serving mode: a kernel missing from the cache raises CacheMissError instead of compiling."""
     from . import jit
+    if on is not None and type(on) is not bool:
+        raise InputError("strict", "on", "True, False or None (follow KERNGEN_STRICT)", repr(on))
     jit.set_strict(on)
 
 

@@ -126,3 +126,18 @@ def test_route_with_a_model_checks_the_expert_count_of_the_logits():
         kerngen.route(torch.randn(2, 64), model="kimi-k3")
     with pytest.raises(kerngen.InputError, match="model"):
         kerngen.route(torch.randn(2, 64), model=["kimi-k3"])
+
+
+def test_preload_and_strict_name_a_wrong_argument():
+    """preload's model is checked before the GPU is asked for (a name that is no model is the tier table's error on
+    every machine), strict takes only True, False or None (strict("yes") once set the mode from a truthy string)."""
+    for junk in JUNK:
+        if junk is None or type(junk) is bool:
+            continue
+        with pytest.raises(kerngen.InputError, match="'on'"):
+            kerngen.strict(junk)
+        if not isinstance(junk, str):
+            with pytest.raises(kerngen.InputError, match="'model'"):
+                kerngen.preload(junk)
+    with pytest.raises(kerngen.TierError, match="unknown model 'no-such-model'"):
+        kerngen.preload("no-such-model")
