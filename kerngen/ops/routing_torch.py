@@ -11,10 +11,16 @@ from . import routing as _rt
 from ._torch import concrete, dims, one_device
 
 
+def _logits(logits) -> None:
+    """logits [T, E] before the CUDA paths read its shape (a cheap test first: a host cost of each eager call)."""
+    if not (isinstance(logits, Tensor) and logits.dim() == 2):
+        dims(_rt.OP, logits=(logits, (2,)))
+
+
 @torch.library.custom_op("kerngen::route", mutates_args=(), device_types="cuda")
 def route(logits: Tensor, top_k: int, method: str, bias: Tensor | None = None, n_group: int = 1,
           topk_group: int = 1, routed_scaling_factor: float = 1.0, renormalize: bool = True) -> tuple[Tensor, Tensor]:
-    dims(_rt.OP, logits=(logits, (2,)))
+    _logits(logits)
     # a workspace of this call's own, one allocation a view: a custom op's outputs may not alias each other
     ws = _pm.RoutingWorkspace(max(logits.shape[0], 1), logits.shape[1], top_k, None, device=logits.device,
                               separate=True)
@@ -53,7 +59,7 @@ def route_permute(logits: Tensor, top_k: int, method: str, tile: int, bias: Tens
                                                                        Tensor, Tensor]:
     """route with the whole permutation: (topk_ids, topk_weights, expert_counts, expert_offsets,
     expanded_to_permuted, permuted_to_token, tile_to_expert, num_permuted_rows); num_local = -1: all experts."""
-    dims(_rt.OP, logits=(logits, (2,)))
+    _logits(logits)
     E = logits.shape[1]
     local = (local_start, E - local_start if num_local < 0 else num_local)
     ws = _pm.RoutingWorkspace(max(logits.shape[0], 1), E, top_k, tile, local_experts=local, device=logits.device,
