@@ -10,7 +10,8 @@ own time taken off) and chained (back to back).
 
 DIR holds SGLang's `sglang/kernels` package (the peers' tarball unpacked) and its `msgspec` dependency on
 PYTHONPATH. The router of each method (`PEERS`): sigmoid with bias (DeepSeek-V3's grouped one included) SGLang's
-Triton `moe_fused_gate`; softmax top-k (Qwen3, Mixtral; gpt-oss's softmax over the top k is the same with the
+`moe_fused_gate` (Triton; at Kimi K3's 896 experts and top 16 it dispatches to its own native-CUDA radix-select
+router, `moe_route_radix`); softmax top-k (Qwen3, Mixtral; gpt-oss's softmax over the top k is the same with the
 weights renormalized) its JIT CUDA `moe_topk_softmax`; Llama-4's top-1 sigmoid its `moe_topk_sigmoid`, each with
 its outputs and scratch allocated once. Default: every model of the tier table. After timing, the peer's ids are
 checked to be kerngen's as sets per token and its weights within 1e-5 of kerngen's (the two order ties
