@@ -224,3 +224,16 @@ def test_launch_spec_is_kerngens_rule_spec_at_the_routings_tile_or_the_rules_own
         bench.launch_spec(p, 16, 7168, 2048, "silu", "sm_90a", "fp8")   # fp8 takes mtiles with f16x only
     fused = dict(warps=4, unroll=1, blocks_per_sm=8, f16x=True, fused_x=2, prefetch=False)
     assert dict(bench.launch_spec(fused, 8, 2880, 2880, "gpt_oss", "sm_90a", "mxfp4").params)["fused_x"] == 2
+
+
+def test_the_bf16_peer_sweeps_larger_blocks_where_experts_get_more_rows():
+    """The Triton bf16 peer at its best: vLLM's decode sweep (block_m 16) always, and from 8 routed rows an expert on
+    average blocks of 32 and 64 rows at 4 and 8 warps too (qwen3-30b-a3b: 128 experts, top 8, from 128 tokens), each
+    GEMM then aligned at its own config's block size."""
+    from tools.bench import experts as bench
+    decode = [(16, bn, bk, 4, st) for bn in (32, 64, 128) for bk in (64, 128, 256) for st in (3, 4, 5)]
+    assert bench.peer_bf16_configs(decode, 64, 8, 128) == decode
+    wide = bench.peer_bf16_configs(decode, 128, 8, 128)
+    assert wide[:len(decode)] == decode and len(wide) == len(set(wide)) == len(decode) + 32
+    assert {c[0] for c in wide} == {16, 32, 64} and {c[3] for c in wide} == {4, 8}
+    assert bench.peer_bf16_configs(decode, 255, 8, 256) == decode   # deepseek-v3: 2040 rows over 256 experts

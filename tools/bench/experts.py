@@ -24,7 +24,8 @@ weight bytes plus the scale bytes of the active experts. Beside them, on the sam
 layer's), kerngen.experts' bf16 kernels (the tier table's bf16 rule at that T, `bf16_us`) and torch._grouped_mm.
 With --peer DIR (a folder holding triton_fused_moe.py: vLLM's Triton fused-MoE GEMM, re-typed to need only torch and
 triton) the Triton GEMMs vLLM runs time beside them: its bf16 fused_moe_kernel (the best of its decode config sweep
-for each GEMM, the activation kernel between them not timed) or, for fp8, its block-scaled w8a8 GEMMs (the best of
+for each GEMM, blocks of 32 and 64 rows too from 8 routed rows an expert, the activation kernel between them not
+timed) or, for fp8, its block-scaled w8a8 GEMMs (the best of
 18 configs for each GEMM, activation quantization and the activation not timed); both are checked after timing, and
 the configs chosen are in the row (`peer_cfg`).
 --fp8-activations (fp8) also times kerngen.experts(..., fp8_activations=True), checked against the reference that
@@ -340,11 +341,21 @@ def _best_config(run, configs):
     return min(res, key=lambda r: r[0])[1]
 
 
+def peer_bf16_configs(decode, T: int, K: int, E: int) -> list[tuple[int, ...]]:
+    """The Triton bf16 peer's (block_m, block_n, block_k, warps, stages) sweep: vLLM's decode sweep `decode` (block_m
+    16) and, from 8 routed rows an expert on average (T K >= 8 E), blocks of 32 and 64 rows at 4 or 8 warps too, the
+    sizes vLLM's tuned configs take at larger batches (fewer blocks re-reading an expert's weights)."""
+    wider = [(bm, bn, bk, w, st) for bm in (32, 64) for bn in (64, 128) for bk in (64, 128) for w in (4, 8)
+             for st in (3, 4)] if T * K >= 8 * E else []
+    return list(decode) + wider
+
+
 def peer_bf16(args, x, r1, quant, K, act, producer, calls, b13, b2, ref_tk):
-    """vLLM's Triton bf16 fused-MoE GEMMs (fused_moe_kernel over its moe_align_block_size layout, block_m 16): the
-    best decode config of each GEMM (its own sweep, each timed alone), then both GEMMs timed as one step (the
-    activation between them not counted). Checked after timing, with the activation and biases, against the
-    reference rows. (µs, [GEMM1's config, GEMM2's]); None without --peer or for another format."""
+    """vLLM's Triton bf16 fused-MoE GEMMs (fused_moe_kernel over its moe_align_block_size layout at the config's
+    block_m): the best config of each GEMM from `peer_bf16_configs` (its own sweep, each timed alone), then both
+    GEMMs timed as one step (the activation between them not counted). Checked after timing, with the activation and
+    biases, against the reference rows. (µs, [GEMM1's config, GEMM2's]); None without --peer or for another format.
+    """
     if not args.peer or args.format != "bf16":
         return None
     peer = _peer(args.peer)
@@ -352,25 +363,29 @@ def peer_bf16(args, x, r1, quant, K, act, producer, calls, b13, b2, ref_tk):
     w13s = [q[0].contiguous() if args.layout == "kn" else q[0] for q in quant]   # the peer reads [E, N, K]
     w2s = [q[1].contiguous() if args.layout == "kn" else q[1] for q in quant]
     E, I = w13s[0].shape[0], w2s[0].shape[2]
-    aligned = [peer.align(r.topk_ids, E, 16) for r in r1]
+    configs = peer_bf16_configs(peer.CONFIGS, T, K, E)
+    aligned = {bm: [peer.align(r.topk_ids, E, bm) for r in r1] for bm in sorted({c[0] for c in configs})}
     c1 = torch.empty(T * K, 2 * I, dtype=torch.bfloat16, device="cuda")
     a1 = torch.empty(T * K, I, dtype=torch.bfloat16, device="cuda")
     c2 = torch.empty(T * K, H, dtype=torch.bfloat16, device="cuda")
     ids = [r.topk_ids.long() for r in r1]
-    cfg1 = _best_config(lambda n, cfg: peer.gemm(x, w13s[n % len(w13s)], c1, aligned[n % calls], K, cfg), peer.CONFIGS)
-    cfg2 = _best_config(lambda n, cfg: peer.gemm(a1, w2s[n % len(w2s)], c2, aligned[n % calls], 1, cfg), peer.CONFIGS)
+    cfg1 = _best_config(lambda n, cfg: peer.gemm(x, w13s[n % len(w13s)], c1, aligned[cfg[0]][n % calls], K, cfg),
+                        configs)
+    cfg2 = _best_config(lambda n, cfg: peer.gemm(a1, w2s[n % len(w2s)], c2, aligned[cfg[0]][n % calls], 1, cfg),
+                        configs)
+    al1, al2 = aligned[cfg1[0]], aligned[cfg2[0]]   # (each GEMM its own block size, to the peer's advantage)
     it = iter(range(10 ** 9))
 
     def step():   # the two GEMMs only: its activation kernel (and biases) not counted, to the peer's advantage
         n = next(it)
         i = n % calls
-        peer.gemm(x, w13s[n % len(w13s)], c1, aligned[i], K, cfg1)
-        peer.gemm(a1, w2s[n % len(w2s)], c2, aligned[i], 1, cfg2)
+        peer.gemm(x, w13s[n % len(w13s)], c1, al1[i], K, cfg1)
+        peer.gemm(a1, w2s[n % len(w2s)], c2, al2[i], 1, cfg2)
     us = timed(step, producer, args.chained)
-    peer.gemm(x, w13s[0], c1, aligned[0], K, cfg1)   # layer 0, routing 0: the rows the reference has
+    peer.gemm(x, w13s[0], c1, al1[0], K, cfg1)   # layer 0, routing 0: the rows the reference has
     h = c1.float() if b13 is None else c1.float() + b13[ids[0].flatten()].float()
     a1.copy_(act(h).to(torch.bfloat16))
-    peer.gemm(a1, w2s[0], c2, aligned[0], 1, cfg2)
+    peer.gemm(a1, w2s[0], c2, al2[0], 1, cfg2)
     y = (c2 if b2 is None else c2 + b2[ids[0].flatten()]).float()
     err = (y - ref_tk.float()).abs().max().item()
     if not err <= 2e-2 * max(ref_tk.float().abs().max().item(), 1.0):
