@@ -424,3 +424,17 @@ def _check_peers(kerngen, rt, rp):
         torch.testing.assert_close(w.float().gather(-1, porder), rw.gather(-1, order), rtol=1e-5, atol=1e-6,
                                    msg=name)
     assert sys.modules[rp.CUSTOM_OP].register_custom_op.__module__ == rp.__name__   # the stand-in was needed
+
+
+def test_routing_peers_prints_the_docs_table():
+    """--markdown prints the rows as docs/benchmarks.md's SGLang table: its header, and per row the two settings'
+    times and SGLang / kerngen ratios."""
+    from tools.bench import routing_peers as rp
+    row = dict(model="kimi-k3", T=1, topk_us=2.31, topk_chained_us=2.20, gate_us=2.57, gate_chained_us=2.30,
+               perm_us=4.25, perm_chained_us=3.72, gate_align_us=3.92, gate_align_chained_us=3.79)
+    text = rp.markdown([row]).splitlines()
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert text[0] in docs and text[1] == "|---|---|---|---|---|---|---|---|"
+    assert text[2] == ("| kimi-k3 | 1 | 2.31 / 2.20 | 2.57 / 2.30 | 1.11× / 1.05× | 4.25 / 3.72 | 3.92 / 3.79 | "
+                       "0.92× / 1.02× |")
+    assert text[2] in docs   # the H100 row of 2026-12-08, as the docs have it

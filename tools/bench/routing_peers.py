@@ -166,6 +166,23 @@ def case(name: str, T: int, block: int, producer) -> dict:
     return row
 
 
+def markdown(rows: list[dict]) -> str:
+    """The rows as docs/benchmarks.md's SGLang table (µs after a producer / chained; ratio = SGLang / kerngen)."""
+    def pair(r, a, b):
+        return f"{r[a]:.2f} / {r[b]:.2f}"
+
+    def ratio(r, peer, ours):
+        return f"{r[peer + '_us'] / r[ours + '_us']:.2f}× / {r[peer + '_chained_us'] / r[ours + '_chained_us']:.2f}×"
+    out = ["| model | T | top-k µs | SGLang gate µs | ratio | route + permute µs | gate + align µs | ratio |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['model']} | {r['T']} | {pair(r, 'topk_us', 'topk_chained_us')} | "
+                   f"{pair(r, 'gate_us', 'gate_chained_us')} | {ratio(r, 'gate', 'topk')} | "
+                   f"{pair(r, 'perm_us', 'perm_chained_us')} | {pair(r, 'gate_align_us', 'gate_align_chained_us')} | "
+                   f"{ratio(r, 'gate_align', 'perm')} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sglang", default=None, help="a folder to put first on sys.path (SGLang's kernels)")
@@ -173,21 +190,26 @@ def main(argv=None) -> int:
                     "routes)")
     ap.add_argument("--tokens", default="1,8,64,512,4096")
     ap.add_argument("--block", type=int, default=16, help="the permutation's tile / SGLang's block size")
+    ap.add_argument("--markdown", action="store_true", help="also print the rows as docs/benchmarks.md's table")
     a = ap.parse_args(argv)
     require_gpu("python3 -m tools.bench.routing_peers")
     if a.sglang:
         sys.path.insert(0, a.sglang)
     producer = elementwise_producer()
     print("µs per call (after a producer / chained); topk: ids + weights; perm: with the permutation")
+    rows = []
     for name in (a.models or default_models()).split(","):
         for T in map(int, a.tokens.split(",")):
             r = case(name, T, a.block, producer)
+            rows.append(r)
             print(f"{name:12s} T={T:5d} | topk {r['topk_us']:6.2f} / {r['topk_chained_us']:6.2f}  gate "
                   f"{r['gate_us']:6.2f} / {r['gate_chained_us']:6.2f}  ({r['gate_us'] / r['topk_us']:.2f}x / "
                   f"{r['gate_chained_us'] / r['topk_chained_us']:.2f}x) | perm {r['perm_us']:6.2f} / "
                   f"{r['perm_chained_us']:6.2f}  gate+align {r['gate_align_us']:6.2f} / "
                   f"{r['gate_align_chained_us']:6.2f}  ({r['gate_align_us'] / r['perm_us']:.2f}x / "
                   f"{r['gate_align_chained_us'] / r['perm_chained_us']:.2f}x)", flush=True)
+    if a.markdown:
+        print(markdown(rows))
     return 0
 
 
