@@ -139,7 +139,8 @@ def _shape(args, tbl: tiers.Table) -> dict:
     model = args.model[0] if isinstance(args.model, list) else args.model
     shape = {"experts": args.experts, "top_k": args.topk, "hidden": args.hidden, "tokens": args.tokens,
              "dtype": args.dtype, "weights_dtype": args.weights_dtype, "model": model,
-             "intermediate": args.intermediate, "activation": args.activation}
+             "intermediate": args.intermediate, "activation": args.activation,
+             "experts_format": getattr(args, "experts_format", None)}
     if model:
         m = _model(tbl, model)
         shape.update(experts=m.num_experts, top_k=m.top_k, hidden=m.hidden,
@@ -353,6 +354,9 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden", type=int, help="hidden size H, a multiple of 8 (finalize, tail, experts)")
     g.add_argument("--intermediate", type=int, help="the experts' intermediate size I (experts)")
     g.add_argument("--activation", default="silu", choices=tiers.EXPERT_ACTIVATIONS, help="the experts' gate (experts)")
+    g.add_argument("--experts-format", choices=("bf16", "fp8", "mxfp4", "w8a8"),
+                   help="the experts' weight format (experts; default: the --model's, else bf16); w8a8: fp8 weights "
+                   "with fp8 activations")
     g.add_argument("--tokens", type=_at_least(1), default=1,
                    help="token count T the kernel is dispatched for (default 1)")
     g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"), help="activation dtype")

@@ -48,6 +48,30 @@ def test_explain_names_the_experts_rule_whose_kernel_it_prints(tmp_path, args):
     assert f"-t{rule.params['tile']}-" in out
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "w8a8", "mxfp4"])
+def test_explain_takes_the_experts_weight_format(tmp_path, fmt):
+    """--experts-format picks the rules of that format (w8a8: fp8 weights with fp8 activations) for a shape given on
+    the command line or over a model's own format, and names the kernel the model's warmup builds (the same key);
+    a shape the format's weights cannot have is the experts op's own error."""
+    from kerngen import jit, tiers, warmup
+    tbl = tiers.load()
+    args = ("explain", "--op", "experts", "--model", "deepseek-v3", "--tokens", "8", "--experts-format", fmt)
+    out = kerngen(*args, cache=tmp_path).stdout
+    source = next(line.split(None, 1)[1] for line in out.splitlines() if line.startswith("tier "))
+    rule = next(r for r in tbl.rules if r.source == source)
+    assert rule.formats == ("w8a8",) if fmt == "w8a8" else fmt in (rule.formats or ("bf16",))
+    assert ("'A8': 1" in out) == (fmt == "w8a8") and f"'FORMAT': '{'fp8' if fmt == 'w8a8' else fmt}'" in out
+    key = next(line.split()[1] for line in out.splitlines() if line.startswith("key "))
+    if fmt != "mxfp4":   # deepseek-v3's warmup builds its fp8 and w8a8 kernels and bf16 ones
+        assert key in {jit.key_of(s) for s in warmup.model_specs(tbl.model("deepseek-v3"), tbl, "sm_90a")}
+    odd = kerngen("explain", "--op", "experts", "--hidden", "2880", "--intermediate", "2880", "--experts-format",
+                  fmt, cache=tmp_path, check=False)
+    if fmt in ("fp8", "w8a8"):
+        assert odd.returncode != 0 and "multiples of 128" in odd.stderr and "Traceback" not in odd.stderr
+    else:
+        assert odd.returncode == 0, odd.stderr
+
+
 def test_top_k_is_spelled_either_way(tmp_path):
     """--top-k (the name of the top_k argument everywhere else) is --topk's other spelling: the same kernel."""
     args = ("explain", "--op", "finalize", "--hidden", "3584", "--tokens", "8")

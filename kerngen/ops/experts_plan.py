@@ -237,24 +237,43 @@ def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_m
     return out
 
 
+EXPLAIN_FORMATS = ("bf16", "fp8", "mxfp4", "w8a8")   # `--experts-format`: w8a8 = fp8 weights, fp8 activations
+
+
+def explain_format(tbl: tiers.Table, model: str | None, experts_format: str | None) -> tuple[str, bool]:
+    """(weight format, fp8 activations) of `--experts-format` (one of EXPLAIN_FORMATS), else of the weight format
+    `model` ships, else bf16."""
+    if experts_format is not None and experts_format not in EXPLAIN_FORMATS:
+        raise InputError(OP, "--experts-format", f"one of {', '.join(EXPLAIN_FORMATS)}", repr(experts_format))
+    fmt = experts_format or (tbl.model(model).experts_format if model else "bf16")
+    return ("fp8", True) if fmt == "w8a8" else (fmt, False)
+
+
 def explain_rule(tbl: tiers.Table, arch_: str, *, hidden: int, tokens: int, model: str | None = None,
-                 experts: int | None = None, top_k: int | None = None, **_shape) -> tiers.Rule:
-    """The experts rule `kerngen explain --op experts` names: for the weight format `model` ships (else bf16),
-    experts and top_k as dispatch takes them (None: not known)."""
-    fmt = tbl.model(model).experts_format if model else "bf16"
-    return tbl.rule(OP, {**rule_shape(hidden, fmt, False, experts or 0, top_k or 0), "tokens": max(tokens, 1),
+                 experts: int | None = None, top_k: int | None = None, experts_format: str | None = None,
+                 **_shape) -> tiers.Rule:
+    """The experts rule `kerngen explain --op experts` names: for `experts_format` (else the weight format `model`
+    ships, else bf16), experts and top_k as dispatch takes them (None: not known)."""
+    fmt, a8 = explain_format(tbl, model, experts_format)
+    return tbl.rule(OP, {**rule_shape(hidden, fmt, a8, experts or 0, top_k or 0), "tokens": max(tokens, 1),
                          "arch": arch_})
 
 
 def explain_spec(tbl: tiers.Table, arch_: str, *, hidden: int, tokens: int, intermediate: int = 0,
-                 activation: str = "silu", model: str | None = None, **shape) -> plan_mod.KernelSpec:
-    """The experts kernel `kerngen explain --op experts` names (intermediate, activation and weight format from
-    `model`, else given, bf16; experts and top_k, where given, as dispatch takes them): explain_rule's."""
+                 activation: str = "silu", model: str | None = None, experts_format: str | None = None,
+                 **shape) -> plan_mod.KernelSpec:
+    """The experts kernel `kerngen explain --op experts` names (intermediate and activation from `model`, else
+    given; the weight format `experts_format`, else the model's, else bf16; experts and top_k, where given, as
+    dispatch takes them): explain_rule's."""
     m = tbl.model(model) if model else None
     I, act = (m.intermediate, m.activation) if m else (intermediate, activation)
     if not I:
         raise InputError(OP, "intermediate", "the experts' intermediate size (a model with `intermediate`, or "
                          "--intermediate)", repr(I))
-    fmt = m.experts_format if m else "bf16"   # a model's: the format its checkpoints ship in
-    return rule_spec(explain_rule(tbl, arch_, hidden=hidden, tokens=tokens, model=model, **shape), hidden, I, act,
-                     arch_, fmt)
+    fmt, a8 = explain_format(tbl, model, experts_format)
+    quantum = {"fp8": QBLOCK, "mxfp4": 64}.get(fmt)   # as kerngen.experts checks the weights of the format
+    if quantum and (hidden % quantum or I % quantum):
+        raise InputError(OP, "--hidden", f"H and I multiples of {quantum} for {rule_format(fmt, a8)} weights",
+                         f"H = {hidden}, I = {I}")
+    rule = explain_rule(tbl, arch_, hidden=hidden, tokens=tokens, model=model, experts_format=experts_format, **shape)
+    return rule_spec(rule, hidden, I, act, arch_, fmt, a8=a8)
