@@ -354,7 +354,7 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden", type=int, help="hidden size H, a multiple of 8 (finalize, tail, experts)")
     g.add_argument("--intermediate", type=int, help="the experts' intermediate size I (experts)")
     g.add_argument("--activation", default="silu", choices=tiers.EXPERT_ACTIVATIONS, help="the experts' gate (experts)")
-    g.add_argument("--experts-format", choices=("bf16", "fp8", "mxfp4", "w8a8"),
+    g.add_argument("--experts-format", choices=tiers.RULE_FORMATS,
                    help="the experts' weight format (experts; default: the --model's, else bf16); w8a8: fp8 weights "
                    "with fp8 activations")
     g.add_argument("--tokens", type=_at_least(1), default=1,

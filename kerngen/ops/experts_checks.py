@@ -19,6 +19,8 @@ FP8 = torch.float8_e4m3fn
 QBLOCK = 128   # fp8 weights: one fp32 scale per 128 x 128 block
 FORMATS = {torch.bfloat16: "bf16", FP8: "fp8", torch.uint8: "mxfp4"}   # weight dtype -> its kernels' format
 MX_GROUP = 32  # MXFP4: values per e8m0 scale; a group is 16 bytes of two e2m1 values each
+MX_STEP = 64   # MXFP4: H and I multiples of it (the kernels' 64-wide steps)
+QUANTUM = {"fp8": QBLOCK, "mxfp4": MX_STEP}   # what H and I must be multiples of, by weight format
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # How the weights lie in memory: "nk", w13 [E, 2I, H] and w2 [E, H, I] contiguous (vLLM, SGLang, most transformers
 # families); "kn", the transposes of contiguous [E, H, 2I] and [E, I, H] (transformers' gpt-oss and Llama-4, passed as
@@ -168,9 +170,9 @@ def _check_scales(fmt, nl, H, I, w13_scale, w2_scale, dev) -> None:
                 ("w2_scale", w2_scale, (nl, H // QBLOCK, I // QBLOCK), torch.float32))
         what = f"the fp32 block scales (one per {QBLOCK} x {QBLOCK} block)"
     else:
-        if H % 64 or I % 64:
-            raise InputError(OP, "w13", "H and I multiples of 64 for MXFP4 weights (the kernels' 64-wide steps)",
-                             f"H = {H}, I = {I}")
+        if H % MX_STEP or I % MX_STEP:
+            raise InputError(OP, "w13", f"H and I multiples of {MX_STEP} for MXFP4 weights (the kernels' "
+                             f"{MX_STEP}-wide steps)", f"H = {H}, I = {I}")
         want = (("w13_scale", w13_scale, (nl, 2 * I, H // MX_GROUP), torch.uint8),
                 ("w2_scale", w2_scale, (nl, H, I // MX_GROUP), torch.uint8))
         what = f"the e8m0 scales (uint8, one per {MX_GROUP} values)"

@@ -12,7 +12,7 @@ from .. import tiers
 from ..errors import InputError, TierError
 from ..launch import Params
 from ._common import table
-from .experts_checks import OP, QBLOCK
+from .experts_checks import OP, QBLOCK, QUANTUM
 
 MMA_MAX_TILE = 32   # rows of a tile the kernels take (up to four 8-row n-blocks of mma accumulators)
 # struct Params of templates/experts/mma.cu.j2 (both kernels)
@@ -237,14 +237,11 @@ def model_specs(model: tiers.Model, tbl: tiers.Table, arch_: str) -> list[plan_m
     return out
 
 
-EXPLAIN_FORMATS = ("bf16", "fp8", "mxfp4", "w8a8")   # `--experts-format`: w8a8 = fp8 weights, fp8 activations
-
-
 def explain_format(tbl: tiers.Table, model: str | None, experts_format: str | None) -> tuple[str, bool]:
-    """(weight format, fp8 activations) of `--experts-format` (one of EXPLAIN_FORMATS), else of the weight format
-    `model` ships, else bf16."""
-    if experts_format is not None and experts_format not in EXPLAIN_FORMATS:
-        raise InputError(OP, "--experts-format", f"one of {', '.join(EXPLAIN_FORMATS)}", repr(experts_format))
+    """(weight format, fp8 activations) of `--experts-format` (one of tiers.RULE_FORMATS: w8a8 = fp8 weights with fp8
+    activations), else of the weight format `model` ships, else bf16."""
+    if experts_format is not None and experts_format not in tiers.RULE_FORMATS:
+        raise InputError(OP, "--experts-format", f"one of {', '.join(tiers.RULE_FORMATS)}", repr(experts_format))
     fmt = experts_format or (tbl.model(model).experts_format if model else "bf16")
     return ("fp8", True) if fmt == "w8a8" else (fmt, False)
 
@@ -271,7 +268,7 @@ def explain_spec(tbl: tiers.Table, arch_: str, *, hidden: int, tokens: int, inte
         raise InputError(OP, "intermediate", "the experts' intermediate size (a model with `intermediate`, or "
                          "--intermediate)", repr(I))
     fmt, a8 = explain_format(tbl, model, experts_format)
-    quantum = {"fp8": QBLOCK, "mxfp4": 64}.get(fmt)   # as kerngen.experts checks the weights of the format
+    quantum = QUANTUM.get(fmt)   # as kerngen.experts checks the weights of the format
     if quantum and (hidden % quantum or I % quantum):
         raise InputError(OP, "--hidden", f"H and I multiples of {quantum} for {rule_format(fmt, a8)} weights",
                          f"H = {hidden}, I = {I}")
