@@ -3,7 +3,8 @@ route, route_permute, moe_align_block_size, moe_tail, latent_tail, moe_experts),
 (kerngen/ops/finalize_torch.py, ...) and registered by importing this module.
 
 They trace under torch.compile(fullgraph=True) (fake implementations give output shapes, after the op's own
-checks: every argument on plain shapes, the ranks on symbolic ones) and capture in CUDA graphs. A CPU implementation (the torch reference) lets pipelines run and be checked on the CPU.
+checks: every argument on plain shapes, the ranks on symbolic ones) and capture in CUDA graphs. A CPU
+implementation (the torch reference) lets pipelines run and be checked on the CPU.
 Every tensor a call uses is its own (no workspace, scratch or prototype kept between calls): torch.compile's CUDA
 graphs own the memory their calls allocate and reuse it once the call's outputs are dead.
 Calling kerngen.finalize / route / moe_tail directly is cheaper on the host (no dispatcher).

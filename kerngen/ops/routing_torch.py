@@ -96,11 +96,10 @@ def _route_permute_fake(logits, top_k, method, tile, bias=None, n_group=1, topk_
     dims(_rt.OP, logits=(logits, (2,)))
     one_device("route", logits=logits, bias=bias)
     T, E = logits.shape
-    if concrete(logits, bias):
-        _rt.check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile,
-                       (local_start, E - local_start if num_local < 0 else num_local), rsf=routed_scaling_factor,
-                       cuda=False)
     nl = E - local_start if num_local < 0 else num_local
+    if concrete(logits, bias):
+        _rt.check_args(logits, top_k, method, bias, n_group, topk_group, renormalize, tile, (local_start, nl),
+                       rsf=routed_scaling_factor, cuda=False)
     rows = _pm.max_rows(T, top_k, nl, tile)
     i32 = dict(dtype=torch.int32)
     return (logits.new_empty((T, top_k), **i32), logits.new_empty((T, top_k), dtype=torch.float32),
